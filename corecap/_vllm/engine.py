@@ -1,0 +1,200 @@
+"""The engine: vLLM's EngineCore, Scheduler and multiproc executor, built and stepped by hand.
+
+We bypass vLLM's LLM frontend: requests are vLLM `Request`s built here (with the engine's block
+hasher), and `step()` is our own schedule → execute_model → sample_tokens → update_from_output,
+with async scheduling off so every step's capture belongs to exactly that step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from corecap import CorecapError
+
+WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    layers: tuple[int, ...]
+    ipc_path: str
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 4
+    max_model_len: int = 2048
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    memory_utilization: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class StepTiming:
+    """Wall-clock phases of one engine step (time.time() seconds)."""
+
+    start: float
+    schedule: float = 0.0
+    execute: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+    end: float = 0.0
+    num_tokens: int = 0
+    num_reqs: int = 0
+    finished: list[str] = field(default_factory=list)
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _split_cores(num_parts: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND value giving each TP rank its own cores, e.g. '0|1'."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_parts:
+        raise CorecapError(f"--tp {num_parts} needs at least {num_parts} CPU cores, found {len(cores)}")
+    per = len(cores) // num_parts
+    groups = [cores[i * per : (i + 1) * per] for i in range(num_parts)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def build_vllm_config(spec: EngineSpec):
+    from vllm.engine.arg_utils import EngineArgs
+
+    if _cpu_platform() and spec.tensor_parallel_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _split_cores(spec.tensor_parallel_size))
+    memory = spec.memory_utilization or (0.2 if _cpu_platform() else 0.9)
+    args = EngineArgs(
+        model=spec.model,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        enable_chunked_prefill=True,
+        # Cached prefix tokens are never recomputed, so their hidden states would be missing:
+        # see docs/design.md.
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        dtype=spec.dtype,
+        load_format=spec.load_format,
+        enforce_eager=spec.enforce_eager,
+        gpu_memory_utilization=memory,
+        seed=spec.seed,
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        distributed_executor_backend="mp",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    return args.create_engine_config()
+
+
+def _capture_executor_class(spec: EngineSpec):
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    class CaptureExecutor(MultiprocExecutor):
+        """Installs the capture in every worker after load_model, before profiling/compiling."""
+
+        def _init_executor(self) -> None:
+            super()._init_executor()
+            self.corecap_workers = self.collective_rpc(
+                "corecap_install", args=({"layers": spec.layers, "ipc_path": spec.ipc_path},)
+            )
+
+    return CaptureExecutor
+
+
+class Engine:
+    """One in-process EngineCore with capture installed; `add` samples, `step` until idle."""
+
+    def __init__(self, spec: EngineSpec, vllm_config=None):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.engine.core import EngineCore
+
+        self.spec = spec
+        self.vllm_config = vllm_config or build_vllm_config(spec)
+        self.core = EngineCore(self.vllm_config, _capture_executor_class(spec), log_stats=False)
+        self.executor = self.core.model_executor
+        self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self.num_unfinished = 0
+
+    @staticmethod
+    def configure(spec: EngineSpec):
+        """vLLM's config for `spec` (cheap: loads no weights); pass it on to `Engine`."""
+        return build_vllm_config(spec)
+
+    @staticmethod
+    def dtype_of(vllm_config) -> str:
+        from corecap.wire import DTYPE_NAMES
+
+        return DTYPE_NAMES[vllm_config.model_config.dtype]
+
+    @property
+    def num_layers(self) -> int:
+        return self.vllm_config.model_config.hf_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.vllm_config.model_config.hf_config.hidden_size
+
+    @property
+    def block_size(self) -> int:
+        return self.vllm_config.cache_config.block_size
+
+    def worker_pids(self) -> list[tuple[int, int]]:
+        """(rank, pid) of every worker process."""
+        return [(w["rank"], w["pid"]) for w in self.executor.corecap_workers]
+
+    def problem(self) -> str | None:
+        """A sentence naming a dead worker, or None while all are alive."""
+        for rank, pid in self.worker_pids():
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"worker rank {rank} (pid {pid}) died"
+        if getattr(self.executor, "is_failed", False):
+            return "the vLLM executor failed (a worker died)"
+        return None
+
+    def add(self, req_id: str, token_ids: list[int]) -> None:
+        from vllm.v1.request import Request
+
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=token_ids,
+            sampling_params=self.sampling_params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            block_hasher=self.core.request_block_hasher,
+        )
+        self.core.add_request(request)
+        self.num_unfinished += 1
+
+    def step(self) -> StepTiming:
+        timing = StepTiming(start=time.time())
+        scheduler = self.core.scheduler
+        scheduler_output = scheduler.schedule()
+        timing.schedule = time.time()
+        model_output = self.executor.execute_model(scheduler_output)
+        timing.execute = time.time()
+        if model_output is None:
+            grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+            model_output = self.executor.sample_tokens(grammar_output)
+        timing.sample = time.time()
+        outputs = scheduler.update_from_output(scheduler_output, model_output)
+        timing.update = timing.end = time.time()
+        timing.num_tokens = scheduler_output.total_num_scheduled_tokens
+        timing.num_reqs = len(scheduler_output.num_scheduled_tokens)
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.finish_reason is not None:
+                    timing.finished.append(out.request_id)
+        self.num_unfinished -= len(timing.finished)
+        return timing
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,184 @@
+"""Worker-side capture: runs inside each vLLM worker process.
+
+vLLM mixes `CaptureExtension` into its worker class (`worker_extension_cls`); the driver then
+calls `corecap_install` once, after the model is loaded and before the engine profiles,
+compiles or captures CUDA graphs. Capture comes through the model's own outputs, not forward
+hooks (hooks added after compilation never fire): we ask the model for its EAGLE-3 auxiliary
+hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` interface), so
+the compiled graph returns them, and we tap the runner's `_model_forward` to copy them out.
+
+Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
+buffer (cheap, on the compute stream), copies it to host on a side stream, and a sender thread
+pushes one `wire.Chunk` message to the driver once the copy is done. The compute thread only
+waits when the sender is `_MAX_IN_FLIGHT` steps behind (backpressure from a slow store).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+
+import msgspec
+import torch
+import zmq
+
+from corecap import wire
+
+_MAX_IN_FLIGHT = 3
+
+
+class CaptureExtension:
+    """Mixed into vLLM's worker class; every name starts with `corecap_` to avoid clashes."""
+
+    def corecap_install(self, spec: dict) -> dict:
+        runner = self.model_runner
+        tap = _Tap(runner, spec, rank=self.rank)
+        self.corecap_tap = tap
+        return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__}
+
+
+def model_num_layers(model) -> int:
+    holder = model.get_language_model() if hasattr(model, "get_language_model") else model
+    holder = getattr(holder, "model", holder)
+    return len(holder.layers)
+
+
+class _Tap:
+    def __init__(self, runner, spec: dict, rank: int):
+        self.rank = rank
+        self.layers = tuple(spec["layers"])
+        model = runner.get_model()
+        self.num_layers = model_num_layers(model)
+        # Index k < N is the residual stream after k decoder layers (HF hidden_states[k]);
+        # k == N is the final norm's output, which is the model's main output.
+        self.aux_layers = tuple(k for k in self.layers if k < self.num_layers)
+        self.want_final = self.num_layers in self.layers
+        if self.aux_layers:
+            model.set_aux_hidden_state_layers(self.aux_layers)
+        self.runner_has_aux_flag = hasattr(runner, "use_aux_hidden_state_outputs")
+        if self.runner_has_aux_flag:
+            # The V1 runner then unpacks (hidden, aux) itself, in real and dummy runs alike.
+            runner.use_aux_hidden_state_outputs = bool(self.aux_layers)
+        self.runner = runner
+        self.scheduler_output = None
+        self.num_steps = 0
+        self.sender = _Sender(spec["ipc_path"], rank) if rank == 0 else None
+        self._patch(runner)
+
+    def _patch(self, runner) -> None:
+        execute_model = runner.execute_model
+        model_forward = runner._model_forward
+
+        def tapped_execute_model(scheduler_output, *args, **kwargs):
+            self.scheduler_output = scheduler_output
+            try:
+                return execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                self.scheduler_output = None
+
+        def tapped_model_forward(*args, **kwargs):
+            output = model_forward(*args, **kwargs)
+            scheduler_output, self.scheduler_output = self.scheduler_output, None
+            if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
+                try:
+                    self._capture(scheduler_output, output, kwargs)
+                except BaseException as e:
+                    if self.sender is not None:
+                        self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
+                    raise
+            if not self.runner_has_aux_flag and isinstance(output, tuple):
+                output = output[0]
+            return output
+
+        runner.execute_model = tapped_execute_model
+        runner._model_forward = tapped_model_forward
+
+    def _capture(self, scheduler_output, output, kwargs) -> None:
+        self.num_steps += 1
+        if self.sender is None:
+            return
+        t0 = time.time()
+        if self.aux_layers:
+            hidden, aux = output
+        else:
+            hidden, aux = output, []
+        by_layer = dict(zip(self.aux_layers, aux))
+        if self.want_final:
+            by_layer[self.num_layers] = hidden
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        req_ids = self.runner.input_batch.req_ids[: len(scheduler_output.num_scheduled_tokens)]
+        segments = tuple(
+            wire.Segment(r, scheduler_output.num_scheduled_tokens[r]) for r in req_ids
+        )
+        input_ids = kwargs.get("input_ids")
+        positions = kwargs.get("positions")
+        if input_ids is None:
+            raise RuntimeError("the model ran from input embeddings; corecap needs token ids")
+        if positions.dim() == 2:  # M-RoPE: [3, T], the first row is the text position
+            positions = positions[0]
+        # Fresh buffers on the compute stream: the model's outputs may be static (CUDA graph)
+        # buffers that the next step overwrites.
+        states = torch.stack([by_layer[k][:num_tokens] for k in self.layers])
+        ids = input_ids[:num_tokens].to(torch.int32, copy=True)
+        pos = positions[:num_tokens].to(torch.int32, copy=True)
+        header = wire.Chunk(
+            version=wire.WIRE_VERSION,
+            rank=self.rank,
+            step=self.num_steps,
+            dtype=wire.DTYPE_NAMES[states.dtype],
+            layers=self.layers,
+            hidden_size=states.shape[-1],
+            num_tokens=num_tokens,
+            segments=segments,
+            t_copy=t0,
+        )
+        self.sender.submit(header, ids, pos, states)
+
+
+class _Sender:
+    """Copies device tensors to host off the compute stream and pushes them to the driver."""
+
+    def __init__(self, ipc_path: str, rank: int):
+        self.rank = rank
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, _MAX_IN_FLIGHT)
+        self.sock.setsockopt(zmq.LINGER, 10_000)
+        self.sock.connect(f"ipc://{ipc_path}")
+        self.queue: queue.Queue = queue.Queue(maxsize=_MAX_IN_FLIGHT)
+        self.copy_stream = None
+        self.lock = threading.Lock()
+        threading.Thread(target=self._loop, daemon=True, name="corecap-sender").start()
+
+    def submit(self, header: wire.Chunk, ids, pos, states) -> None:
+        if states.device.type == "cuda":
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(device=states.device)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
+            with torch.cuda.stream(self.copy_stream):
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos, states)]
+                for h, t in zip(host, (ids, pos, states)):
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self.copy_stream)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+        else:
+            host, event = [ids, pos, states], None
+        self.queue.put((header, host, event))
+
+    def _loop(self) -> None:
+        while True:
+            header, host, event = self.queue.get()
+            if event is not None:
+                event.synchronize()
+            header = msgspec.structs.replace(header, t_ready=time.time())
+            with self.lock:
+                self.sock.send_multipart(wire.encode_chunk(header, *host), copy=False)
+
+    def fail(self, message: str) -> None:
+        error = wire.WorkerError(wire.WIRE_VERSION, self.rank, os.getpid(), message)
+        with self.lock:
+            self.sock.send_multipart(wire.encode_error(error))

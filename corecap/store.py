@@ -1,0 +1,276 @@
+"""The store: one LMDB environment (a directory) holding samples and a metadata record.
+
+Two named databases keep metadata outside the sample key space:
+  meta     b"store" → JSON `StoreMeta` (format version, model identity, layers, dtype, ...)
+  samples  id (UTF-8, ≤ 511 bytes) → one record: 4-byte little-endian header length,
+           msgpack `SampleHeader`, then the payload (token ids int32 [T], then the
+           hidden states [L, T, H] in the stored dtype, encoded by `codec`).
+The layout is documented with a literal example in docs/store.md. Readers check the format
+version and refuse what they do not understand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+import lmdb
+import msgspec
+import numpy as np
+import torch
+
+from corecap import CorecapError
+from corecap.wire import DTYPES
+
+FORMAT_VERSION = 1
+MAX_KEY_BYTES = 511  # LMDB's default key size limit
+LAYER_MEANING = (
+    "index k is HF transformers' output_hidden_states[k]: 0 = token embeddings, "
+    "k = output of decoder layer k (residual stream), N = output of the final norm"
+)
+_INITIAL_MAP_SIZE = 1 << 30
+
+
+class ModelIdentity(msgspec.Struct, frozen=True):
+    path: str
+    architecture: str
+    config_hash: str  # blake2b of the canonical config.json
+    weights_fingerprint: str  # see corecap.model.weights_fingerprint
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class StoreMeta(msgspec.Struct, frozen=True):
+    format_version: int
+    model: ModelIdentity
+    layers: tuple[int, ...]
+    layer_meaning: str
+    dtype: str
+    hidden_size: int
+    corecap_version: str
+    vllm_version: str
+    codec: str = "raw"
+
+    def check_compatible(self, other: "StoreMeta", path: str) -> None:
+        """Raise naming the first field where a resumed run disagrees with the store."""
+        for name in ("layers", "dtype", "hidden_size", "codec"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise CorecapError(f"{path}: store has {name}={theirs!r}, this run has {mine!r}")
+        for name in ("config_hash", "weights_fingerprint"):
+            mine, theirs = getattr(self.model, name), getattr(other.model, name)
+            if mine != theirs:
+                raise CorecapError(
+                    f"{path}: store was made by another model ({name} {theirs}, this run {mine})"
+                )
+
+
+class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
+    id: str
+    num_tokens: int
+    layers: tuple[int, ...]
+    dtype: str
+    hidden_size: int
+    input_fingerprint: str
+    codec: str
+    checksum: int  # crc32 of the decoded payload
+    payload_bytes: int  # decoded size
+
+
+@dataclass(frozen=True)
+class Sample:
+    header: SampleHeader
+    input_ids: np.ndarray  # int32 [T]
+    hidden_states: torch.Tensor  # [L, T, H]
+
+
+def input_fingerprint(token_ids: np.ndarray) -> str:
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(SampleHeader)
+
+
+def encode_sample(key: str, token_ids: np.ndarray, states: torch.Tensor, layers: tuple[int, ...]) -> list:
+    """The record's buffers, in order (LMDB takes the joined bytes)."""
+    ids = np.ascontiguousarray(token_ids, dtype="<i4")
+    states = states.contiguous()
+    raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
+    checksum = zlib.crc32(raw, zlib.crc32(ids))
+    header = SampleHeader(
+        id=key,
+        num_tokens=len(ids),
+        layers=tuple(layers),
+        dtype=str(states.dtype).removeprefix("torch."),
+        hidden_size=states.shape[-1],
+        input_fingerprint=input_fingerprint(ids),
+        codec="raw",
+        checksum=checksum,
+        payload_bytes=ids.nbytes + raw.nbytes,
+    )
+    head = _header_encoder.encode(header)
+    return [struct.pack("<I", len(head)), head, ids, raw]
+
+
+def decode_sample(key: str, value, num_layers: int) -> Sample:
+    mv = memoryview(value)
+    if mv.nbytes < 4:
+        raise CorecapError(f"sample {key!r}: record of {mv.nbytes} bytes is truncated")
+    (head_len,) = struct.unpack_from("<I", mv)
+    try:
+        header = _header_decoder.decode(mv[4 : 4 + head_len])
+    except msgspec.DecodeError as e:
+        raise CorecapError(f"sample {key!r}: unreadable header ({e})") from None
+    if header.codec != "raw":
+        raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
+    payload = mv[4 + head_len :]
+    dtype = DTYPES[header.dtype]
+    expected = 4 * header.num_tokens + num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
+    if payload.nbytes != expected or header.payload_bytes != expected:
+        raise CorecapError(f"sample {key!r}: payload is {payload.nbytes} bytes, expected {expected}")
+    ids = np.frombuffer(payload[: 4 * header.num_tokens], dtype="<i4").copy()
+    raw = bytearray(payload[4 * header.num_tokens :])
+    if zlib.crc32(raw, zlib.crc32(ids)) != header.checksum:
+        raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+    if raw:
+        states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    else:
+        states = torch.empty(0, dtype=dtype)
+    return Sample(header, ids, states.view(num_layers, header.num_tokens, header.hidden_size))
+
+
+class Store:
+    """An open store. `Store.create_or_open` for writers, `Store.open` for readers."""
+
+    def __init__(self, path: str, env: lmdb.Environment, meta: StoreMeta | None):
+        self.path = path
+        self.env = env
+        self.meta_db = env.open_db(b"meta", create=False) if meta else None
+        self.samples_db = env.open_db(b"samples", create=False) if meta else None
+        self.meta = meta
+
+    @staticmethod
+    def _open_env(path: str, readonly: bool) -> lmdb.Environment:
+        size = os.path.getsize(os.path.join(path, "data.mdb")) if os.path.exists(os.path.join(path, "data.mdb")) else 0
+        return lmdb.open(
+            path,
+            subdir=True,
+            readonly=readonly,
+            lock=True,  # readers too: a store may be read while a run writes it
+            max_dbs=4,
+            map_size=max(_INITIAL_MAP_SIZE, 2 * size),
+            readahead=False,
+            meminit=False,
+            create=not readonly,
+        )
+
+    @classmethod
+    def open(cls, path: str) -> "Store":
+        path = os.fspath(path)
+        if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
+            raise CorecapError(f"{path}: not a corecap store (no LMDB data.mdb there)")
+        try:
+            env = cls._open_env(path, readonly=True)
+        except lmdb.Error as e:
+            raise CorecapError(f"{path}: not a corecap store ({e})") from None
+        return cls(path, env, _read_meta(env, path))
+
+    @classmethod
+    def create_or_open(cls, path: str, meta: StoreMeta) -> "Store":
+        """Open for writing; a new store gets `meta`, an existing one must agree with it."""
+        path = os.fspath(path)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CorecapError(f"{path}: not a corecap store (it is a file, expected a directory)")
+        if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
+            raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
+        os.makedirs(path, exist_ok=True)
+        env = cls._open_env(path, readonly=False)
+        existing = _read_meta(env, path, missing_ok=True)
+        if existing is None:
+            if _has_named_db(env, b"samples") or env.stat()["entries"]:
+                env.close()
+                raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
+            with env.begin(write=True) as txn:
+                meta_db = env.open_db(b"meta", txn=txn)
+                env.open_db(b"samples", txn=txn)
+                txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
+            existing = meta
+        else:
+            meta.check_compatible(existing, path)
+        return cls(path, env, existing)
+
+    def __len__(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self.samples_db)["entries"]
+
+    def __contains__(self, key: str) -> bool:
+        with self.env.begin() as txn:
+            return txn.get(key.encode(), db=self.samples_db) is not None
+
+    def keys(self):
+        with self.env.begin() as txn:
+            for k in txn.cursor(db=self.samples_db).iternext(keys=True, values=False):
+                yield bytes(k).decode()
+
+    def fingerprints(self) -> dict[str, str]:
+        """key → input fingerprint of every committed sample (headers only)."""
+        out = {}
+        with self.env.begin(buffers=True) as txn:
+            for k, v in txn.cursor(db=self.samples_db):
+                (n,) = struct.unpack_from("<I", v)
+                out[bytes(k).decode()] = _header_decoder.decode(v[4 : 4 + n]).input_fingerprint
+        return out
+
+    def get(self, key: str) -> Sample:
+        with self.env.begin(buffers=True) as txn:
+            value = txn.get(key.encode(), db=self.samples_db)
+            if value is None:
+                raise CorecapError(f"{self.path}: no sample with key {key!r}")
+            return decode_sample(key, value, len(self.meta.layers))
+
+    def put_many(self, records: list[tuple[str, list]]) -> int:
+        """Commit (key, buffers) records in one durable transaction, growing the map as needed."""
+        nbytes = sum(sum(memoryview(b).nbytes for b in bufs) for _, bufs in records)
+        while True:
+            try:
+                with self.env.begin(write=True, db=self.samples_db) as txn:
+                    for key, bufs in records:
+                        txn.put(key.encode(), b"".join(bufs), db=self.samples_db)
+                return nbytes
+            except lmdb.MapFullError:
+                self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _has_named_db(env: lmdb.Environment, name: bytes) -> bool:
+    with env.begin() as txn:
+        return txn.get(name) is not None
+
+
+def _read_meta(env: lmdb.Environment, path: str, missing_ok: bool = False) -> StoreMeta | None:
+    if not _has_named_db(env, b"meta"):
+        if missing_ok:
+            return None
+        raise CorecapError(f"{path}: not a corecap store (no corecap metadata)")
+    meta_db = env.open_db(b"meta", create=False)
+    with env.begin() as txn:
+        raw = txn.get(b"store", db=meta_db)
+    if raw is None:
+        raise CorecapError(f"{path}: not a corecap store (no corecap metadata)")
+    version = msgspec.json.decode(raw).get("format_version")
+    if version != FORMAT_VERSION:
+        raise CorecapError(f"{path}: store format version {version}, this corecap reads {FORMAT_VERSION}")
+    return msgspec.json.decode(raw, type=StoreMeta)

@@ -1,0 +1,123 @@
+"""The worker → driver wire format: one ZeroMQ multipart message per engine step.
+
+Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle); frames 1..3 are raw,
+zero-copy tensor bytes: token ids (int32 [T]), positions (int32 [T]) and the captured hidden
+states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). `segments`
+say which request owns which run of the T tokens, in order. A worker that fails sends a
+`WorkerError` instead, so the driver can name it rather than wait.
+
+The decoder trusts nothing: a wrong version, frame count, or size for the declared shape is a
+`WireError`, never a stored sample.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+WIRE_VERSION = 1
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A message that does not match the wire format."""
+
+
+class Segment(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    req_id: str
+    num_tokens: int
+
+
+class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
+    version: int
+    rank: int
+    step: int
+    dtype: str
+    layers: tuple[int, ...]
+    hidden_size: int
+    num_tokens: int
+    segments: tuple[Segment, ...]
+    # Worker-side timings (seconds, time.time() clock) for the trace: copy start/end, send.
+    t_copy: float = 0.0
+    t_ready: float = 0.0
+
+
+class WorkerError(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=2):
+    version: int
+    rank: int
+    pid: int
+    message: str
+
+
+Message = Chunk | WorkerError
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_chunk(header: Chunk, token_ids, positions, states) -> list:
+    """Frames for one step. Tensors must be contiguous CPU buffers; they are not copied."""
+    return [_encoder.encode(header), _as_buffer(token_ids), _as_buffer(positions), _as_buffer(states)]
+
+
+def encode_error(error: WorkerError) -> list:
+    return [_encoder.encode(error)]
+
+
+def _as_buffer(t):
+    if isinstance(t, torch.Tensor):
+        assert t.is_contiguous() and t.device.type == "cpu"
+        return memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
+    return memoryview(np.ascontiguousarray(t)).cast("B")
+
+
+class DecodedChunk(msgspec.Struct, frozen=True):
+    header: Chunk
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    states: torch.Tensor  # [L, T, H], header.dtype
+
+
+def decode(frames: list) -> DecodedChunk | WorkerError:
+    """Check and rebuild one message; raises WireError on anything malformed."""
+    if not frames:
+        raise WireError("empty message")
+    try:
+        msg = _decoder.decode(frames[0])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WireError(f"bad header: {e}") from None
+    if msg.version != WIRE_VERSION:
+        raise WireError(f"wire version {msg.version}, expected {WIRE_VERSION}")
+    if isinstance(msg, WorkerError):
+        if len(frames) != 1:
+            raise WireError(f"worker error with {len(frames)} frames, expected 1")
+        return msg
+    if len(frames) != 4:
+        raise WireError(f"chunk with {len(frames)} frames, expected 4")
+    dtype = DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise WireError(f"dtype {msg.dtype!r}, expected one of {sorted(DTYPES)}")
+    num_tokens, num_layers, hidden = msg.num_tokens, len(msg.layers), msg.hidden_size
+    if num_tokens < 0 or hidden <= 0 or num_layers == 0:
+        raise WireError(f"bad shape: tokens={num_tokens} layers={num_layers} hidden={hidden}")
+    if sum(s.num_tokens for s in msg.segments) != num_tokens or any(
+        s.num_tokens <= 0 for s in msg.segments
+    ):
+        raise WireError(f"segments {[s.num_tokens for s in msg.segments]} do not cover {num_tokens} tokens")
+    sizes = [memoryview(f).nbytes for f in frames[1:]]
+    expected = [4 * num_tokens, 4 * num_tokens, num_layers * num_tokens * hidden * dtype.itemsize]
+    if sizes != expected:
+        raise WireError(f"frame sizes {sizes}, expected {expected} for the declared shape and dtype")
+    token_ids = np.frombuffer(frames[1], dtype="<i4")
+    positions = np.frombuffer(frames[2], dtype="<i4")
+    if expected[2]:
+        states = torch.frombuffer(frames[3], dtype=torch.uint8).view(dtype)
+    else:
+        states = torch.empty(0, dtype=dtype)
+    return DecodedChunk(msg, token_ids, positions, states.view(num_layers, num_tokens, hidden))
