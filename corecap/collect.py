@@ -13,7 +13,6 @@ import os
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,9 +118,7 @@ class Collector:
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
             if p.states is None:
                 p.states = torch.empty((len(self.layers), len(p.token_ids), h.hidden_size), dtype=msg.states.dtype)
-            with warnings.catch_warnings():  # zmq frames are read-only buffers; we only read them
-                warnings.simplefilter("ignore", UserWarning)
-                p.states[:, start : start + seg.num_tokens] = msg.states[:, lo:hi]
+            p.states[:, start : start + seg.num_tokens] = msg.states[:, lo:hi]
             newly = seg.num_tokens - int(p.covered[start : start + seg.num_tokens].sum())
             p.covered[start : start + seg.num_tokens] = True
             p.num_covered += newly

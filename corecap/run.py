@@ -8,6 +8,7 @@ their inputs did not change), so rerunning after any interruption completes the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.writer import Writer
+
+TRACE_FILE = "trace.json"
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,13 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         collector = Collector(layers, writer.put)
         engine = Engine(EngineSpec(ipc_path=collector.ipc_path, **spec_args), vllm_config)
         start = time.time()
-        _capture(engine, collector, writer, data_path, read, committed, cfg)
-        collector.wait_idle(cfg.stall_timeout, engine.problem)
-        writer.close()
+        steps: list = []
+        try:
+            _capture(engine, collector, writer, data_path, read, committed, cfg, steps)
+            collector.wait_idle(cfg.stall_timeout, engine.problem)
+            writer.close()
+        finally:
+            write_trace(cfg.store, start, steps, collector.timings, writer.commits)
         seconds = time.time() - start
         return RunSummary(
             cfg.store, dataset.num_samples, writer.num_committed, dataset.num_samples - todo,
@@ -123,7 +130,25 @@ def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
     return todo
 
 
-def _capture(engine, collector: Collector, writer: Writer, data_path: str, read: dict, committed, cfg) -> None:
+def write_trace(store_path: str, start: float, steps, chunks, commits) -> None:
+    """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
+    import msgspec
+
+    record = {
+        "version": 1,
+        "start": start,
+        "end": time.time(),
+        "steps": [dataclasses.asdict(s) for s in steps],
+        "chunks": [dataclasses.asdict(c) for c in chunks],
+        "commits": [dataclasses.asdict(c) for c in commits],
+    }
+    tmp = os.path.join(store_path, "trace.json.tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(record))
+    os.replace(tmp, os.path.join(store_path, TRACE_FILE))
+
+
+def _capture(engine, collector: Collector, writer: Writer, data_path: str, read: dict, committed, cfg, steps: list) -> None:
     samples = (s for s in data.read_samples(data_path, **read) if s.key not in committed)
     queued = 2 * cfg.batch  # keep the scheduler fed without holding the whole dataset
     last_progress = time.monotonic()
@@ -140,6 +165,7 @@ def _capture(engine, collector: Collector, writer: Writer, data_path: str, read:
         if engine.num_unfinished == 0:
             return
         timing = engine.step()
+        steps.append(timing)
         collector.raise_if_failed()
         writer.raise_if_failed()
         if timing.num_tokens:

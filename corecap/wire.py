@@ -12,6 +12,8 @@ The decoder trusts nothing: a wrong version, frame count, or size for the declar
 
 from __future__ import annotations
 
+import warnings
+
 import msgspec
 import numpy as np
 import torch
@@ -117,7 +119,9 @@ def decode(frames: list) -> DecodedChunk | WorkerError:
     token_ids = np.frombuffer(frames[1], dtype="<i4")
     positions = np.frombuffer(frames[2], dtype="<i4")
     if expected[2]:
-        states = torch.frombuffer(frames[3], dtype=torch.uint8).view(dtype)
+        with warnings.catch_warnings():  # frames are read-only; readers only read them
+            warnings.simplefilter("ignore", UserWarning)
+            states = torch.frombuffer(frames[3], dtype=torch.uint8).view(dtype)
     else:
         states = torch.empty(0, dtype=dtype)
     return DecodedChunk(msg, token_ids, positions, states.view(num_layers, num_tokens, hidden))

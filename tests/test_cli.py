@@ -1,0 +1,61 @@
+"""The CLI as a user meets it: `corecap run` with no arguments (the built-in demo), then get/ls/info."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def corecap(*args, cwd, env_extra=None, check=True):
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    result = subprocess.run([sys.executable, "-m", "corecap.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if check and result.returncode != 0:
+        raise AssertionError(f"corecap {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("demo")
+    env = {"CORECAP_CACHE": str(cwd / "cache")}
+    result = corecap("run", cwd=cwd, env_extra=env)
+    return cwd, env, result
+
+
+@pytest.mark.engine
+def test_demo_run_then_get(demo_store):
+    cwd, env, result = demo_store
+    assert "corecap.lmdb: committed 23 samples" in result.stdout
+    keys = corecap("ls", cwd=cwd).stdout.split()
+    assert len(keys) == 23 and "demo-long" in keys
+    out = corecap("get", "demo-long", "--out", "x.safetensors", cwd=cwd).stdout
+    assert "demo-long:" in out and "layers [2, 4, 5, 8]" in out
+    from safetensors import safe_open
+
+    with safe_open(str(cwd / "x.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["layers"]) == [2, 4, 5, 8]
+        ids, hs = f.get_tensor("input_ids"), f.get_tensor("hidden_states")
+    assert ids.dtype == torch.int64 and hs.shape == (4, len(ids), 128)
+    info = json.loads(corecap("info", cwd=cwd).stdout)
+    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 1
+    assert info["model"]["weights_fingerprint"] and info["vllm_version"]
+
+
+@pytest.mark.engine
+def test_errors_are_one_line(demo_store):
+    cwd, env, _ = demo_store
+    r = corecap("get", "no-such-key", cwd=cwd, check=False)
+    assert r.returncode == 2 and r.stderr.strip() == "corecap: error: corecap.lmdb: no sample with key 'no-such-key'"
+    r = corecap("run", "--layers", "2,x", cwd=cwd, env_extra=env, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "corecap: error: --layers '2,x': expected comma-separated integers, e.g. 2,16,29,32"
+
+
+def test_get_on_a_missing_store(tmp_path):
+    r = corecap("get", "k", "--store", str(tmp_path / "none"), cwd=tmp_path, check=False)
+    assert r.returncode == 2 and "not a corecap store" in r.stderr

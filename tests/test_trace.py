@@ -1,0 +1,235 @@
+"""corecap.trace on synthetic timelines with known geometry (no vLLM, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from corecap import CorecapError
+from corecap.trace import (
+    bottleneck,
+    critical_path,
+    load_trace,
+    overlap,
+    phases,
+    plot,
+    samples_for_steps,
+    summarize,
+    throughput,
+    to_chrome,
+    trace,
+    unaccounted,
+)
+
+T0 = 1_000.0
+SCHEDULE, EXECUTE, SAMPLE, UPDATE, GAP = 0.005, 0.060, 0.010, 0.005, 0.020
+STEP = SCHEDULE + EXECUTE + SAMPLE + UPDATE
+
+
+def synthetic_trace(num_steps: int = 10, drain: float = 0.05, commit: float = 0.003) -> dict:
+    """Steps of fixed phases separated by GAP; per step one chunk whose worker copy and wire lie
+    inside execute_model, whose reassembly straddles its end, and one commit after it."""
+    steps, chunks, commits = [], [], []
+    t = T0 + GAP
+    for i in range(num_steps):
+        s = {"start": t, "schedule": t + SCHEDULE, "execute": t + SCHEDULE + EXECUTE}
+        s["sample"] = s["execute"] + SAMPLE
+        s["update"] = s["end"] = s["sample"] + UPDATE
+        s.update(num_tokens=64, num_reqs=2, finished=[str(i)])
+        steps.append(s)
+        x = s["execute"]
+        chunks.append({"step": i + 1, "num_tokens": 64, "nbytes": 49_152,
+                       "t_copy": x - 0.010, "t_ready": x - 0.006, "t_recv": x - 0.005, "t_done": x + 0.005})
+        commits.append({"start": x + 0.006, "end": x + 0.006 + commit, "num_samples": 1, "nbytes": 40_000})
+        t = s["end"] + GAP
+    end = steps[-1]["end"] + drain if steps else T0 + drain
+    return {"version": 1, "start": T0, "end": end, "steps": steps, "chunks": chunks, "commits": commits}
+
+
+def test_driver_rows_sum_to_wall_time():
+    t = synthetic_trace()
+    rows = {p.name: p for p in phases(t)}
+    wall = t["end"] - t["start"]
+    serial = sum(p.total for p in rows.values() if p.serial)
+    assert serial == pytest.approx(wall, abs=1e-9)
+    assert rows["execute_model"].total == pytest.approx(10 * EXECUTE)
+    assert rows["between steps"].total == pytest.approx(10 * GAP)
+    assert rows["drain"].total == pytest.approx(0.05)
+    assert len(rows["between steps"].intervals) == 10
+
+
+def test_no_step_unaccounted():
+    t = synthetic_trace()
+    assert max(abs(x) for x in unaccounted(t)) < 1e-9
+    t["steps"][3]["end"] += 0.002  # driver work after update_from_output that no phase timed
+    assert unaccounted(t)[3] == pytest.approx(0.002)
+    assert sum(p.total for p in phases(t) if p.serial) == pytest.approx(t["end"] - t["start"])
+
+
+def test_throughput_steady_state_drops_ends():
+    t = synthetic_trace(num_steps=20)
+    t["steps"][0]["num_tokens"] = 1  # warm-up and tail steps do not count in steady state
+    t["steps"][-1]["num_tokens"] = 1
+    rate = throughput(t)
+    assert rate["steady_steps"] == (3, 18)
+    span = t["steps"][17]["end"] - t["steps"][2]["start"]
+    assert rate["steady_tokens_per_s"] == pytest.approx(16 * 64 / span)
+    assert rate["tokens_per_s"] == pytest.approx((18 * 64 + 2) / (t["end"] - t["start"]))
+    assert rate["store_bytes"] == 20 * 40_000
+
+
+def test_bottleneck_is_the_forward_pass():
+    line = bottleneck(synthetic_trace())
+    assert line.startswith("bottleneck: execute_model")
+    assert "\n" not in line
+
+
+def test_bottleneck_is_a_saturated_store():
+    # Commits of a whole step's length: the writer is busy all the time.
+    t = synthetic_trace(commit=STEP + GAP)
+    t["commits"][-1]["end"] = t["end"]
+    assert bottleneck(t).startswith("bottleneck: LMDB commit")
+
+
+def test_bottleneck_is_the_drain():
+    t = synthetic_trace(num_steps=2, drain=2.0)
+    t["commits"].append({"start": t["steps"][-1]["end"] + 0.1, "end": t["end"] - 0.1, "num_samples": 5, "nbytes": 1})
+    path = critical_path(t)
+    assert path["drain: LMDB commit"] == pytest.approx(1.8)
+    assert path["drain: waiting"] == pytest.approx(0.2)
+    assert sum(path.values()) == pytest.approx(t["end"] - t["start"])
+    assert bottleneck(t).startswith("bottleneck: drain: LMDB commit")
+
+
+def test_overlap_of_data_path_with_forward():
+    inside, busy = overlap(synthetic_trace(num_steps=4))
+    # Per step: copy [-10,-6] ms inside, reassembly [-5,+5] half inside, commit [+6,+9] outside.
+    assert busy == pytest.approx(4 * 0.017)
+    assert inside == pytest.approx(4 * 0.009)
+
+
+def test_summarize_names_every_row():
+    text = summarize(synthetic_trace())
+    for row in ("schedule", "execute_model", "sample_tokens", "update_from_output", "unaccounted",
+                "between steps", "drain", "total", "worker copy", "wire", "reassembly", "LMDB commit"):
+        assert f"  {row} " in text
+    assert "tokens/s:" in text and "MB/s" in text and "overlap:" in text
+    assert len([line for line in text.splitlines() if line.startswith("bottleneck:")]) == 1
+    total = next(line for line in text.splitlines() if line.strip().startswith("total"))
+    assert "100.0" in total
+
+
+def test_summarize_without_steps():
+    t = synthetic_trace(num_steps=0)
+    assert "0 steps" in summarize(t)
+    assert bottleneck(t).startswith("bottleneck: drain: waiting")
+
+
+def test_chrome_trace_events_are_complete():
+    t = synthetic_trace()
+    text = json.dumps(to_chrome(t))
+    events = json.loads(text)["traceEvents"]
+    assert events
+    for e in events:
+        assert {"name", "ph", "ts", "pid", "tid"} <= e.keys(), e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], int) and e["dur"] >= 0 and e["ts"] >= 0
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"step loop", "worker copy", "wire", "collector (reassembly)", "writer (LMDB commits)"} <= names
+    assert len({e["pid"] for e in events}) == 2  # driver and worker processes
+    steps = [e for e in events if e["ph"] == "X" and e["name"].startswith("step ")]
+    assert len(steps) == 10
+
+
+def test_chrome_phases_nest_inside_their_step():
+    events = to_chrome(synthetic_trace())["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == 1]
+    steps = [e for e in xs if e["name"].startswith("step ")]
+    for name in ("schedule", "execute_model", "sample_tokens", "update_from_output"):
+        for step, phase in zip(steps, [e for e in xs if e["name"] == name]):
+            assert step["ts"] <= phase["ts"] and phase["ts"] + phase["dur"] <= step["ts"] + step["dur"]
+
+
+def test_chrome_overlapping_chunks_get_their_own_tracks():
+    t = synthetic_trace(num_steps=3)
+    for c in t["chunks"]:  # every chunk in flight until the end: three at once
+        c["t_recv"] = t["end"]
+    events = to_chrome(t)["traceEvents"]
+    wire_tids = {e["tid"] for e in events if e["ph"] == "X" and e["name"].startswith("wire ")}
+    assert len(wire_tids) == 3
+
+
+def test_plot_writes_a_picture(tmp_path):
+    import matplotlib.image
+
+    path = tmp_path / "trace.png"
+    plot(synthetic_trace(), str(path), title="synthetic")
+    raw = path.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(raw) > 20_000
+    pixels = matplotlib.image.imread(str(path))
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 1000
+    assert float(np.var(pixels[..., :3])) > 0.01  # not one color
+
+
+def test_plot_bins_many_steps(tmp_path):
+    path = tmp_path / "long.png"
+    plot(synthetic_trace(num_steps=1000), str(path))
+    assert path.stat().st_size > 20_000
+
+
+def test_load_trace_missing(tmp_path):
+    store = str(tmp_path / "nothing.lmdb")
+    with pytest.raises(CorecapError, match=r"nothing.lmdb: no trace.json \(run `corecap run --store .*nothing.lmdb` first\)"):
+        load_trace(store)
+
+
+def test_load_trace_rejects_other_versions(tmp_path):
+    (tmp_path / "trace.json").write_text(json.dumps({**synthetic_trace(), "version": 2}))
+    with pytest.raises(CorecapError, match="trace format version 2, expected 1"):
+        load_trace(str(tmp_path))
+
+
+def test_load_trace_names_a_bad_record(tmp_path):
+    t = synthetic_trace()
+    del t["chunks"][4]["t_recv"]
+    (tmp_path / "trace.json").write_text(json.dumps(t))
+    with pytest.raises(CorecapError, match=r"chunks\[4\] lacks number 't_recv'"):
+        load_trace(str(tmp_path))
+
+
+def test_load_trace_accepts_the_file_itself(tmp_path):
+    (tmp_path / "trace.json").write_text(json.dumps(synthetic_trace()))
+    assert load_trace(str(tmp_path / "trace.json"))["version"] == 1
+
+
+def test_samples_for_steps():
+    assert samples_for_steps([], 5, 4, None) == 20
+    # Budget 64, samples of 100 tokens: one finishes about every 1.6 steps.
+    assert samples_for_steps([100] * 50, 10, 4, 64) == 6
+    # Short samples: --batch limits a step, not the budget.
+    assert samples_for_steps([10] * 50, 3, 4, 1000) == 12
+    assert samples_for_steps([10] * 5, 100, 4, 1000) == 5  # the data runs out
+
+
+def test_cli_prints_table_and_writes_files(tmp_path):
+    (tmp_path / "trace.json").write_text(json.dumps(synthetic_trace()))
+    chrome, png = tmp_path / "c.json", tmp_path / "t.png"
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--chrome", str(chrome), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "bottleneck: execute_model" in result.output
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert png.stat().st_size > 20_000
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path / "none.lmdb")])
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0 and "corecap: error:" in result.output
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--batch", "8"])
+    assert result.exit_code == 2 and "--batch applies only with --steps" in result.output
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--steps", "3"])
+    assert result.exit_code == 2 and "--store and --steps exclude each other" in result.output
