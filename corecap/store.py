@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import zlib
 from dataclasses import dataclass
 
@@ -76,9 +75,23 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     dtype: str
     hidden_size: int
     input_fingerprint: str
+    input_ids: bytes  # int32 little-endian [T]
     codec: str
-    checksum: int  # crc32 of the decoded payload
-    payload_bytes: int  # decoded size
+    checksum: int  # crc32 of the decoded states bytes
+    payload_bytes: int  # decoded size of the states
+
+
+@dataclass(frozen=True)
+class Record:
+    """One sample ready to commit: its header and its (encoded) states payload."""
+
+    key: str
+    header: bytes
+    payload: object  # any buffer
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + memoryview(self.payload).nbytes
 
 
 @dataclass(frozen=True)
@@ -96,12 +109,10 @@ _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(SampleHeader)
 
 
-def encode_sample(key: str, token_ids: np.ndarray, states: torch.Tensor, layers: tuple[int, ...]) -> list:
-    """The record's buffers, in order (LMDB takes the joined bytes)."""
+def encode_sample(key: str, token_ids: np.ndarray, states: torch.Tensor, layers: tuple[int, ...]) -> Record:
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
     states = states.contiguous()
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
-    checksum = zlib.crc32(raw, zlib.crc32(ids))
     header = SampleHeader(
         id=key,
         num_tokens=len(ids),
@@ -109,34 +120,35 @@ def encode_sample(key: str, token_ids: np.ndarray, states: torch.Tensor, layers:
         dtype=str(states.dtype).removeprefix("torch."),
         hidden_size=states.shape[-1],
         input_fingerprint=input_fingerprint(ids),
+        input_ids=ids.tobytes(),
         codec="raw",
-        checksum=checksum,
-        payload_bytes=ids.nbytes + raw.nbytes,
+        checksum=zlib.crc32(raw),
+        payload_bytes=raw.nbytes,
     )
-    head = _header_encoder.encode(header)
-    return [struct.pack("<I", len(head)), head, ids, raw]
+    return Record(key, _header_encoder.encode(header), raw)
 
 
-def decode_sample(key: str, value, num_layers: int) -> Sample:
-    mv = memoryview(value)
-    if mv.nbytes < 4:
-        raise CorecapError(f"sample {key!r}: record of {mv.nbytes} bytes is truncated")
-    (head_len,) = struct.unpack_from("<I", mv)
+def decode_header(key: str, value) -> SampleHeader:
     try:
-        header = _header_decoder.decode(mv[4 : 4 + head_len])
-    except msgspec.DecodeError as e:
+        return _header_decoder.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorecapError(f"sample {key!r}: unreadable header ({e})") from None
+
+
+def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
+    header = decode_header(key, header_value)
     if header.codec != "raw":
         raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
-    payload = mv[4 + head_len :]
-    dtype = DTYPES[header.dtype]
-    expected = 4 * header.num_tokens + num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
-    if payload.nbytes != expected or header.payload_bytes != expected:
-        raise CorecapError(f"sample {key!r}: payload is {payload.nbytes} bytes, expected {expected}")
-    ids = np.frombuffer(payload[: 4 * header.num_tokens], dtype="<i4").copy()
-    raw = bytearray(payload[4 * header.num_tokens :])
-    if zlib.crc32(raw, zlib.crc32(ids)) != header.checksum:
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None or len(header.input_ids) != 4 * header.num_tokens:
+        raise CorecapError(f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {len(header.input_ids)} id bytes)")
+    raw = bytearray(payload)
+    expected = num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
+    if len(raw) != expected or header.payload_bytes != expected:
+        raise CorecapError(f"sample {key!r}: payload is {len(raw)} bytes, expected {expected}")
+    if zlib.crc32(raw) != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
     if raw:
         states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
     else:
@@ -150,8 +162,8 @@ class Store:
     def __init__(self, path: str, env: lmdb.Environment, meta: StoreMeta | None):
         self.path = path
         self.env = env
-        self.meta_db = env.open_db(b"meta", create=False) if meta else None
-        self.samples_db = env.open_db(b"samples", create=False) if meta else None
+        self.headers_db = env.open_db(b"headers", create=False)
+        self.samples_db = env.open_db(b"samples", create=False)
         self.meta = meta
 
     @staticmethod
@@ -197,6 +209,7 @@ class Store:
                 raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
             with env.begin(write=True) as txn:
                 meta_db = env.open_db(b"meta", txn=txn)
+                env.open_db(b"headers", txn=txn)
                 env.open_db(b"samples", txn=txn)
                 txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
             existing = meta
@@ -206,41 +219,45 @@ class Store:
 
     def __len__(self) -> int:
         with self.env.begin() as txn:
-            return txn.stat(self.samples_db)["entries"]
+            return txn.stat(self.headers_db)["entries"]
 
     def __contains__(self, key: str) -> bool:
         with self.env.begin() as txn:
-            return txn.get(key.encode(), db=self.samples_db) is not None
+            return txn.get(key.encode(), db=self.headers_db) is not None
 
     def keys(self):
         with self.env.begin() as txn:
-            for k in txn.cursor(db=self.samples_db).iternext(keys=True, values=False):
+            for k in txn.cursor(db=self.headers_db).iternext(keys=True, values=False):
                 yield bytes(k).decode()
 
     def fingerprints(self) -> dict[str, str]:
         """key → input fingerprint of every committed sample (headers only)."""
         out = {}
         with self.env.begin(buffers=True) as txn:
-            for k, v in txn.cursor(db=self.samples_db):
-                (n,) = struct.unpack_from("<I", v)
-                out[bytes(k).decode()] = _header_decoder.decode(v[4 : 4 + n]).input_fingerprint
+            for k, v in txn.cursor(db=self.headers_db):
+                key = bytes(k).decode()
+                out[key] = decode_header(key, v).input_fingerprint
         return out
 
     def get(self, key: str) -> Sample:
         with self.env.begin(buffers=True) as txn:
-            value = txn.get(key.encode(), db=self.samples_db)
-            if value is None:
+            header = txn.get(key.encode(), db=self.headers_db)
+            if header is None:
                 raise CorecapError(f"{self.path}: no sample with key {key!r}")
-            return decode_sample(key, value, len(self.meta.layers))
+            payload = txn.get(key.encode(), db=self.samples_db)
+            if payload is None:
+                raise CorecapError(f"{self.path}: sample {key!r} has a header but no states")
+            return decode_sample(key, header, payload, len(self.meta.layers))
 
-    def put_many(self, records: list[tuple[str, list]]) -> int:
-        """Commit (key, buffers) records in one durable transaction, growing the map as needed."""
-        nbytes = sum(sum(memoryview(b).nbytes for b in bufs) for _, bufs in records)
+    def put_many(self, records: list[Record]) -> int:
+        """Commit whole records in one durable transaction, growing the map as needed."""
+        nbytes = sum(r.nbytes for r in records)
         while True:
             try:
-                with self.env.begin(write=True, db=self.samples_db) as txn:
-                    for key, bufs in records:
-                        txn.put(key.encode(), b"".join(bufs), db=self.samples_db)
+                with self.env.begin(write=True) as txn:
+                    for r in records:
+                        txn.put(r.key.encode(), r.header, db=self.headers_db)
+                        txn.put(r.key.encode(), r.payload, db=self.samples_db)
                 return nbytes
             except lmdb.MapFullError:
                 self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))

@@ -68,9 +68,9 @@ class Writer:
                         done = True
                         break
                     key, ids, states = item
-                    bufs = encode_sample(key, ids, states, self.layers)
-                    records.append((key, bufs))
-                    size += sum(memoryview(b).nbytes for b in bufs)
+                    record = encode_sample(key, ids, states, self.layers)
+                    records.append(record)
+                    size += record.nbytes
                     tokens += len(ids)
                     if size >= self.batch_bytes:
                         break

@@ -99,7 +99,7 @@ def _store_with_one_sample(path, identity: ModelIdentity, layers) -> bytes:
     meta = StoreMeta(FORMAT_VERSION, identity, layers, LAYER_MEANING, "float32", identity.hidden_size, "0", "0")
     with Store.create_or_open(path, meta) as store:
         states = torch.randn(len(layers), 3, identity.hidden_size)
-        store.put_many([("kept", encode_sample("kept", np.array([1, 2, 3]), states, layers))])
+        store.put_many([encode_sample("kept", np.array([1, 2, 3]), states, layers)])
     with open(os.path.join(path, "data.mdb"), "rb") as f:
         return f.read()
 

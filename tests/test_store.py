@@ -27,29 +27,30 @@ def _meta(**changes) -> StoreMeta:
 def test_record_round_trip(dtype, num_tokens):
     ids = np.arange(num_tokens, dtype=np.int32)
     states = torch.randn(2, num_tokens, 16).to(dtype)
-    value = b"".join(encode_sample("k", ids, states, (2, 8)))
-    sample = decode_sample("k", value, 2)
+    record = encode_sample("k", ids, states, (2, 8))
+    sample = decode_sample("k", record.header, record.payload, 2)
     assert sample.input_ids.tolist() == ids.tolist()
     assert torch.equal(sample.hidden_states, states)
     assert sample.header.layers == (2, 8)
 
 
 def test_corrupt_record_is_detected():
-    value = bytearray(b"".join(encode_sample("k", np.arange(4), torch.randn(2, 4, 16), (2, 8))))
+    record = encode_sample("k", np.arange(4), torch.randn(2, 4, 16), (2, 8))
+    value = bytearray(record.payload)
     value[-3] ^= 0xFF
     with pytest.raises(CorecapError, match="checksum mismatch"):
-        decode_sample("k", value, 2)
+        decode_sample("k", record.header, value, 2)
     with pytest.raises(CorecapError, match="payload is"):
-        decode_sample("k", value[:-1], 2)
-    with pytest.raises(CorecapError, match="truncated"):
-        decode_sample("k", b"\x01", 2)
+        decode_sample("k", record.header, value[:-1], 2)
+    with pytest.raises(CorecapError, match="unreadable header"):
+        decode_sample("k", b"\x01", value, 2)
 
 
 def test_store_put_get_and_meta(tmp_path):
     path = str(tmp_path / "s")
     with Store.create_or_open(path, _meta()) as store:
         states = torch.randn(2, 5, 16).bfloat16()
-        store.put_many([("a", encode_sample("a", np.arange(5), states, (2, 8)))])
+        store.put_many([encode_sample("a", np.arange(5), states, (2, 8))])
         assert "a" in store and "b" not in store and len(store) == 1
     with Store.open(path) as store:
         assert store.meta == _meta()
@@ -76,7 +77,7 @@ def test_map_grows_as_needed(tmp_path, monkeypatch):
     with Store.create_or_open(str(tmp_path / "s"), _meta()) as store:
         big = torch.randn(2, 4096, 16).bfloat16()  # 256 KiB each; 12 of them overflow 1 MiB
         for i in range(12):
-            store.put_many([(f"k{i}", encode_sample(f"k{i}", np.arange(4096), big, (2, 8)))])
+            store.put_many([encode_sample(f"k{i}", np.arange(4096), big, (2, 8))])
         assert len(store) == 12
 
 

@@ -119,6 +119,7 @@ class Engine:
         self.vllm_config = vllm_config or build_vllm_config(spec)
         self.core = EngineCore(self.vllm_config, _capture_executor_class(spec), log_stats=False)
         self.executor = self.core.model_executor
+        self.executor.collective_rpc("corecap_arm")
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
 

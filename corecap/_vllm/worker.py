@@ -39,6 +39,10 @@ class CaptureExtension:
         self.corecap_tap = tap
         return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__}
 
+    def corecap_arm(self) -> None:
+        """Start capturing: the engine's own warm-up steps (fake requests) come before this."""
+        self.corecap_tap.armed = True
+
 
 def model_num_layers(model) -> int:
     holder = model.get_language_model() if hasattr(model, "get_language_model") else model
@@ -64,6 +68,7 @@ class _Tap:
         self.runner = runner
         self.scheduler_output = None
         self.num_steps = 0
+        self.armed = False
         self.sender = _Sender(spec["ipc_path"], rank) if rank == 0 else None
         self._patch(runner)
 
@@ -116,6 +121,8 @@ class _Tap:
         runner._model_forward = tapped_model_forward
 
     def _guarded_capture(self, *args) -> None:
+        if not self.armed:
+            return
         self.num_steps += 1
         if self.sender is None:
             return

@@ -1,0 +1,231 @@
+"""GPU benchmark, one device call: plain vLLM prefill vs vLLM's built-in hidden-state extraction vs
+corecap vs HF transformers, on a Llama-3-8B-shaped model with dummy weights, 512 prompts x 1,024
+random tokens, layers 2,16,29,32, prefix caching off; plus the disk's fsync'd sequential bandwidth
+(dd) and LMDB's with corecap's commit pattern.
+
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench_gpu.py \
+        --modes dd,lmdb,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR]
+
+Each mode runs in its own process (one engine per process); every result is a JSON line in
+DIR/bench_gpu.jsonl. Clocks: "capture" = until the last sample is handed to storage; "durable" =
+until everything is on disk (corecap: the last fsync'd LMDB commit; built-in: all files exist and
+os.sync() returned). Both start when generation starts (after the engine is up and warm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+MODEL_DIR = "/root/llama8b"
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype="bfloat16",
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+LAYERS = [2, 16, 29, 32]
+PROMPT_LEN = 1024
+ENGINE = dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
+DISK = "/root"
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, 128000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def emit(out: str, rec: dict) -> None:
+    print("RESULT", json.dumps(rec), flush=True)
+    with open(os.path.join(out, "bench_gpu.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def mode_dd(args) -> dict:
+    path = os.path.join(DISK, "dd.bin")
+    t = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=2048", "conv=fsync"], check=True, capture_output=True)
+    dt = time.perf_counter() - t
+    os.remove(path)
+    return {"gb_s": 2048 * 2**20 / dt / 1e9}
+
+
+def mode_lmdb(args) -> dict:
+    """corecap's Store.put_many with 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16), 2 per commit."""
+    import numpy as np
+    import torch
+
+    from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+
+    path = os.path.join(DISK, "bw.lmdb")
+    shutil.rmtree(path, ignore_errors=True)
+    ident = ModelIdentity("x", "x", "x", "x", 32, 4096, 128256)
+    meta = StoreMeta(FORMAT_VERSION, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
+    states = torch.randn(4, PROMPT_LEN, 4096).bfloat16()
+    ids = np.arange(PROMPT_LEN)
+    with Store.create_or_open(path, meta) as store:
+        t = time.perf_counter()
+        nbytes = 0
+        for i in range(64):
+            batch = [encode_sample(f"k{i}-{j}", ids, states, tuple(LAYERS)) for j in range(2)]
+            nbytes += store.put_many(batch)
+        dt = time.perf_counter() - t
+    shutil.rmtree(path)
+    return {"gb_s": nbytes / dt / 1e9, "bytes": nbytes}
+
+
+def mode_plain(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE)
+    load = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    ps = prompts(args.prompts)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[:32]], sp, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return {"tok_s": len(ps) * PROMPT_LEN / dt, "seconds": dt, "load_s": load}
+
+
+def mode_extract(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = os.path.join(DISK, "hs_extract")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}},
+        kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": path}},
+    )
+    load = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    ps = prompts(args.prompts)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[:32]], sp, use_tqdm=False)
+    n_warm = len(glob.glob(path + "/*.safetensors"))
+    t = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+    t_gen = time.perf_counter() - t
+    while len(glob.glob(path + "/*.safetensors")) < n_warm + len(ps) and time.perf_counter() - t < 600:
+        time.sleep(0.05)
+    os.sync()
+    t_dur = time.perf_counter() - t
+    files = glob.glob(path + "/*.safetensors")
+    nbytes = sum(os.path.getsize(f) for f in files)
+    shutil.rmtree(path, ignore_errors=True)
+    tokens = len(ps) * PROMPT_LEN
+    return {"capture_tok_s": tokens / t_gen, "durable_tok_s": tokens / t_dur, "files": len(files),
+            "bytes_per_token": nbytes / ((n_warm + len(ps)) * PROMPT_LEN) if files else None, "load_s": load}
+
+
+def mode_corecap(args) -> dict:
+    from corecap.config import RunConfig
+    from corecap.run import run
+
+    data = os.path.join(DISK, f"prompts-{args.prompts}.jsonl")
+    with open(data, "w") as f:
+        for i, p in enumerate(prompts(args.prompts)):
+            f.write(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n")
+    store = os.path.join(DISK, "corecap.lmdb")
+    shutil.rmtree(store, ignore_errors=True)
+    extra = {"codec": args.codec} if args.codec else {}
+    cfg = RunConfig(
+        model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
+        max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
+        load_format="dummy", memory_utilization=ENGINE["gpu_memory_utilization"], **extra,
+    )
+    t0 = time.perf_counter()
+    summary = run(cfg, log=lambda m: print(m, flush=True))
+    wall = time.perf_counter() - t0
+    with open(os.path.join(store, "trace.json")) as f:
+        trace = json.load(f)
+    start = trace["steps"][0]["start"]
+    capture_end = max(c["t_done"] for c in trace["chunks"])
+    durable_end = max(c["end"] for c in trace["commits"])
+    tokens = summary.num_tokens
+    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, f"corecap_trace_{args.prompts}.json"))
+    shutil.rmtree(store, ignore_errors=True)
+    return {
+        "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
+        "steps_tok_s": tokens / (trace["steps"][-1]["end"] - start),
+        "bytes_per_token": summary.nbytes / tokens, "committed": summary.num_committed,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "wall_s": wall,
+        "codec": args.codec or "default",
+    }
+
+
+def mode_hf(args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")})
+    with torch.device("cuda"):
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    batch, n = 8, 64
+    ids = torch.tensor(prompts(n), device="cuda")
+    with torch.no_grad():
+        m(ids[:batch], output_hidden_states=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(0, n, batch):
+            o = m(ids[i : i + batch], output_hidden_states=True)
+            torch.stack([o.hidden_states[k] for k in LAYERS]).cpu()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    return {"tok_s": n * PROMPT_LEN / dt, "batch": batch}
+
+
+MODES = {"dd": mode_dd, "lmdb": mode_lmdb, "plain": mode_plain, "extract": mode_extract, "corecap": mode_corecap, "hf": mode_hf}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="dd,lmdb,corecap,plain,extract,hf")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--codec", default=None, help="corecap store codec (default: corecap's default)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=300)
+    args = ap.parse_args()
+    os.makedirs(MODEL_DIR, exist_ok=True)
+    with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    if args.one:
+        rec = {"mode": args.one, "prompts": args.prompts, **MODES[args.one](args)}
+        emit(args.out, rec)
+        return
+    for r in range(args.repeat):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(args.prompts), "--out", args.out]
+            if args.codec:
+                cmd += ["--codec", args.codec]
+            t = time.time()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                rc, err = proc.returncode, proc.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+            if rc != 0:
+                emit(args.out, {"mode": mode, "repeat": r, "rc": rc, "seconds": round(time.time() - t), "stderr_tail": (err or "")[-3000:]})
+            else:
+                print(f"{mode}: ok in {time.time() - t:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

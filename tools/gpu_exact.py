@@ -1,0 +1,139 @@
+"""GPU exactness check: corecap on vLLM's default path (torch.compile + CUDA graphs) against HF
+transformers on the same GPU, for a tiny Llama (head_dim 64), in bf16 and float32, on the V2 and
+V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-token sample included.
+
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_exact.py [--tp N] [--out DIR]
+
+Writes gpu_exact.json (worst relative error per case, per sample/layer and per token) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+VOCAB = 1024
+LAYERS = (0, 1, 2, 4, 7, 8)
+
+
+def build_model(path: str) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+def rows() -> list[dict]:
+    rng = np.random.default_rng(1234)
+    prefix = rng.integers(3, VOCAB, size=300).tolist()
+    dup = rng.integers(3, VOCAB, size=200).tolist()
+    out = [
+        {"id": "one", "input_ids": [7]},
+        {"id": "long-chunked", "input_ids": rng.integers(0, VOCAB, size=700).tolist()},
+        {"id": "prefix-a", "input_ids": prefix + rng.integers(0, VOCAB, size=50).tolist()},
+        {"id": "prefix-b", "input_ids": prefix + rng.integers(0, VOCAB, size=90).tolist()},
+        {"id": "dup-1", "input_ids": dup},
+        {"id": "dup-2", "input_ids": dup},
+    ]
+    out += [{"id": f"rand-{i}", "input_ids": rng.integers(0, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 300, size=24))]
+    return out
+
+
+def one_case(model: str, data: str, store: str, dtype: str, tp: int) -> None:
+    """Runs in a fresh process (one engine per process)."""
+    from corecap.config import RunConfig
+    from corecap.run import run
+
+    cfg = RunConfig(model=model, data=data, store=store, layers=LAYERS, tp=tp, batch=4, max_len=2048,
+                    max_batched_tokens=128, dtype=dtype, memory_utilization=0.3)
+    t = time.time()
+    print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)
+
+
+def compare(model: str, data_rows: list[dict], store: str, dtype: str) -> dict:
+    import torch
+    import transformers
+
+    from corecap.store import Store
+
+    worst = {}
+    refs = {}
+    for ref_dtype in {"float32", dtype}:
+        m = transformers.LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, ref_dtype)).cuda().eval()
+        refs[ref_dtype] = m
+    with Store.open(store) as s:
+        assert sorted(s.keys()) == sorted(r["id"] for r in data_rows), "keys differ"
+        for r in data_rows:
+            sample = s.get(r["id"])
+            assert sample.input_ids.tolist() == r["input_ids"], r["id"]
+            got = sample.hidden_states.float().cuda()
+            for ref_dtype, m in refs.items():
+                with torch.no_grad():
+                    hs = m(torch.tensor([r["input_ids"]], device="cuda"), output_hidden_states=True).hidden_states
+                ref = torch.stack([hs[k][0] for k in LAYERS]).float()
+                diff = got - ref
+                per_sample = (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
+                per_token = (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item()
+                case = r["id"].split("-")[0]
+                key = f"vs HF {ref_dtype}"
+                w = worst.setdefault(key, {}).setdefault(case, [0.0, 0.0])
+                w[0], w[1] = max(w[0], per_sample), max(w[1], per_token)
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        model, data, store, dtype = args.case
+        one_case(model, data, store, dtype, args.tp)
+        return
+    work = tempfile.mkdtemp(prefix="gpu-exact-")
+    model = os.path.join(work, "model")
+    build_model(model)
+    data_rows = rows()
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in data_rows)
+    results = []
+    cases = [("bfloat16", "1"), ("float32", "1"), ("bfloat16", "0")] if args.tp == 1 else [("bfloat16", "1"), ("float32", "1")]
+    for dtype, v2 in cases:
+        store = os.path.join(work, f"store-{dtype}-v2{v2}")
+        env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}
+        t = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype],
+                              env=env, capture_output=True, text=True, timeout=420)
+        rec = {"dtype": dtype, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+        if proc.returncode == 0:
+            rec["summary"] = proc.stdout.strip().splitlines()[-1]
+            rec["runner_log"] = [l for l in proc.stderr.splitlines() if "Model Runner" in l or "attention backend" in l.lower()][:4]
+            try:
+                rec["worst"] = compare(model, data_rows, store, dtype)
+            except Exception as e:  # report and go on to the next case
+                rec["compare_error"] = repr(e)
+        else:
+            rec["stderr_tail"] = proc.stderr[-4000:]
+        print("RESULT", json.dumps(rec), flush=True)
+        results.append(rec)
+    with open(os.path.join(args.out, f"gpu_exact_tp{args.tp}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
