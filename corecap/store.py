@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from corecap import CorecapError
+from corecap import codec as codecs
 from corecap.wire import DTYPES
 
 FORMAT_VERSION = 1
@@ -31,6 +32,7 @@ LAYER_MEANING = (
     "k = output of decoder layer k (residual stream), N = output of the final norm"
 )
 _INITIAL_MAP_SIZE = 1 << 30
+FP8 = "fp8-e4m3-rowscale"  # opt-in lossy storage (`--store-dtype fp8`): see corecap/codec.py
 
 
 class ModelIdentity(msgspec.Struct, frozen=True):
@@ -77,8 +79,9 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     input_fingerprint: str
     input_ids: bytes  # int32 little-endian [T]
     codec: str
-    checksum: int  # crc32 of the decoded states bytes
-    payload_bytes: int  # decoded size of the states
+    checksum: int  # crc32 of the raw states bytes (lossless codecs) or of the stored payload (fp8)
+    payload_bytes: int  # size of the states as readers get them, L*T*H*itemsize(dtype)
+    loss_mask: bytes | None = None  # uint8 [T]: 1 where a token is trained on (assistant turns)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class Sample:
     input_ids: np.ndarray  # int32 [T]
     hidden_states: torch.Tensor  # [L, T, H]
 
+    @property
+    def loss_mask(self) -> np.ndarray | None:
+        m = self.header.loss_mask
+        return None if m is None else np.frombuffer(m, dtype=np.uint8).copy()
+
 
 def input_fingerprint(token_ids: np.ndarray) -> str:
     return hashlib.blake2b(np.asarray(token_ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
@@ -109,23 +117,45 @@ _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(SampleHeader)
 
 
-def encode_sample(key: str, token_ids: np.ndarray, states: torch.Tensor, layers: tuple[int, ...]) -> Record:
+def encode_sample(
+    key: str,
+    token_ids: np.ndarray,
+    states: torch.Tensor,
+    layers: tuple[int, ...],
+    codec: str = "raw",
+    loss_mask: np.ndarray | None = None,
+) -> Record:
+    """Encode one sample for the store (the expensive part, compression, runs here: call it off
+    the critical path). `codec` is one of `CODECS` or `FP8`."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
     states = states.contiguous()
+    dtype = str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
+    if codec == FP8:
+        q, scales = codecs.quantize_fp8(states)
+        payload = q + scales
+        checksum = zlib.crc32(payload)
+    else:
+        if codec not in codecs.CODECS:
+            raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
+        checksum = zlib.crc32(raw)
+        payload = raw if codec == "raw" else codecs.encode(raw, dtype, codec)
+    if loss_mask is not None and len(loss_mask) != len(ids):
+        raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
     header = SampleHeader(
         id=key,
         num_tokens=len(ids),
         layers=tuple(layers),
-        dtype=str(states.dtype).removeprefix("torch."),
+        dtype=dtype,
         hidden_size=states.shape[-1],
         input_fingerprint=input_fingerprint(ids),
         input_ids=ids.tobytes(),
-        codec="raw",
-        checksum=zlib.crc32(raw),
+        codec=codec,
+        checksum=checksum,
         payload_bytes=raw.nbytes,
+        loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
     )
-    return Record(key, _header_encoder.encode(header), raw)
+    return Record(key, _header_encoder.encode(header), payload)
 
 
 def decode_header(key: str, value) -> SampleHeader:
@@ -137,23 +167,38 @@ def decode_header(key: str, value) -> SampleHeader:
 
 def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
     header = decode_header(key, header_value)
-    if header.codec != "raw":
-        raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
     dtype = DTYPES.get(header.dtype)
     if dtype is None or len(header.input_ids) != 4 * header.num_tokens:
         raise CorecapError(f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {len(header.input_ids)} id bytes)")
-    raw = bytearray(payload)
-    expected = num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
-    if len(raw) != expected or header.payload_bytes != expected:
-        raise CorecapError(f"sample {key!r}: payload is {len(raw)} bytes, expected {expected}")
+    shape = (num_layers, header.num_tokens, header.hidden_size)
+    expected = shape[0] * shape[1] * shape[2] * dtype.itemsize
+    if header.payload_bytes != expected:
+        raise CorecapError(f"sample {key!r}: header says {header.payload_bytes} state bytes, expected {expected}")
+    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
+    if header.codec == FP8:
+        stored = memoryview(payload)
+        rows = shape[0] * shape[1]
+        if stored.nbytes != rows * shape[2] + 4 * rows:
+            raise CorecapError(f"sample {key!r}: fp8 payload is {stored.nbytes} bytes, expected {rows * (shape[2] + 4)}")
+        if zlib.crc32(stored) != header.checksum:
+            raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+        states = codecs.dequantize_fp8(bytes(stored[: rows * shape[2]]), bytes(stored[rows * shape[2] :]), shape, dtype)
+        return Sample(header, ids, states)
+    if header.codec not in codecs.CODECS:
+        raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
+    if header.codec == "raw":
+        raw = bytearray(payload)
+        if len(raw) != expected:
+            raise CorecapError(f"sample {key!r}: payload is {len(raw)} bytes, expected {expected}")
+    else:
+        try:
+            raw = codecs.decode(payload, header.dtype, expected, header.codec)
+        except ValueError as e:
+            raise CorecapError(f"sample {key!r}: {e}") from None
     if zlib.crc32(raw) != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
-    if raw:
-        states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-    else:
-        states = torch.empty(0, dtype=dtype)
-    return Sample(header, ids, states.view(num_layers, header.num_tokens, header.hidden_size))
+    states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+    return Sample(header, ids, states.view(shape))
 
 
 class Store:

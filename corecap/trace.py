@@ -86,6 +86,13 @@ _FIELDS = {
     "chunks": ("t_copy", "t_ready", "t_recv", "t_done", "nbytes", "num_tokens"),
     "commits": ("start", "end", "num_samples", "nbytes"),
 }
+# Chrome trace: stage -> (on the worker process?, first thread id, thread name, event name)
+CHROME_TRACKS = {
+    "worker copy": (True, 100, "worker copy", "copy"),
+    "wire": (True, 200, "wire", "wire"),
+    "reassembly": (False, 300, "collector (reassembly)", "reassemble"),
+    "LMDB commit": (False, 400, "writer (LMDB commits)", "commit"),
+}
 COLORS = {
     "schedule": "#4c72b0",
     "execute_model": "#dd8452",
@@ -392,23 +399,17 @@ def to_chrome(trace: dict) -> dict:
         for a, b in p.intervals:
             if b > a:
                 span(p.name, "driver", a, b, driver, 1)
-    tracks = {"worker copy": (worker, 10), "wire": (worker, 20), "reassembly": (driver, 30), "LMDB commit": (driver, 40)}
-    labels = {"worker copy": "copy", "wire": "wire", "reassembly": "reassemble"}
     for name, key, a, b in DATA_STAGES:
-        pid, base = tracks[name]
+        on_worker, base, title, label = CHROME_TRACKS[name]
+        pid = worker if on_worker else driver
         records = trace[key]
         lanes = _lanes([(r[a], r[b]) for r in records])
         for lane in sorted(set(lanes)):
-            title = {"reassembly": "collector (reassembly)", "LMDB commit": "writer (LMDB commits)"}.get(name, name)
             meta(pid, base + lane, "thread_name", title + (f" #{lane + 1}" if lane else ""), base + lane)
         for r, lane in zip(records, lanes):
-            if key == "chunks":
-                label = f"{labels[name]} step {r.get('step', '?')}"
-                args = {k: r[k] for k in ("step", "num_tokens", "nbytes") if k in r}
-            else:
-                label = f"commit {r['num_samples']} samples"
-                args = {"num_samples": r["num_samples"], "nbytes": r["nbytes"]}
-            span(label, "data", r[a], r[b], pid, base + lane, args)
+            fields = ("step", "num_tokens", "nbytes") if key == "chunks" else ("num_samples", "nbytes")
+            text = f"{label} step {r.get('step', '?')}" if key == "chunks" else f"{label} {r['num_samples']} samples"
+            span(text, "data", r[a], r[b], pid, base + lane, {k: r[k] for k in fields if k in r})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"version": trace["version"], "start": trace["start"], "end": trace["end"]}}
 
@@ -429,6 +430,7 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise CorecapError("--plot needs matplotlib (pip install matplotlib)") from None
 
@@ -470,7 +472,8 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
     top.set_xlabel("seconds since the capture started")
     top.grid(axis="x", alpha=0.3)
     legend = [Patch(color=COLORS[n], label=n) for n in COLORS if n != "unaccounted"]
-    top.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(legend), fontsize=8, frameon=False)
+    top.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(legend), fontsize=8,
+               frameon=False)
 
     # Per step: the phases stacked in ms, each step preceded by its gap (the driver feeding requests).
     steps = trace["steps"]
@@ -494,6 +497,7 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
         first, last = rate["steady_steps"]
         bottom.axvspan(first, last + 1, color="#2ca02c", alpha=0.06, zorder=0)
         bottom.set_xlim(1, len(steps) + 1)
+        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
         per = f" (mean of every {group} steps)" if group > 1 else ""
         bottom.set_xlabel(f"engine step{per}; shaded: steady state; line: tokens per step")
         bottom.set_ylabel("ms (phases stacked)")
@@ -606,18 +610,20 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# `corecap run`'s options, meaningful only with --steps.
+_IntMin1 = click.IntRange(min=1)
 _RUN_OPTIONS = (
-    click.option("--model", type=str, default=None, help="With --steps: HF model directory (default: the demo model)."),
-    click.option("--data", type=str, default=None, help="With --steps: JSON Lines file (default: the demo dataset)."),
-    click.option("--layers", type=str, default=None, help="With --steps: comma-separated hidden_states indices."),
-    click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="With --steps: tensor-parallel size."),
-    click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="With --steps: most sequences in flight."),
-    click.option("--max-len", type=click.IntRange(min=1), default=2048, show_default=True, help="With --steps: max sequence length."),
-    click.option("--max-batched-tokens", type=click.IntRange(min=1), default=None, help="With --steps: token budget per step."),
-    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True),
-    click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True),
-    click.option("--enforce-eager", is_flag=True, help="With --steps: disable torch.compile and CUDA graphs."),
-    click.option("--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None, help="With --steps: share of device memory for vLLM."),
+    click.option("--model", type=str, default=None, help="HF model directory (default: the demo model)."),
+    click.option("--data", type=str, default=None, help="JSON Lines file (default: the demo dataset)."),
+    click.option("--layers", type=str, default=None, help="Comma-separated hidden_states indices."),
+    click.option("--tp", type=_IntMin1, default=1, show_default=True, help="Tensor-parallel size."),
+    click.option("--batch", type=_IntMin1, default=4, show_default=True, help="Most sequences in flight."),
+    click.option("--max-len", type=_IntMin1, default=2048, show_default=True, help="Max sequence length."),
+    click.option("--max-batched-tokens", type=_IntMin1, default=None, help="Token budget per step."),
+    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto"),
+    click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto"),
+    click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs."),
+    click.option("--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None, help="Memory share for vLLM."),
 )
 
 
@@ -629,10 +635,11 @@ def _with_run_options(fn):
 
 @click.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store whose trace.json to read.")
-@click.option("--chrome", type=click.Path(dir_okay=False), default=None, help="Write Chrome trace events (open in ui.perfetto.dev).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a timeline picture (PNG, needs matplotlib).")
-@click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Instead of reading --store, capture about N engine steps into a temporary store and profile them.")
+@click.option("--chrome", type=click.Path(dir_okay=False), default=None, help="Write Chrome trace events (Perfetto).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a timeline PNG.")
+@click.option("--steps", type=_IntMin1, default=None,
+              help="Instead of reading --store, capture about N engine steps into a temporary store and profile them "
+              "(the options below are corecap run's, for this).")
 @_with_run_options
 def trace(store, chrome, plot_path, steps, **run_options) -> None:
     """Where a run's time went: phase table, tokens/s, bottleneck; optionally a Chrome trace and a PNG."""

@@ -94,3 +94,43 @@ def test_open_rejects_non_stores(tmp_path):
         Store.open(str(tmp_path / "plain"))
     with pytest.raises(CorecapError, match="not a corecap store"):
         Store.create_or_open(str(tmp_path / "plain"), _meta())
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lossless_codecs_round_trip_bit_exact(codec, dtype):
+    states = torch.randn(3, 11, 16).to(dtype)
+    mask = np.array([0, 1] * 5 + [1], dtype=np.uint8)
+    record = encode_sample("k", np.arange(11), states, (1, 2, 3), codec=codec, loss_mask=mask)
+    sample = decode_sample("k", record.header, record.payload, 3)
+    assert sample.header.codec == codec
+    assert torch.equal(sample.hidden_states.view(torch.uint8), states.view(torch.uint8))
+    assert sample.loss_mask.tolist() == mask.tolist()
+
+
+def test_zstd_planes_writes_fewer_bytes_on_activation_like_data():
+    states = (torch.randn(4, 256, 128) * torch.linspace(0.1, 10, 128)).bfloat16()
+    record = encode_sample("k", np.arange(256), states, (1, 2, 3, 4), codec="zstd-planes")
+    assert memoryview(record.payload).nbytes < 0.85 * states.numel() * 2
+
+
+def test_fp8_storage_is_approximate_within_its_bound():
+    from corecap.store import FP8
+
+    states = torch.randn(2, 9, 64).bfloat16()
+    record = encode_sample("k", np.arange(9), states, (1, 2), codec=FP8)
+    assert memoryview(record.payload).nbytes == 2 * 9 * (64 + 4)
+    sample = decode_sample("k", record.header, record.payload, 2)
+    assert sample.hidden_states.dtype == torch.bfloat16 and sample.hidden_states.shape == states.shape
+    err = (sample.hidden_states.float() - states.float()).abs()
+    absmax = states.float().abs().amax(dim=-1, keepdim=True)
+    assert (err <= absmax / 28 + 1e-2 * absmax).all()  # /28 from e4m3, plus the bf16 output rounding
+    corrupt = bytearray(record.payload)
+    corrupt[0] ^= 1
+    with pytest.raises(CorecapError, match="checksum"):
+        decode_sample("k", record.header, corrupt, 2)
+
+
+def test_unknown_codec_is_refused():
+    with pytest.raises(CorecapError, match="codec 'lzma'"):
+        encode_sample("k", np.arange(2), torch.zeros(1, 2, 4), (1,), codec="lzma")
