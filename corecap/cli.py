@@ -46,11 +46,20 @@ def main() -> None:
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True)
 @click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs.")
 @click.option("--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None, help="Share of device memory (RAM on CPU) for vLLM (default: 0.9 GPU, 0.2 CPU).")
+@click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None, help="Lossless codec for stored states (default: zstd-planes).")
+@click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True, help="fp8: lossy e4m3 with a per-row scale (half the bytes).")
+@click.option("--nonfinite", type=click.Choice(["stop", "store"]), default="stop", show_default=True, help="NaN/Inf in captured states: stop the run, or store and flag the sample.")
+@click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit.")
 @_one_line_errors
-def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtype, load_format, enforce_eager, memory_utilization) -> None:
+def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtype, load_format, enforce_eager, memory_utilization, codec, store_dtype, nonfinite, buffer_gb) -> None:
     """Capture hidden states for every sample of --data into --store."""
+    from corecap.codec import DEFAULT_CODEC
     from corecap.config import RunConfig, parse_layers
     from corecap.run import run as run_capture
+    from corecap.store import FP8
+
+    if store_dtype == "fp8" and codec is not None:
+        raise CorecapError("--store-dtype fp8 and --codec exclude each other (fp8 is its own encoding)")
 
     cfg = RunConfig(
         model=model,
@@ -65,6 +74,9 @@ def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtyp
         load_format=load_format,
         enforce_eager=enforce_eager,
         memory_utilization=memory_utilization,
+        codec=FP8 if store_dtype == "fp8" else codec or DEFAULT_CODEC,
+        nonfinite=nonfinite,
+        buffer_bytes=int(buffer_gb * 2**30),
     )
     summary = run_capture(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(summary.line())
@@ -125,6 +137,10 @@ def info(store) -> None:
         meta["num_samples"] = len(s)
     click.echo(json.dumps(meta, indent=2))
 
+
+from corecap.trace import trace  # noqa: E402  (commands defined in their own modules)
+
+main.add_command(trace)
 
 if __name__ == "__main__":
     main()

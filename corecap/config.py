@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from corecap import CorecapError
+from corecap.codec import DEFAULT_CODEC
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class RunConfig:
     enforce_eager: bool = False
     memory_utilization: float | None = None
     stall_timeout: float = 600.0  # seconds without progress before a run is declared hung
+    codec: str = DEFAULT_CODEC  # see corecap/codec.py; store.FP8 for lossy fp8
+    nonfinite: str = "stop"  # NaN/Inf in captured states: "stop" the run, or "store" and flag
+    buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
+    encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

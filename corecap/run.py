@@ -1,24 +1,23 @@
 """`corecap run`: validate the input, open the store, start the engine, capture, commit.
 
 The step loop keeps the engine fed (about twice --batch requests queued), steps it, and leaves
-the data path to two threads: the collector (ZeroMQ → reassembled samples) and the writer
-(samples → durable LMDB commits). Keys already in the store are skipped (after checking that
+the data path to the sink process (corecap/sink.py: ZeroMQ → reassembled samples → encoded,
+durable LMDB commits). Keys already in the store are skipped (after checking that
 their inputs did not change), so rerunning after any interruption completes the store.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 from corecap import CorecapError, __version__, data, demo
-from corecap.collect import Collector
 from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
-from corecap.writer import Writer
+from corecap.sink import Done, Sink
 
 TRACE_FILE = "trace.json"
 
@@ -32,15 +31,21 @@ class RunSummary:
     num_tokens: int
     nbytes: int
     seconds: float
+    raw_bytes: int = 0  # the states' size before the codec
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0
         per_token = self.nbytes / self.num_tokens if self.num_tokens else 0
+        ratio = f", codec ratio {self.raw_bytes / self.nbytes:.2f}x" if self.nbytes and self.raw_bytes else ""
         return (
             f"{self.store}: committed {self.num_committed} samples ({self.num_tokens} tokens), "
             f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
-            f"({per_token:.0f} B/token) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
+            f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
         )
+
+
+class Interrupted(CorecapError):
+    """Ctrl-C or SIGTERM: the run stopped early after committing every complete sample."""
 
 
 def run(cfg: RunConfig, log=print) -> RunSummary:
@@ -54,7 +59,6 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     read = dict(tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=cfg.max_len)
     dataset = data.validate(data_path, **read)
 
-    collector = None
     spec_args = dict(
         model=model_dir,
         layers=layers,
@@ -77,42 +81,55 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         hidden_size=identity.hidden_size,
         corecap_version=__version__,
         vllm_version=vllm_version(),
+        codec=cfg.codec,
     )
-    store = Store.create_or_open(cfg.store, meta)
-    engine = writer = None
-    try:
+    with Store.create_or_open(cfg.store, meta) as store:
         committed = store.fingerprints()
-        todo = _check_resume(data_path, read, committed)
-        log(
-            f"{data_path}: {dataset.num_samples} samples, {dataset.num_tokens} tokens; "
-            f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
-        )
-        if todo == 0:
-            return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0)
-        writer = Writer(store)
-        collector = Collector(layers, writer.put)
-        engine = Engine(EngineSpec(ipc_path=collector.ipc_path, **spec_args), vllm_config)
+    todo = _check_resume(data_path, read, committed)
+    log(
+        f"{data_path}: {dataset.num_samples} samples, {dataset.num_tokens} tokens; "
+        f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
+    )
+    if todo == 0:
+        return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0)
+
+    engine = None
+    sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
+    steps: list | None = None if os.environ.get("CORECAP_NO_TRACE") else []
+    start = end = time.time()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
         start = time.time()
-        steps: list = []
-        try:
-            _capture(engine, collector, writer, data_path, read, committed, cfg, steps)
-            collector.wait_idle(cfg.stall_timeout, engine.problem)
-            writer.close()
-        finally:
-            write_trace(cfg.store, start, steps, collector.timings, writer.commits)
-        seconds = time.time() - start
-        return RunSummary(
-            cfg.store, dataset.num_samples, writer.num_committed, dataset.num_samples - todo,
-            writer.num_tokens, writer.nbytes, seconds,
-        )
+        _capture(engine, sink, data_path, read, committed, cfg, steps)
+        done = sink.finish(cfg.stall_timeout, engine.problem)
+        end = time.time()
+    except (KeyboardInterrupt, Interrupted):
+        result = sink.abort()
+        kept = result.num_committed if result is not None else "an unknown number of"
+        raise Interrupted(f"interrupted: kept {kept} complete samples committed to {cfg.store} this run; rerun the same command to resume") from None
+    except CorecapError as e:
+        result = sink.abort()
+        kept = result.num_committed if result is not None else 0
+        raise CorecapError(f"{e} (kept {kept} complete samples committed this run; rerun to resume)") from None
     finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
         if engine is not None:
             engine.shutdown()
-        if collector is not None:
-            collector.close()
-        if writer is not None and writer.thread.is_alive():
-            writer.close()
-        store.close()
+        sink.close()
+        result = sink.result
+        if steps is not None and isinstance(result, Done):
+            write_trace(cfg.store, start, end, steps, result.chunks, result.commits)
+    if done.flagged:
+        log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
+    return RunSummary(
+        cfg.store, dataset.num_samples, done.num_committed, dataset.num_samples - todo,
+        done.num_tokens, done.nbytes, end - start, done.raw_bytes,
+    )
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted("terminated")
 
 
 def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
@@ -130,17 +147,17 @@ def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
     return todo
 
 
-def write_trace(store_path: str, start: float, steps, chunks, commits) -> None:
+def write_trace(store_path: str, start: float, end: float, steps, chunks, commits) -> None:
     """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
     import msgspec
 
     record = {
         "version": 1,
         "start": start,
-        "end": time.time(),
-        "steps": [dataclasses.asdict(s) for s in steps],
-        "chunks": [dataclasses.asdict(c) for c in chunks],
-        "commits": [dataclasses.asdict(c) for c in commits],
+        "end": end,
+        "steps": steps,
+        "chunks": chunks,
+        "commits": commits,
     }
     tmp = os.path.join(store_path, "trace.json.tmp")
     with open(tmp, "wb") as f:
@@ -148,7 +165,7 @@ def write_trace(store_path: str, start: float, steps, chunks, commits) -> None:
     os.replace(tmp, os.path.join(store_path, TRACE_FILE))
 
 
-def _capture(engine, collector: Collector, writer: Writer, data_path: str, read: dict, committed, cfg, steps: list) -> None:
+def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, steps: list | None) -> None:
     samples = (s for s in data.read_samples(data_path, **read) if s.key not in committed)
     queued = 2 * cfg.batch  # keep the scheduler fed without holding the whole dataset
     last_progress = time.monotonic()
@@ -160,15 +177,18 @@ def _capture(engine, collector: Collector, writer: Writer, data_path: str, read:
                 exhausted = True
                 break
             req_id = str(sample.line)
-            collector.expect(req_id, sample.key, sample.token_ids)
+            sink.expect(req_id, sample.key, sample.token_ids, getattr(sample, "loss_mask", None))
             engine.add(req_id, sample.token_ids.tolist())
         if engine.num_unfinished == 0:
             return
         timing = engine.step()
-        steps.append(timing)
-        collector.raise_if_failed()
-        writer.raise_if_failed()
+        if steps is not None:
+            steps.append(timing)
+        sink.check()
         if timing.num_tokens:
             last_progress = time.monotonic()
         elif time.monotonic() - last_progress > cfg.stall_timeout:
             raise CorecapError(f"no progress for {cfg.stall_timeout:.0f}s: the engine schedules nothing")
+        problem = engine.problem()
+        if problem:
+            raise CorecapError(problem)

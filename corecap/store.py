@@ -58,10 +58,13 @@ class StoreMeta(msgspec.Struct, frozen=True):
 
     def check_compatible(self, other: "StoreMeta", path: str) -> None:
         """Raise naming the first field where a resumed run disagrees with the store."""
-        for name in ("layers", "dtype", "hidden_size", "codec"):
+        for name in ("layers", "dtype", "hidden_size"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise CorecapError(f"{path}: store has {name}={theirs!r}, this run has {mine!r}")
+        # Each sample records its own codec, so lossless codecs may mix; lossy and exact may not.
+        if (self.codec == FP8) != (other.codec == FP8):
+            raise CorecapError(f"{path}: store has codec={other.codec!r}, this run has {self.codec!r} (lossy and exact states must not mix)")
         for name in ("config_hash", "weights_fingerprint"):
             mine, theirs = getattr(self.model, name), getattr(other.model, name)
             if mine != theirs:
@@ -82,6 +85,7 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     checksum: int  # crc32 of the raw states bytes (lossless codecs) or of the stored payload (fp8)
     payload_bytes: int  # size of the states as readers get them, L*T*H*itemsize(dtype)
     loss_mask: bytes | None = None  # uint8 [T]: 1 where a token is trained on (assistant turns)
+    nonfinite: bool = False  # stored under `--nonfinite store` although it holds NaN/Inf
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ def encode_sample(
     layers: tuple[int, ...],
     codec: str = "raw",
     loss_mask: np.ndarray | None = None,
+    nonfinite: bool = False,
 ) -> Record:
     """Encode one sample for the store (the expensive part, compression, runs here: call it off
     the critical path). `codec` is one of `CODECS` or `FP8`."""
@@ -154,6 +159,7 @@ def encode_sample(
         checksum=checksum,
         payload_bytes=raw.nbytes,
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
+        nonfinite=nonfinite,
     )
     return Record(key, _header_encoder.encode(header), payload)
 
@@ -261,6 +267,12 @@ class Store:
         else:
             meta.check_compatible(existing, path)
         return cls(path, env, existing)
+
+    @classmethod
+    def open_for_writing(cls, path: str) -> "Store":
+        """Open an existing store (made by `create_or_open`) to append samples."""
+        env = cls._open_env(path, readonly=False)
+        return cls(path, env, _read_meta(env, path))
 
     def __len__(self) -> int:
         with self.env.begin() as txn:

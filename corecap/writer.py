@@ -1,9 +1,12 @@
-"""The store writer: a thread that encodes finished samples and commits them in durable batches.
+"""The store writer: encodes finished samples on a thread pool and commits them in durable batches.
 
-Each LMDB commit is one fsync'd transaction holding whole samples only, so a kill at any
-moment leaves every committed sample intact and no partial one. Batching many samples per
-commit (up to `batch_bytes`, or whatever is queued) keeps the disk streaming; the bounded queue
-is the backpressure that stops host memory from growing when the disk is the bottleneck.
+Each LMDB commit is one fsync'd transaction holding whole samples only, so a kill at any moment
+leaves every committed sample intact and no partial one. Encoding (checksum, NaN/Inf check,
+compression) runs on `num_threads` threads, since zstd, crc32 and torch release the GIL; one
+commit thread takes the encoded records in arrival order and batches them (up to `batch_bytes`,
+or whatever is ready) so the disk keeps streaming. At most `buffer_bytes` of states wait for
+their commit: that bound is the backpressure that keeps host memory flat when the disk is the
+bottleneck, and the slack that lets the GPU run ahead of a disk that keeps up on average.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from corecap import CorecapError
-from corecap.store import Store, encode_sample
+from corecap.store import Record, Store, encode_sample
 
 _DONE = object()
 
@@ -30,48 +34,82 @@ class CommitTiming:
     nbytes: int
 
 
+class NonFiniteError(CorecapError):
+    pass
+
+
 class Writer:
-    def __init__(self, store: Store, batch_bytes: int = 64 << 20, max_queued: int = 16):
+    def __init__(
+        self,
+        store: Store,
+        codec: str = "raw",
+        nonfinite: str = "stop",
+        num_threads: int = 2,
+        batch_bytes: int = 64 << 20,
+        buffer_bytes: int = 4 << 30,
+    ):
         self.store = store
         self.layers = store.meta.layers
+        self.codec = codec
+        self.nonfinite = nonfinite
         self.batch_bytes = batch_bytes
-        self.queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-encode")
+        self.queue: queue.Queue = queue.Queue()
+        self.buffer_bytes = buffer_bytes
+        self.in_flight = 0  # raw bytes handed to put() and not yet committed
+        self.space = threading.Condition()
         self.error: BaseException | None = None
         self.num_committed = 0
         self.num_tokens = 0
         self.nbytes = 0
+        self.raw_bytes = 0
+        self.flagged: list[str] = []
         self.commits: list[CommitTiming] = []
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="corecap-writer")
+        self.thread = threading.Thread(target=self._commit_loop, daemon=True, name="corecap-commit")
         self.thread.start()
 
-    def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor) -> None:
-        while True:
+    def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None) -> None:
+        """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
+        (one sample larger than the buffer still goes through alone)."""
+        size = states.numel() * states.element_size()
+        with self.space:
+            while self.in_flight and self.in_flight + size > self.buffer_bytes:
+                self.raise_if_failed()
+                self.space.wait(0.1)
             self.raise_if_failed()
-            try:
-                self.queue.put((key, token_ids, states), timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            self.in_flight += size
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask)
+        self.queue.put((future, len(token_ids), size))
+
+    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
+        finite = bool(torch.isfinite(states).all()) if states.is_floating_point() else True
+        if not finite:
+            bad = [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())]
+            if self.nonfinite == "stop":
+                raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")
+            self.flagged.append(key)
+        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def _loop(self) -> None:
+    def _commit_loop(self) -> None:
         done = False
         try:
             while not done:
                 item = self.queue.get()
-                records, size, tokens = [], 0, 0
+                records, size, tokens, raw = [], 0, 0, 0
                 while True:
                     if item is _DONE:
                         done = True
                         break
-                    key, ids, states = item
-                    record = encode_sample(key, ids, states, self.layers)
+                    future, num_tokens, num_raw = item
+                    record = future.result()
                     records.append(record)
                     size += record.nbytes
-                    tokens += len(ids)
+                    tokens += num_tokens
+                    raw += num_raw
                     if size >= self.batch_bytes:
                         break
                     try:
@@ -85,17 +123,26 @@ class Writer:
                     self.num_committed += len(records)
                     self.num_tokens += tokens
                     self.nbytes += nbytes
+                    self.raw_bytes += raw
+                    with self.space:
+                        self.in_flight -= raw
+                        self.space.notify_all()
+        except CorecapError as e:
+            self.error = e
         except BaseException as e:
-            self.error = CorecapError(f"{self.store.path}: writing the store failed: {e}")
+            self.error = CorecapError(f"{self.store.path}: writing the store failed: {_reason(e)}")
 
     def close(self) -> None:
         """Commit everything queued and stop; raises if any commit failed."""
-        if self.thread.is_alive():
-            while self.thread.is_alive():
-                try:
-                    self.queue.put(_DONE, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            self.thread.join()
+        self.queue.put(_DONE)
+        self.thread.join()
+        self.pool.shutdown(wait=True)
         self.raise_if_failed()
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e)
+    if "No space left" in text or "MDB_MAP_FULL" in text or getattr(e, "errno", None) == 28:
+        return f"the disk is full ({text})"
+    return text or type(e).__name__
+

@@ -15,6 +15,7 @@ os.sync() returned). Both start when generation starts (after the engine is up a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -59,7 +60,9 @@ def mode_dd(args) -> dict:
 
 
 def mode_lmdb(args) -> dict:
-    """corecap's Store.put_many with 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16), 2 per commit."""
+    """corecap's Store.put_many with raw 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16),
+    2 per commit (4 GiB in all); and plain LMDB puts with other environment flags, for comparison."""
+    import lmdb
     import numpy as np
     import torch
 
@@ -71,15 +74,28 @@ def mode_lmdb(args) -> dict:
     meta = StoreMeta(FORMAT_VERSION, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
     states = torch.randn(4, PROMPT_LEN, 4096).bfloat16()
     ids = np.arange(PROMPT_LEN)
+    out = {}
     with Store.create_or_open(path, meta) as store:
+        batch = [encode_sample(f"k{j}", ids, states, tuple(LAYERS)) for j in range(2)]
         t = time.perf_counter()
         nbytes = 0
         for i in range(64):
-            batch = [encode_sample(f"k{i}-{j}", ids, states, tuple(LAYERS)) for j in range(2)]
-            nbytes += store.put_many(batch)
-        dt = time.perf_counter() - t
+            nbytes += store.put_many([dataclasses.replace(r, key=f"k{i}-{r.key}") for r in batch])
+        out["store_put_many_gb_s"] = nbytes / (time.perf_counter() - t) / 1e9
     shutil.rmtree(path)
-    return {"gb_s": nbytes / dt / 1e9, "bytes": nbytes}
+    value = states.view(torch.uint8).numpy()
+    for name, flags, per_txn in [("default_32MiB", {}, 1), ("default_256MiB", {}, 8), ("writemap", {"writemap": True}, 2),
+                                 ("nometasync", {"metasync": False}, 2)]:
+        env = lmdb.open(path, map_size=16 << 30, **flags)
+        t = time.perf_counter()
+        for i in range(0, 128, per_txn):
+            with env.begin(write=True) as txn:
+                for j in range(per_txn):
+                    txn.put(b"%08d" % (i + j), value)
+        out[f"lmdb_{name}_gb_s"] = 128 * value.nbytes / (time.perf_counter() - t) / 1e9
+        env.close()
+        shutil.rmtree(path)
+    return out
 
 
 def mode_plain(args) -> dict:
@@ -144,6 +160,12 @@ def mode_corecap(args) -> dict:
     store = os.path.join(DISK, "corecap.lmdb")
     shutil.rmtree(store, ignore_errors=True)
     extra = {"codec": args.codec} if args.codec else {}
+    if args.one == "corecap-fp8":
+        from corecap.store import FP8
+
+        extra = {"codec": FP8}
+    elif args.one == "corecap-raw":
+        extra = {"codec": "raw"}
     cfg = RunConfig(
         model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
         max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
@@ -158,14 +180,16 @@ def mode_corecap(args) -> dict:
     capture_end = max(c["t_done"] for c in trace["chunks"])
     durable_end = max(c["end"] for c in trace["commits"])
     tokens = summary.num_tokens
-    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, f"corecap_trace_{args.prompts}.json"))
+    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, f"trace_{args.one}_{args.prompts}.json"))
     shutil.rmtree(store, ignore_errors=True)
     return {
         "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
         "steps_tok_s": tokens / (trace["steps"][-1]["end"] - start),
         "bytes_per_token": summary.nbytes / tokens, "committed": summary.num_committed,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "wall_s": wall,
-        "codec": args.codec or "default",
+        "driver_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, "wall_s": wall,
+        "raw_bytes_per_token": summary.raw_bytes / tokens,
+        "codec": extra.get("codec", "default"),
     }
 
 
@@ -190,7 +214,8 @@ def mode_hf(args) -> dict:
     return {"tok_s": n * PROMPT_LEN / dt, "batch": batch}
 
 
-MODES = {"dd": mode_dd, "lmdb": mode_lmdb, "plain": mode_plain, "extract": mode_extract, "corecap": mode_corecap, "hf": mode_hf}
+MODES = {"dd": mode_dd, "lmdb": mode_lmdb, "plain": mode_plain, "extract": mode_extract, "corecap": mode_corecap,
+         "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap, "hf": mode_hf}
 
 
 def main() -> None:

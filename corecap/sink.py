@@ -1,0 +1,230 @@
+"""The sink: a separate process that receives the workers' chunks, reassembles samples, encodes
+and commits them, so the data path never competes with the engine's step loop for the driver's
+GIL (on the H200 it moves ~1.4 GB/s).
+
+Driver ↔ sink talk over two IPC sockets in the run's private 0700 directory: the driver tells
+the sink which requests to expect (key, token ids, loss mask) and finally to finish or abort;
+the sink answers with `Done` (counts and timings for the trace) or `Failed` (one sentence).
+The workers push their chunks straight to the sink (wire.py). The sink ignores SIGINT/SIGTERM:
+the driver decides, and an abort still commits every sample that is complete. If the driver
+dies, the sink notices its parent is gone, commits what is complete and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+
+from corecap import CorecapError, wire
+from corecap.collect import Collector
+
+_CONTROL = "control.sock"
+_STATUS = "status.sock"
+CAPTURE = "capture.sock"
+
+
+class Expect(msgspec.Struct, array_like=True, tag=1):
+    req_id: str
+    key: str
+    token_ids: bytes  # int32 LE
+    loss_mask: bytes | None = None
+
+
+class Finish(msgspec.Struct, array_like=True, tag=2):
+    pass
+
+
+class Abort(msgspec.Struct, array_like=True, tag=3):
+    pass
+
+
+class Done(msgspec.Struct, array_like=True, tag=4):
+    num_committed: int
+    num_tokens: int
+    nbytes: int
+    raw_bytes: int
+    num_incomplete: int
+    flagged: list[str]
+    chunks: list[dict]
+    commits: list[dict]
+
+
+class Failed(msgspec.Struct, array_like=True, tag=5):
+    message: str
+    num_committed: int
+
+
+Control = Expect | Finish | Abort
+Status = Done | Failed
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    store: str
+    ipc_dir: str
+    codec: str
+    nonfinite: str
+    num_threads: int
+    buffer_bytes: int
+    parent_pid: int
+
+
+class Sink:
+    """The driver's handle on the sink process."""
+
+    def __init__(self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int):
+        self.dir = tempfile.mkdtemp(prefix="corecap-")  # mode 0700: owner only
+        self.capture_path = os.path.join(self.dir, CAPTURE)
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PUSH)
+        self.control.bind(f"ipc://{os.path.join(self.dir, _CONTROL)}")
+        self.status = self.ctx.socket(zmq.PULL)
+        self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(Status)
+        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid())
+        self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
+        self.proc.start()
+        self.result: Status | None = None
+
+    def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None) -> None:
+        mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
+        self.control.send(self.encoder.encode(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask)))
+
+    def check(self) -> None:
+        """Raise if the sink failed or died (cheap; call once per step)."""
+        if self.result is None and self.status.poll(0):
+            self.result = self.decoder.decode(self.status.recv())
+        if isinstance(self.result, Failed):
+            raise CorecapError(self.result.message)
+        if self.result is None and not self.proc.is_alive():
+            raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
+
+    def finish(self, timeout: float, problem) -> Done:
+        """Wait until every expected sample is committed; fail on a dead worker, sink or timeout."""
+        self.control.send(self.encoder.encode(Finish()))
+        return self._wait(timeout, problem)
+
+    def abort(self, timeout: float = 60.0) -> Status | None:
+        """Stop now: the sink commits the complete samples and drops the rest."""
+        if self.result is None and self.proc.is_alive():
+            self.control.send(self.encoder.encode(Abort()))
+            try:
+                return self._wait(timeout, lambda: None, raise_failed=False)
+            except CorecapError:
+                return None
+        return self.result
+
+    def _wait(self, timeout: float, problem, raise_failed: bool = True):
+        deadline = time.monotonic() + timeout
+        while self.result is None:
+            if self.status.poll(50):
+                self.result = self.decoder.decode(self.status.recv())
+                break
+            if not self.proc.is_alive():
+                raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
+            message = problem()
+            if message:
+                raise CorecapError(message)
+            if time.monotonic() > deadline:
+                raise CorecapError(f"timed out after {timeout:.0f}s waiting for the hidden states to be stored")
+        if isinstance(self.result, Failed) and raise_failed:
+            raise CorecapError(self.result.message)
+        return self.result
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.control.close(linger=0)
+        self.status.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def main(spec: SinkSpec) -> None:
+    """The sink process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from corecap.store import Store
+    from corecap.writer import Writer
+
+    ctx = zmq.Context()
+    status = ctx.socket(zmq.PUSH)
+    status.connect(f"ipc://{os.path.join(spec.ipc_dir, _STATUS)}")
+    encoder = msgspec.msgpack.Encoder()
+    writer = None
+    try:
+        control = ctx.socket(zmq.PULL)
+        control.connect(f"ipc://{os.path.join(spec.ipc_dir, _CONTROL)}")
+        data = ctx.socket(zmq.PULL)
+        data.setsockopt(zmq.RCVHWM, 2)
+        data.bind(f"ipc://{os.path.join(spec.ipc_dir, CAPTURE)}")
+        store = Store.open_for_writing(spec.store)
+        writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
+        collector = Collector(store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask))
+        decoder = msgspec.msgpack.Decoder(Control)
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(data, zmq.POLLIN)
+        finishing = aborting = False
+
+        def on_control(raw: bytes) -> None:
+            nonlocal finishing, aborting
+            msg = decoder.decode(raw)
+            if isinstance(msg, Expect):
+                mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
+                collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask)
+            elif isinstance(msg, Finish):
+                finishing = True
+            else:
+                aborting = True
+
+        while not aborting and not (finishing and not collector.pending):
+            events = dict(poller.poll(100))
+            while control.poll(0):
+                on_control(control.recv())
+            if data in events and not aborting:
+                frames = data.recv_multipart(copy=False)
+                t_recv = time.time()
+                msg = wire.decode(frames)
+                if isinstance(msg, wire.WorkerError):
+                    raise CorecapError(f"worker rank {msg.rank} (pid {msg.pid}) failed: {msg.message.splitlines()[0]}")
+                # The driver announces a request before the engine sees it, but on another socket.
+                deadline = time.monotonic() + 10
+                while not collector.knows(msg) and time.monotonic() < deadline and control.poll(100):
+                    on_control(control.recv())
+                collector.take(msg, t_recv)
+            writer.raise_if_failed()
+            if os.getppid() != spec.parent_pid:
+                aborting = True  # the driver is gone: keep what is complete
+        writer.close()
+        status.send(encoder.encode(Done(
+            writer.num_committed, writer.num_tokens, writer.nbytes, writer.raw_bytes, len(collector.pending),
+            writer.flagged, [dataclasses.asdict(t) for t in collector.timings],
+            [dataclasses.asdict(c) for c in writer.commits],
+        )))
+    except BaseException as e:
+        message = str(e) if isinstance(e, CorecapError) else f"the sink failed: {e!r}"
+        if writer is not None:
+            try:  # commit what is complete, unless the store itself is what failed
+                if writer.error is None:
+                    writer.close()
+            except BaseException:
+                pass
+        status.send(encoder.encode(Failed(message, writer.num_committed if writer else 0)))
+    finally:
+        status.close(linger=5000)
+        ctx.destroy(linger=0)
