@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import zlib
 from dataclasses import dataclass
 
@@ -32,9 +31,7 @@ LAYER_MEANING = (
     "index k is HF transformers' output_hidden_states[k]: 0 = token embeddings, "
     "k = output of decoder layer k (residual stream), N = output of the final norm"
 )
-_INITIAL_MAP_SIZE = 1 << 30  # readers and the driver: address space only, no disk
-_GROW_MIN = 64 << 20  # the sink's map (and reserved disk) grows by at least this
-_GROW_MAX = 8 << 30  # ... and at most this, beyond the doubling of small stores
+_INITIAL_MAP_SIZE = 1 << 30
 FP8 = "fp8-e4m3-rowscale"  # opt-in lossy storage (`--store-dtype fp8`): see corecap/codec.py
 
 
@@ -219,10 +216,9 @@ class Store:
         self.headers_db = env.open_db(b"headers", create=False)
         self.samples_db = env.open_db(b"samples", create=False)
         self.meta = meta
-        self.reserve = False  # reserve disk blocks before growing the map (WRITEMAP)
 
     @staticmethod
-    def _open_env(path: str, readonly: bool, writemap: bool = False, map_size: int | None = None) -> lmdb.Environment:
+    def _open_env(path: str, readonly: bool) -> lmdb.Environment:
         size = os.path.getsize(os.path.join(path, "data.mdb")) if os.path.exists(os.path.join(path, "data.mdb")) else 0
         return lmdb.open(
             path,
@@ -230,10 +226,9 @@ class Store:
             readonly=readonly,
             lock=True,  # readers too: a store may be read while a run writes it
             max_dbs=4,
-            map_size=map_size or max(_INITIAL_MAP_SIZE, 2 * size),
+            map_size=max(_INITIAL_MAP_SIZE, 2 * size),
             readahead=False,
             meminit=False,
-            writemap=writemap,
             create=not readonly,
         )
 
@@ -275,20 +270,9 @@ class Store:
 
     @classmethod
     def open_for_writing(cls, path: str) -> "Store":
-        """Open an existing store (made by `create_or_open`) to append samples, fast.
-
-        With MDB_WRITEMAP, LMDB writes pages straight into the mapped file instead of copying
-        them through write(2): on the H200 host's disk 1.08 GB/s against 0.67-0.72 without
-        (docs/benchmarks.md). WRITEMAP extends data.mdb to the map size as a sparse file, and a
-        page written into a hole on a full disk would kill the process with SIGBUS; so every
-        map size is first reserved with posix_fallocate, which fails cleanly with ENOSPC.
-        """
-        data = os.path.join(path, "data.mdb")
-        map_size = _reserve(data, os.path.getsize(data) + _GROW_MIN)
-        env = cls._open_env(path, readonly=False, writemap=True, map_size=map_size)
-        store = cls(path, env, _read_meta(env, path))
-        store.reserve = True
-        return store
+        """Open an existing store (made by `create_or_open`) to append samples."""
+        env = cls._open_env(path, readonly=False)
+        return cls(path, env, _read_meta(env, path))
 
     def __len__(self) -> int:
         with self.env.begin() as txn:
@@ -333,11 +317,7 @@ class Store:
                         txn.put(r.key.encode(), r.payload, db=self.samples_db)
                 return nbytes
             except lmdb.MapFullError:
-                size = self.env.info()["map_size"]
-                size += max(_GROW_MIN, min(size, _GROW_MAX), 2 * nbytes)
-                if self.reserve:
-                    size = _reserve(os.path.join(self.path, "data.mdb"), size)
-                self.env.set_mapsize(size)
+                self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
 
     def close(self) -> None:
         self.env.close()
@@ -347,23 +327,6 @@ class Store:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _reserve(data_path: str, size: int) -> int:
-    """Allocate `size` bytes of real disk blocks for data.mdb; a full disk is a clear error."""
-    size = -(-size // _GROW_MIN) * _GROW_MIN
-    fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        free = shutil.disk_usage(os.path.dirname(data_path)).free
-        raise CorecapError(
-            f"{os.path.dirname(data_path)}: the disk is full: cannot reserve {size / 2**20:.0f} MiB "
-            f"for the store ({e.strerror}; {free / 2**20:.0f} MiB free)"
-        ) from None
-    finally:
-        os.close(fd)
-    return size
 
 
 def _has_named_db(env: lmdb.Environment, name: bytes) -> bool:
