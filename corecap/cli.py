@@ -35,7 +35,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--model", type=str, default=None, help="HF model directory (default: the built-in demo model).")
-@click.option("--data", type=str, default=None, help="JSON Lines file (default: the built-in demo dataset).")
+@click.option("--data", type=str, default=None, help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations (default: the built-in demo dataset).")
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
 @click.option("--layers", type=str, default=None, help="Comma-separated HF hidden_states indices (default: 2,N//2,N-3,N).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
@@ -49,12 +49,17 @@ def main() -> None:
 @click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None, help="Lossless codec for stored states (default: zstd-planes).")
 @click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True, help="fp8: lossy e4m3 with a per-row scale (half the bytes).")
 @click.option("--nonfinite", type=click.Choice(["stop", "store"]), default="stop", show_default=True, help="NaN/Inf in captured states: stop the run, or store and flag the sample.")
+@click.option("--overflow", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="Samples longer than --max-len: stop, cut, or leave out.")
+@click.option("--invalid", type=click.Choice(["error", "skip"]), default=None, help="Invalid rows: stop, or skip and count (default: skip under --overflow skip).")
+@click.option("--shard", type=str, default=None, help="K/N: capture only shard K of N (by a stable hash of the key).")
+@click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
 @click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit.")
 @_one_line_errors
-def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtype, load_format, enforce_eager, memory_utilization, codec, store_dtype, nonfinite, buffer_gb) -> None:
+def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtype, load_format, enforce_eager, memory_utilization, codec, store_dtype, nonfinite, overflow, invalid, shard, progress, buffer_gb) -> None:
     """Capture hidden states for every sample of --data into --store."""
     from corecap.codec import DEFAULT_CODEC
     from corecap.config import RunConfig, parse_layers
+    from corecap.data import parse_shard
     from corecap.run import run as run_capture
     from corecap.store import FP8
 
@@ -76,6 +81,10 @@ def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtyp
         memory_utilization=memory_utilization,
         codec=FP8 if store_dtype == "fp8" else codec or DEFAULT_CODEC,
         nonfinite=nonfinite,
+        overflow=overflow,
+        invalid=invalid,
+        shard=parse_shard(shard) if shard else None,
+        progress=progress,
         buffer_bytes=int(buffer_gb * 2**30),
     )
     summary = run_capture(cfg, log=lambda m: click.echo(m, err=True))
@@ -138,8 +147,11 @@ def info(store) -> None:
     click.echo(json.dumps(meta, indent=2))
 
 
-from corecap.trace import trace  # noqa: E402  (commands defined in their own modules)
+# Commands defined in their own modules.
+from corecap.merge import merge  # noqa: E402
+from corecap.trace import trace  # noqa: E402
 
+main.add_command(merge)
 main.add_command(trace)
 
 if __name__ == "__main__":

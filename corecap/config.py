@@ -26,6 +26,10 @@ class RunConfig:
     stall_timeout: float = 600.0  # seconds without progress before a run is declared hung
     codec: str = DEFAULT_CODEC  # see corecap/codec.py; store.FP8 for lossy fp8
     nonfinite: str = "stop"  # NaN/Inf in captured states: "stop" the run, or "store" and flag
+    overflow: str = "error"  # samples longer than max_len: error, truncate or skip (corecap/data.py)
+    invalid: str | None = None  # invalid rows: error or skip (default: skip under overflow=skip)
+    shard: tuple[int, int] | None = None  # (K, N): only the keys whose stable hash mod N is K
+    progress: bool | None = None  # None: a progress line when stderr is a terminal
     buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
     encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
 

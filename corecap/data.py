@@ -1,37 +1,264 @@
-"""Reading and validating the input dataset (JSON Lines).
+"""Reading and validating the input dataset: JSON Lines, a JSON array, or Parquet.
 
-Each non-blank line is an object with an optional "id" (string, or integer taken as its decimal
-string; default: the 1-based line number) and either "input_ids" (list of ints) or "text"
-(tokenized with the model's tokenizer). `validate` reads the whole file once, cheaply and
-before any model loads, so that a bad line 400,000 is reported up front; `read_samples` then
-streams the same samples lazily while the engine runs.
+Each row is an object with an optional "id" (string, or integer taken as its decimal string;
+default: the row's 1-based line, element or row number) and exactly one of
+  input_ids      list of ints, with an optional "loss_mask" (0/1 per token)
+  text           tokenized with the model's tokenizer
+  messages       OpenAI style: [{"role": "system"|"user"|"assistant", "content": str}, ...]
+  conversations  ShareGPT style: [{"from": "human"|"gpt"|"system", "value": str}, ...]
+Conversations are rendered with the model's own chat template; their loss mask marks the
+assistant's tokens. docs/datasets.md has literal examples, the mask method and the policies.
+
+`validate` reads the whole file once, cheaply and before any model loads, so that a bad row
+400,000 is reported up front; `read_samples` then streams the same samples lazily while the
+engine runs. Both apply the same policies (overflow, invalid rows, shard), so they agree.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from corecap import CorecapError
 from corecap.store import MAX_KEY_BYTES
 
+OVERFLOW_POLICIES = ("error", "truncate", "skip")
+# Refusing is the default: a run never silently changes or drops training data, and the check
+# costs seconds because it runs before the model loads; --overflow truncate|skip is a choice.
+DEFAULT_OVERFLOW = "error"
+INVALID_POLICIES = ("error", "skip")
+INPUT_FIELDS = ("input_ids", "text", "messages", "conversations")
+MESSAGE_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "assistant": "assistant", "system": "system"}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_NUM_SKIP_EXAMPLES = 10
+_UNITS = {"jsonl": "line", "json": "element", "parquet": "row"}
+_CHUNK = 1 << 20  # JSON array reader: characters read at a time
+
 
 @dataclass(frozen=True)
 class Sample:
     key: str
-    line: int
+    line: int  # 1-based line (JSON Lines), element (JSON array) or row (Parquet)
     token_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray | None = None  # uint8 [T], 1 = train on this token; None: no mask given
+    where: str = ""  # "data.jsonl:7", "data.json: element 7", "data.parquet: row 7"
 
 
 @dataclass(frozen=True)
 class DatasetSummary:
-    num_samples: int
-    num_tokens: int
-    num_lines: int
+    num_samples: int  # samples this run captures (whole or truncated)
+    num_tokens: int  # their tokens, after truncation
+    num_lines: int  # the last line/element/row number read
+    num_truncated: int = 0  # samples cut to --max-len
+    num_skipped: int = 0  # rows left out (too long under skip, or invalid under skip)
+    skip_reasons: dict[str, int] = field(default_factory=dict)  # reason → count
+    skip_examples: tuple[str, ...] = ()  # the first few skip messages, each naming its row
+    num_other_shards: int = 0  # rows that belong to other shards
+
+    def outcomes(self) -> str:
+        """One line with the count of each outcome, e.g. for the end of a run."""
+        parts = [f"{self.num_samples} samples ({self.num_truncated} truncated to --max-len)"]
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skip_reasons.items()))
+        parts.append(f"{self.num_skipped} skipped" + (f" ({reasons})" if reasons else ""))
+        if self.num_other_shards:
+            parts.append(f"{self.num_other_shards} in other shards")
+        return ", ".join(parts)
+
+
+class RowError(CorecapError):
+    """A problem confined to one row: the run stops on it, or skips the row under a skip policy."""
+
+    def __init__(self, where: str, message: str, reason: str):
+        super().__init__(f"{where}: {message}")
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies and sharding
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m is None or not int(m[1]) < int(m[2]):
+        raise CorecapError(f"--shard {text!r}: expected K/N with 0 <= K < N")
+    return int(m[1]), int(m[2])
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    """The shard of a key: blake2b of its UTF-8 bytes, stable across processes, machines and
+    Python versions (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % num_shards
+
+
+def _check_policies(overflow: str, invalid: str | None, shard) -> str:
+    if overflow not in OVERFLOW_POLICIES:
+        raise CorecapError(f"--overflow {overflow!r}: expected one of {', '.join(OVERFLOW_POLICIES)}")
+    if invalid is None:  # one skip policy by default: a run told to skip long rows skips broken ones too
+        invalid = "skip" if overflow == "skip" else "error"
+    if invalid not in INVALID_POLICIES:
+        raise CorecapError(f"--invalid {invalid!r}: expected one of {', '.join(INVALID_POLICIES)}")
+    if shard is not None:
+        k, n = shard
+        if not (type(k) is int and type(n) is int and 0 <= k < n):
+            raise CorecapError(f"--shard {k}/{n}: expected K/N with 0 <= K < N")
+    return invalid
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows: (number, where, object) from each file format
+
+
+def _open(path: str):
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise CorecapError(f"--data {path}: cannot open ({e.strerror})") from None
+
+
+def _format(path: str, f) -> str:
+    lower = path.lower()
+    if lower.endswith((".parquet", ".pq")):
+        return "parquet"
+    if lower.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    f.seek(0)
+    return "json" if head.startswith(b"[") else "jsonl"
+
+
+def _jsonl_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
+    for line_no, raw in enumerate(f, start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            obj = RowError(where, f"not valid JSON ({getattr(e, 'msg', e)})", "not valid JSON")
+        yield line_no, where, obj
+
+
+class _ArrayReader:
+    """Streams the elements of one top-level JSON array: a ShareGPT dump of a million
+    conversations is gigabytes of text, and many times that as Python objects if loaded whole."""
+
+    _NON_SPACE = re.compile(r"[^ \t\r\n]")
+
+    def __init__(self, path: str, f):
+        self.path = path
+        self.text = io.TextIOWrapper(f, encoding="utf-8-sig")
+        self.decoder = json.JSONDecoder()
+        self.buf, self.pos, self.eof = "", 0, False
+        self.line = 1  # line number of buf[0]
+
+    def _fill(self, size: int = 0) -> bool:
+        if self.eof:
+            return False
+        try:
+            chunk = self.text.read(max(size, _CHUNK))
+        except UnicodeDecodeError as e:
+            raise CorecapError(f"{self.path}: not UTF-8 text ({e.reason})") from None
+        if not chunk:
+            self.eof = True
+            return False
+        self.line += self.buf.count("\n", 0, self.pos)
+        self.buf, self.pos = self.buf[self.pos :] + chunk, 0
+        return True
+
+    def _line_at(self, pos: int) -> int:
+        return self.line + self.buf.count("\n", 0, pos)
+
+    def _peek(self) -> str | None:
+        """The next non-blank character (not consumed), None at the end of the file."""
+        while True:
+            m = self._NON_SPACE.search(self.buf, self.pos)
+            if m:
+                self.pos = m.start()
+                return self.buf[self.pos]
+            self.pos = len(self.buf)
+            if not self._fill():
+                return None
+
+    def _decode(self, n: int):
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as e:
+                if self._fill(len(self.buf)):  # the element may go on past the buffer: read more
+                    continue
+                raise CorecapError(
+                    f"{self.path}: element {n}: not valid JSON ({e.msg}, line {self._line_at(e.pos)})"
+                ) from None
+            if end == len(self.buf) and self._fill():  # a number may go on past the buffer
+                continue
+            self.pos = end
+            return value
+
+    def rows(self) -> Iterator[tuple[int, str, object]]:
+        if self._peek() != "[":
+            raise CorecapError(f"{self.path}: expected a JSON array of objects or JSON Lines")
+        self.pos += 1
+        n = 0
+        if self._peek() == "]":
+            self.pos += 1
+        else:
+            while True:
+                n += 1
+                if self._peek() is None:
+                    raise CorecapError(f"{self.path}: element {n}: the file ends inside the array")
+                yield n, f"{self.path}: element {n}", self._decode(n)
+                c = self._peek()
+                self.pos += 1
+                if c == "]":
+                    break
+                if c != ",":
+                    where = f"line {self._line_at(self.pos - 1)}" if c else "end of file"
+                    raise CorecapError(f"{self.path}: element {n}: expected ',' or ']' after it ({where})")
+        if self._peek() is not None:
+            raise CorecapError(f"{self.path}: text after the closing ']' (line {self._line_at(self.pos)})")
+
+
+def _json_array_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
+    return _ArrayReader(path, f).rows()
+
+
+def _parquet_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorecapError(
+            f"--data {path}: reading Parquet needs pyarrow (pip install 'corecap[parquet]' or pip install pyarrow)"
+        ) from None
+    try:
+        pf = pq.ParquetFile(f)
+    except pyarrow.ArrowException as e:
+        raise CorecapError(f"{path}: not a readable Parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if not any(name in names for name in INPUT_FIELDS):
+        raise CorecapError(f"{path}: no column {', '.join(map(repr, INPUT_FIELDS))} (columns: {', '.join(names)})")
+    columns = [name for name in names if name in ("id", "loss_mask") + INPUT_FIELDS]
+    n = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+        for row in batch.to_pylist():
+            n += 1
+            # Columns are shared by all rows, so a field a row does not use is null.
+            yield n, f"{path}: row {n}", {k: v for k, v in row.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# One row → key, token ids, loss mask
 
 
 def _key(obj: dict, where: str, line: int) -> str:
@@ -39,79 +266,296 @@ def _key(obj: dict, where: str, line: int) -> str:
         return str(line)
     value = obj["id"]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise CorecapError(f"{where}: field 'id' must be a string or an integer, got {type(value).__name__}")
+        raise RowError(where, f"field 'id' must be a string or an integer, got {type(value).__name__}", "bad id")
     key = str(value)
     if not key:
-        raise CorecapError(f"{where}: field 'id' is empty")
+        raise RowError(where, "field 'id' is empty", "bad id")
     if len(key.encode()) > MAX_KEY_BYTES:
-        raise CorecapError(f"{where}: field 'id' is {len(key.encode())} bytes, at most {MAX_KEY_BYTES} allowed")
+        raise RowError(where, f"field 'id' is {len(key.encode())} bytes, at most {MAX_KEY_BYTES} allowed", "bad id")
     return key
 
 
-def _token_ids(obj: dict, where: str, tokenizer, vocab_size: int) -> np.ndarray:
-    if "input_ids" in obj:
-        ids = obj["input_ids"]
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            raise CorecapError(f"{where}: field 'input_ids' must be a list of integers")
-        arr = np.asarray(ids, dtype=np.int64)
-    elif "text" in obj:
+def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    ids = obj["input_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise RowError(where, "field 'input_ids' must be a list of integers", "bad input_ids")
+    if "loss_mask" not in obj:
+        return np.asarray(ids, dtype=np.int64), None
+    mask = obj["loss_mask"]
+    if not isinstance(mask, list) or not all(type(v) in (int, bool) and v in (0, 1) for v in mask):
+        raise RowError(where, "field 'loss_mask' must be a list of 0s and 1s", "bad loss_mask")
+    if len(mask) != len(ids):
+        raise RowError(where, f"field 'loss_mask' has {len(mask)} entries, 'input_ids' has {len(ids)}", "bad loss_mask")
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+def _messages(obj: dict, name: str, where: str) -> list[dict]:
+    """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped."""
+    turns = obj[name]
+    sharegpt = name == "conversations"
+    role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
+    roles = SHAREGPT_ROLES if sharegpt else {r: r for r in MESSAGE_ROLES}
+    if not isinstance(turns, list):
+        raise RowError(where, f"field {name!r} must be a list of objects, got {type(turns).__name__}", "malformed conversation")
+    if not turns:
+        raise RowError(where, f"field {name!r} is empty (no turns)", "empty conversation")
+    messages = []
+    for i, turn in enumerate(turns):
+        at = f"{name}[{i}]"
+        if not isinstance(turn, dict):
+            raise RowError(where, f"{at} must be an object, got {type(turn).__name__}", "malformed conversation")
+        for f in (role_field, content_field):
+            if f not in turn:
+                raise RowError(where, f"{at} has no field {f!r}", "malformed conversation")
+        role, content = turn[role_field], turn[content_field]
+        if not isinstance(role, str) or role not in roles:
+            expected = ", ".join(map(repr, roles))
+            raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})", "unknown role")
+        if not isinstance(content, str):
+            raise RowError(
+                where, f"{at}.{content_field} must be a string, got {type(content).__name__}", "non-string content"
+            )
+        messages.append({"role": roles[role], "content": content})
+    if all(not m["content"].strip() for m in messages):
+        raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
+    return messages
+
+
+class _ChatRenderer:
+    """Renders a conversation with the model's chat template into token ids and an assistant mask.
+
+    With {% generation %} markers in the template, the mask is HF's assistant-token mask.
+    Without, it is found by prefixes: the assistant turn i spans the characters between the
+    rendering of messages[:i] plus the generation prompt, and the rendering of messages[:i+1];
+    a template that renders a prefix differently from the start of the whole conversation
+    (e.g. one that drops earlier turns' reasoning) is refused. docs/datasets.md says more."""
+
+    def __init__(self, tokenizer, where: str, name: str):
+        if tokenizer is None:
+            raise CorecapError(f"{where}: field {name!r} needs a tokenizer, and the model directory has none")
+        if not getattr(tokenizer, "chat_template", None):
+            raise CorecapError(
+                f"{where}: field {name!r} needs the tokenizer's chat template, and the model directory has none"
+            )
+        if not getattr(tokenizer, "is_fast", False):
+            raise CorecapError(f"{where}: field {name!r} needs a fast tokenizer (tokenizer.json) for its loss mask")
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template
+        self.marked = _GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)) is not None
+
+    def _text(self, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja2 and the template's own raise_exception raise many types
+            raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+
+    def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.marked:
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                    add_generation_prompt=False,
+                )
+            except Exception as e:  # as in _text
+                raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+            return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
+        full = self._text(messages, where, False)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            if i == 0:
+                raise RowError(
+                    where, "the conversation starts with an assistant turn; without {% generation %} markers "
+                    "in the chat template its mask cannot be found", "assistant turn first",
+                )
+            start = self._text(messages[:i], where, True)
+            end = self._text(messages[: i + 1], where, False)
+            if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
+                # A property of the template, not of this row: skipping would drop data unevenly.
+                raise CorecapError(
+                    f"{where}: the chat template renders the conversation up to turn {i} differently from the "
+                    "start of the whole conversation, so the assistant mask cannot be found by prefixes; add "
+                    "{% generation %} markers to the template, or give input_ids and loss_mask"
+                )
+            mask |= (offsets[:, 0] < len(end)) & (offsets[:, 1] > len(start))
+        return ids, mask.astype(np.uint8)
+
+
+def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tuple[np.ndarray, np.ndarray | None]:
+    present = [name for name in INPUT_FIELDS if name in obj]
+    if not present:
+        raise RowError(
+            where, "expected a field 'input_ids' or 'text', or a conversation in 'messages' or 'conversations'",
+            "no input field",
+        )
+    if len(present) > 1:
+        raise RowError(where, f"fields {' and '.join(map(repr, present))} both given, expected exactly one", "several input fields")
+    name = present[0]
+    if "loss_mask" in obj and name != "input_ids":
+        raise RowError(where, f"field 'loss_mask' goes with 'input_ids', not with {name!r}", "bad loss_mask")
+    mask = None
+    if name == "input_ids":
+        arr, mask = _input_ids(obj, where)
+    elif name == "text":
         text = obj["text"]
         if not isinstance(text, str):
-            raise CorecapError(f"{where}: field 'text' must be a string, got {type(text).__name__}")
+            raise RowError(where, f"field 'text' must be a string, got {type(text).__name__}", "bad text")
         if tokenizer is None:
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        raise CorecapError(f"{where}: expected a field 'input_ids' or 'text'")
+        messages = _messages(obj, name, where)
+        if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
+            chat["renderer"] = _ChatRenderer(tokenizer, where, name)
+        arr, mask = chat["renderer"].render(messages, where)
     if arr.size == 0:
-        raise CorecapError(f"{where}: empty sample (no tokens)")
+        raise RowError(where, "empty sample (no tokens)", "empty sample")
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
         i = int(bad[0])
-        raise CorecapError(
-            f"{where}: token id {int(arr[i])} at position {i} is outside the vocabulary [0, {vocab_size})"
+        raise RowError(
+            where, f"token id {int(arr[i])} at position {i} is outside the vocabulary [0, {vocab_size})",
+            "token outside the vocabulary",
         )
-    return arr.astype(np.int32)
+    if mask is not None and not mask.any():
+        raise RowError(where, "the loss mask marks no token (nothing to train on)", "empty loss mask")
+    return arr.astype(np.int32), mask
 
 
-def read_samples(path: str, *, tokenizer, vocab_size: int, max_len: int) -> Iterator[Sample]:
-    """Yield every sample of a JSON Lines file, raising CorecapError at the first bad line."""
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise CorecapError(f"--data {path}: cannot open ({e.strerror})") from None
+# ---------------------------------------------------------------------------------------------
+# The whole file
+
+
+def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard):
+    """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
+    Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
+    Raise at the first problem the policies refuse."""
+    path = os.fspath(path)
+    f = _open(path)
     with f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_no}"
+        fmt = _format(path, f)
+        yield "unit", _UNITS[fmt]
+        rows = {"jsonl": _jsonl_rows, "json": _json_array_rows, "parquet": _parquet_rows}[fmt](path, f)
+        chat: dict = {}
+        last = 0
+        for n, where, obj in rows:
+            last = n
             try:
-                obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CorecapError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            if not isinstance(obj, dict):
-                raise CorecapError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            key = _key(obj, where, line_no)
-            ids = _token_ids(obj, where, tokenizer, vocab_size)
-            if len(ids) > max_len:
-                raise CorecapError(f"{where}: sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}")
-            yield Sample(key, line_no, ids)
+                if isinstance(obj, RowError):
+                    raise obj
+                if not isinstance(obj, dict):
+                    raise RowError(where, f"expected a JSON object, got {type(obj).__name__}", "not an object")
+                key = _key(obj, where, n)
+            except RowError as e:
+                # A row without a readable key belongs to the shard of its line number.
+                if shard is not None and shard_of(str(n), shard[1]) != shard[0]:
+                    yield "other shard", None
+                elif invalid == "skip":
+                    yield "skipped", e
+                else:
+                    raise
+                continue
+            if shard is not None and shard_of(key, shard[1]) != shard[0]:
+                yield "other shard", None
+                continue
+            try:
+                ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat)
+            except RowError as e:
+                if invalid != "skip":
+                    raise
+                yield "skipped", e
+                continue
+            if len(ids) <= max_len:
+                yield "sample", Sample(key, n, ids, mask, where)
+                continue
+            too_long = f"sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}"
+            if overflow == "error":
+                raise CorecapError(f"{where}: {too_long} (--overflow truncate or skip lets the run go on)")
+            if overflow == "skip":
+                yield "skipped", RowError(where, too_long, "longer than --max-len")
+                continue
+            if mask is not None and not mask[:max_len].any():
+                yield "skipped", RowError(
+                    where, f"{too_long}, and none of the first {max_len} is trained on",
+                    "no trained token within --max-len",
+                )
+                continue
+            yield "truncated", Sample(key, n, ids[:max_len], None if mask is None else mask[:max_len], where)
+        yield "rows", last
 
 
-def validate(path: str, *, tokenizer, vocab_size: int, max_len: int) -> DatasetSummary:
-    """One streaming pass over the whole file: every check, plus unique ids."""
-    first_line: dict[bytes, int] = {}
-    num_samples = num_tokens = last_line = 0
-    for sample in read_samples(path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len):
-        digest = hashlib.blake2b(sample.key.encode(), digest_size=16).digest()
-        if digest in first_line:
-            raise CorecapError(
-                f"{path}:{sample.line}: duplicate id {sample.key!r} (first seen on line {first_line[digest]})"
-            )
-        first_line[digest] = sample.line
-        num_samples += 1
-        num_tokens += len(sample.token_ids)
-        last_line = sample.line
-    if num_samples == 0:
+def read_samples(
+    path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
+    invalid: str | None = None, shard: tuple[int, int] | None = None,
+) -> Iterator[Sample]:
+    """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
+    the first problem the policies refuse. `overflow` says what happens to a sample longer than
+    `max_len` (error, truncate, skip); `invalid` to an invalid row (error, skip; default: skip
+    under overflow="skip", else error)."""
+    invalid = _check_policies(overflow, invalid, shard)
+    for kind, value in _outcomes(
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard
+    ):
+        if kind in ("sample", "truncated"):
+            yield value
+
+
+def validate(
+    path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
+    invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
+) -> DatasetSummary:
+    """One streaming pass over the whole file: every check, unique ids, and the count of each
+    outcome. `on_skip` is called with each skipped row's message (e.g. to log them all)."""
+    invalid = _check_policies(overflow, invalid, shard)
+    first: dict[bytes, int] = {}  # id digest → row number: 16 bytes a key, not the key itself
+    counts: Counter = Counter()
+    reasons: Counter = Counter()
+    examples: list[str] = []
+    num_tokens = 0
+    unit, last = "line", 0
+    for kind, value in _outcomes(
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard
+    ):
+        counts[kind] += 1
+        if kind == "unit":
+            unit = value
+        elif kind == "rows":
+            last = value
+        elif kind == "skipped":
+            reasons[value.reason] += 1
+            if len(examples) < _NUM_SKIP_EXAMPLES:
+                examples.append(str(value))
+            if on_skip is not None:
+                on_skip(str(value))
+        elif kind in ("sample", "truncated"):
+            digest = hashlib.blake2b(value.key.encode(), digest_size=16).digest()
+            if digest in first:
+                seen = f"{'on' if unit == 'line' else 'at'} {unit} {first[digest]}"
+                raise CorecapError(f"{value.where}: duplicate id {value.key!r} (first seen {seen})")
+            first[digest] = value.line
+            num_tokens += len(value.token_ids)
+    num_samples = counts["sample"] + counts["truncated"]
+    if num_samples + counts["skipped"] + counts["other shard"] == 0:
         raise CorecapError(f"--data {path}: no samples (the file is empty)")
-    return DatasetSummary(num_samples, num_tokens, last_line)
+    summary = DatasetSummary(
+        num_samples=num_samples,
+        num_tokens=num_tokens,
+        num_lines=last,
+        num_truncated=counts["truncated"],
+        num_skipped=counts["skipped"],
+        skip_reasons=dict(reasons),
+        skip_examples=tuple(examples),
+        num_other_shards=counts["other shard"],
+    )
+    if num_samples == 0 and counts["skipped"]:
+        raise CorecapError(f"--data {path}: no samples left: {summary.outcomes()}")
+    return summary
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -56,8 +57,13 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     identity = model_identity(model_dir, cfg.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
     tokenizer = load_tokenizer(model_dir)
-    read = dict(tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=cfg.max_len)
+    read = dict(
+        tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=cfg.max_len,
+        overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
+    )
     dataset = data.validate(data_path, **read)
+    for message in dataset.skip_examples:
+        log(f"skipped: {message}")
 
     spec_args = dict(
         model=model_dir,
@@ -87,7 +93,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         committed = store.fingerprints()
     todo = _check_resume(data_path, read, committed)
     log(
-        f"{data_path}: {dataset.num_samples} samples, {dataset.num_tokens} tokens; "
+        f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
         f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
     )
     if todo == 0:
@@ -101,7 +107,9 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     try:
         engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
         start = time.time()
-        _capture(engine, sink, data_path, read, committed, cfg, steps)
+        progress = Progress(todo, cfg.progress)
+        _capture(engine, sink, data_path, read, committed, cfg, steps, progress)
+        progress.close()
         done = sink.finish(cfg.stall_timeout, engine.problem)
         end = time.time()
     except (KeyboardInterrupt, Interrupted):
@@ -141,7 +149,7 @@ def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
             todo += 1
         elif stored != input_fingerprint(sample.token_ids):
             raise CorecapError(
-                f"{data_path}:{sample.line}: sample {sample.key!r} is already stored with input "
+                f"{sample.where}: sample {sample.key!r} is already stored with input "
                 f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
             )
     return todo
@@ -165,7 +173,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
     os.replace(tmp, os.path.join(store_path, TRACE_FILE))
 
 
-def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, steps: list | None) -> None:
+def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, steps: list | None, progress) -> None:
     samples = (s for s in data.read_samples(data_path, **read) if s.key not in committed)
     queued = 2 * cfg.batch  # keep the scheduler fed without holding the whole dataset
     last_progress = time.monotonic()
@@ -177,13 +185,14 @@ def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, ste
                 exhausted = True
                 break
             req_id = str(sample.line)
-            sink.expect(req_id, sample.key, sample.token_ids, getattr(sample, "loss_mask", None))
+            sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask)
             engine.add(req_id, sample.token_ids.tolist())
         if engine.num_unfinished == 0:
             return
         timing = engine.step()
         if steps is not None:
             steps.append(timing)
+        progress.update(len(timing.finished), timing.num_tokens)
         sink.check()
         if timing.num_tokens:
             last_progress = time.monotonic()
@@ -192,3 +201,30 @@ def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, ste
         problem = engine.problem()
         if problem:
             raise CorecapError(problem)
+
+
+class Progress:
+    """One self-rewriting line on a terminal (samples, tokens, tokens/s, ETA); silent in logs."""
+
+    def __init__(self, num_samples: int, enabled: bool | None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.total = num_samples
+        self.samples = self.tokens = 0
+        self.start = self.last = time.monotonic()
+
+    def update(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        now = time.monotonic()
+        if self.enabled and now - self.last >= 0.5:
+            self.last = now
+            rate = self.tokens / (now - self.start)
+            left = (now - self.start) / self.samples * (self.total - self.samples) if self.samples else float("nan")
+            sys.stderr.write(
+                f"\r{self.samples}/{self.total} samples, {self.tokens} tokens, {rate:,.0f} tokens/s, ETA {left:,.0f}s   "
+            )
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
