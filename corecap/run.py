@@ -116,8 +116,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         result = sink.abort()
         kept = result.num_committed if result is not None else "an unknown number of"
         raise Interrupted(f"interrupted: kept {kept} complete samples committed to {cfg.store} this run; rerun the same command to resume") from None
-    except CorecapError as e:
-        result = sink.abort()
+    except BaseException as e:
+        result = sink.abort()  # whatever went wrong, keep every complete sample
+        if not isinstance(e, CorecapError):
+            raise
         kept = result.num_committed if result is not None else 0
         raise CorecapError(f"{e} (kept {kept} complete samples committed this run; rerun to resume)") from None
     finally:
