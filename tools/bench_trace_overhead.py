@@ -56,7 +56,7 @@ def micro(num_steps: int) -> dict:
     record = (time.perf_counter() - begin) / num_steps
     with tempfile.TemporaryDirectory(prefix="corecap-bench-") as tmp:
         begin = time.perf_counter()
-        write_trace(tmp, t, steps, chunks, commits)
+        write_trace(tmp, t, time.time(), steps, chunks, commits)
         write = time.perf_counter() - begin
         size = os.path.getsize(os.path.join(tmp, "trace.json"))
     return {"num_steps": num_steps, "record_us": record * 1e6, "write_s": write, "bytes_per_step": size / num_steps}
