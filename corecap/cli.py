@@ -97,7 +97,8 @@ def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtyp
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write a .safetensors file.")
 @_one_line_errors
 def get(key, store, out) -> None:
-    """Summarize one stored sample; with --out, export it as safetensors."""
+    """Summarize one stored sample; with --out, export it as safetensors (input_ids, hidden_states,
+    and loss_mask when the sample has one)."""
     from corecap.store import Store
 
     with Store.open(store) as s:
@@ -106,17 +107,17 @@ def get(key, store, out) -> None:
     hs = sample.hidden_states
     click.echo(
         f"{key}: {sample.header.num_tokens} tokens, layers {layers}, dtype {sample.header.dtype}, "
-        f"hidden_states shape {list(hs.shape)}"
+        f"hidden_states shape {list(hs.shape)}, codec {sample.header.codec}"
+        + ("" if sample.loss_mask is None else f", loss mask on {int(sample.loss_mask.sum())} tokens")
     )
     if out:
         import torch
         from safetensors.torch import save_file
 
-        save_file(
-            {"input_ids": torch.from_numpy(sample.input_ids.astype("int64")), "hidden_states": hs.contiguous()},
-            out,
-            metadata={"key": key, "layers": json.dumps(layers)},
-        )
+        tensors = {"input_ids": torch.from_numpy(sample.input_ids.astype("int64")), "hidden_states": hs.contiguous()}
+        if sample.loss_mask is not None:
+            tensors["loss_mask"] = torch.from_numpy(sample.loss_mask)
+        save_file(tensors, out, metadata={"key": key, "layers": json.dumps(layers), "codec": sample.header.codec})
         click.echo(f"wrote {out}")
 
 
