@@ -129,7 +129,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         sink.close()
         result = sink.result
         if steps is not None and isinstance(result, Done):
-            write_trace(cfg.store, start, end, steps, result.chunks, result.commits)
+            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes)
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
@@ -157,7 +157,7 @@ def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
     return todo
 
 
-def write_trace(store_path: str, start: float, end: float, steps, chunks, commits) -> None:
+def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=()) -> None:
     """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
     import msgspec
 
@@ -168,6 +168,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
         "steps": steps,
         "chunks": chunks,
         "commits": commits,
+        "encodes": list(encodes),
     }
     tmp = os.path.join(store_path, "trace.json.tmp")
     with open(tmp, "wb") as f:

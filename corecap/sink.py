@@ -57,6 +57,7 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     flagged: list[str]
     chunks: list[dict]
     commits: list[dict]
+    encodes: list[dict]
 
 
 class Failed(msgspec.Struct, array_like=True, tag=5):
@@ -215,6 +216,7 @@ def main(spec: SinkSpec) -> None:
             writer.num_committed, writer.num_tokens, writer.nbytes, writer.raw_bytes, len(collector.pending),
             writer.flagged, [dataclasses.asdict(t) for t in collector.timings],
             [dataclasses.asdict(c) for c in writer.commits],
+            [{"start": a, "end": b} for a, b in writer.encodes],
         )))
     except BaseException as e:
         message = str(e) if isinstance(e, CorecapError) else f"the sink failed: {e!r}"

@@ -64,10 +64,11 @@ DATA_STAGES = (
     ("worker copy", "chunks", "t_copy", "t_ready"),
     ("wire", "chunks", "t_ready", "t_recv"),
     ("reassembly", "chunks", "t_recv", "t_done"),
+    ("codec", "encodes", "start", "end"),
     ("LMDB commit", "commits", "start", "end"),
 )
-BUSY_STAGES = ("worker copy", "reassembly", "LMDB commit")  # work, not time in flight
-DRAIN_ORDER = ("LMDB commit", "reassembly", "worker copy", "wire")
+BUSY_STAGES = ("worker copy", "reassembly", "codec", "LMDB commit")  # work, not time in flight
+DRAIN_ORDER = ("LMDB commit", "codec", "reassembly", "worker copy", "wire")
 MEANING = {
     "schedule": "vLLM's scheduler",
     "execute_model": "the forward pass",
@@ -79,18 +80,21 @@ MEANING = {
     "worker copy": "the worker's device-to-host copy and send queue",
     "reassembly": "the collector thread",
     "LMDB commit": "the store",
+    "codec": "checksums and compression",
     "wire": "ZeroMQ transfer",
 }
 _FIELDS = {
     "steps": ("start", "schedule", "execute", "sample", "update", "end", "num_tokens"),
     "chunks": ("t_copy", "t_ready", "t_recv", "t_done", "nbytes", "num_tokens"),
     "commits": ("start", "end", "num_samples", "nbytes"),
+    "encodes": ("start", "end"),  # optional: traces before the codec timing have none
 }
 # Chrome trace: stage -> (on the worker process?, first thread id, thread name, event name)
 CHROME_TRACKS = {
     "worker copy": (True, 100, "worker copy", "copy"),
     "wire": (True, 200, "wire", "wire"),
     "reassembly": (False, 300, "collector (reassembly)", "reassemble"),
+    "codec": (False, 350, "encoder threads (codec)", "encode"),
     "LMDB commit": (False, 400, "writer (LMDB commits)", "commit"),
 }
 COLORS = {
@@ -105,6 +109,7 @@ COLORS = {
     "wire": "#937860",
     "reassembly": "#da8bc3",
     "LMDB commit": "#17becf",
+    "codec": "#bcbd22",
 }
 
 
@@ -134,6 +139,7 @@ def check_trace(trace, where: str) -> None:
     for key in ("start", "end"):
         if not isinstance(trace.get(key), (int, float)):
             raise CorecapError(f"{where}: missing number {key!r}")
+    trace.setdefault("encodes", [])
     for key, fields in _FIELDS.items():
         records = trace.get(key)
         if not isinstance(records, list):
@@ -212,7 +218,7 @@ def phases(trace: dict) -> list[Phase]:
     rows.append(Phase("between steps", True, [(e, s["start"]) for e, s in zip(ends, steps)]))
     rows.append(Phase("drain", True, [(ends[-1], trace["end"])]))
     for name, key, a, b in DATA_STAGES:
-        rows.append(Phase(name, False, [(r[a], r[b]) for r in trace[key]]))
+        rows.append(Phase(name, False, [(r[a], r[b]) for r in trace.get(key, [])]))
     return rows
 
 
@@ -366,7 +372,7 @@ def to_chrome(trace: dict) -> dict:
 
     Overlapping intervals of one stage (several chunks in flight) go to extra tracks ("wire #2"),
     because a track's complete events must nest."""
-    times = [trace["start"]] + [r[a] for _, key, a, _ in DATA_STAGES for r in trace[key]]
+    times = [trace["start"]] + [r[a] for _, key, a, _ in DATA_STAGES for r in trace.get(key, [])]
     origin = min(times)
     # Whole microseconds: a phase then ends exactly where its step ends, so events nest.
     us = lambda t: int(round((t - origin) * 1e6))  # noqa: E731
@@ -402,7 +408,7 @@ def to_chrome(trace: dict) -> dict:
     for name, key, a, b in DATA_STAGES:
         on_worker, base, title, label = CHROME_TRACKS[name]
         pid = worker if on_worker else driver
-        records = trace[key]
+        records = trace.get(key, [])
         lanes = _lanes([(r[a], r[b]) for r in records])
         for lane in sorted(set(lanes)):
             meta(pid, base + lane, "thread_name", title + (f" #{lane + 1}" if lane else ""), base + lane)
@@ -444,7 +450,8 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
     # Timeline: the driver row is the serial loop, data-path rows split into lanes where they overlap.
     tracks = ["driver"] + [name for name, *_ in DATA_STAGES]
     labels = {"driver": "driver\n(step loop)", "worker copy": "worker copy\n(rank 0)", "wire": "wire\n(in flight)",
-              "reassembly": "collector\n(reassembly)", "LMDB commit": "writer\n(LMDB commit)"}
+              "reassembly": "collector\n(reassembly)", "codec": "encoders\n(codec)",
+              "LMDB commit": "writer\n(LMDB commit)"}
     y = {name: len(tracks) - 1 - i for i, name in enumerate(tracks)}
     for p in rows:
         pairs = [(a - t0, b - a) for a, b in p.intervals if b > a]

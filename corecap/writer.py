@@ -65,6 +65,7 @@ class Writer:
         self.raw_bytes = 0
         self.flagged: list[str] = []
         self.commits: list[CommitTiming] = []
+        self.encodes: list[tuple[float, float]] = []  # (start, end) of each sample's encoding
         self.thread = threading.Thread(target=self._commit_loop, daemon=True, name="corecap-commit")
         self.thread.start()
 
@@ -82,6 +83,12 @@ class Writer:
         self.queue.put((future, len(token_ids), size))
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
+        start = time.time()
+        record = self._encode_checked(key, token_ids, states, loss_mask)
+        self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
+        return record
+
+    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
         finite = bool(torch.isfinite(states).all()) if states.is_floating_point() else True
         if not finite:
             bad = [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())]

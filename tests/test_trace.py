@@ -233,3 +233,14 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "--batch applies only with --steps" in result.output
     result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--steps", "3"])
     assert result.exit_code == 2 and "--store and --steps exclude each other" in result.output
+
+
+def test_codec_time_is_a_data_path_row():
+    trace = synthetic_trace(num_steps=10)
+    trace["encodes"] = [{"start": T0 + 0.01 * i, "end": T0 + 0.01 * i + 0.002} for i in range(10)]
+    rows = {p.name: p for p in phases(trace)}
+    assert len(rows["codec"].intervals) == 10
+    assert abs(rows["codec"].total - 0.02) < 1e-9
+    assert "codec" in summarize(trace)
+    names = {e["name"] for e in to_chrome(trace)["traceEvents"]}
+    assert "encode" in names
