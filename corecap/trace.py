@@ -414,7 +414,10 @@ def to_chrome(trace: dict) -> dict:
             meta(pid, base + lane, "thread_name", title + (f" #{lane + 1}" if lane else ""), base + lane)
         for r, lane in zip(records, lanes):
             fields = ("step", "num_tokens", "nbytes") if key == "chunks" else ("num_samples", "nbytes")
-            text = f"{label} step {r.get('step', '?')}" if key == "chunks" else f"{label} {r['num_samples']} samples"
+            if key == "chunks":
+                text = f"{label} step {r.get('step', '?')}"
+            else:
+                text = f"{label} {r['num_samples']} samples" if "num_samples" in r else label
             span(text, "data", r[a], r[b], pid, base + lane, {k: r[k] for k in fields if k in r})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"version": trace["version"], "start": trace["start"], "end": trace["end"]}}
