@@ -33,6 +33,7 @@ class RunSummary:
     nbytes: int
     seconds: float
     raw_bytes: int = 0  # the states' size before the codec
+    outcomes: str = ""  # the dataset's outcome counts (truncated, skipped, ...)
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0
@@ -42,6 +43,7 @@ class RunSummary:
             f"{self.store}: committed {self.num_committed} samples ({self.num_tokens} tokens), "
             f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
             f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
+            + (f"; input: {self.outcomes}" if self.outcomes else "")
         )
 
 
@@ -97,7 +99,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
     )
     if todo == 0:
-        return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0)
+        return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0, 0, dataset.outcomes())
 
     engine = None
     sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
@@ -134,7 +136,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
         cfg.store, dataset.num_samples, done.num_committed, dataset.num_samples - todo,
-        done.num_tokens, done.nbytes, end - start, done.raw_bytes,
+        done.num_tokens, done.nbytes, end - start, done.raw_bytes, dataset.outcomes(),
     )
 
 
