@@ -151,9 +151,11 @@ def info(store) -> None:
 # Commands defined in their own modules.
 from corecap.merge import merge  # noqa: E402
 from corecap.trace import trace  # noqa: E402
+from corecap.verify import verify  # noqa: E402
 
 main.add_command(merge)
 main.add_command(trace)
+main.add_command(verify)
 
 if __name__ == "__main__":
     main()

@@ -107,18 +107,24 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     start = end = time.time()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
+        sink.watch()
         engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
         start = time.time()
         progress = Progress(todo, cfg.progress)
         _capture(engine, sink, data_path, read, committed, cfg, steps, progress)
         progress.close()
         done = sink.finish(cfg.stall_timeout, engine.problem)
+        sink.unwatch()
         end = time.time()
     except (KeyboardInterrupt, Interrupted):
+        sink.unwatch()
+        if sink.died:
+            raise CorecapError(f"{sink.failure()} (committed samples are kept; rerun to resume)") from None
         result = sink.abort()
         kept = result.num_committed if result is not None else "an unknown number of"
         raise Interrupted(f"interrupted: kept {kept} complete samples committed to {cfg.store} this run; rerun the same command to resume") from None
     except BaseException as e:
+        sink.unwatch()
         result = sink.abort()  # whatever went wrong, keep every complete sample
         if not isinstance(e, CorecapError):
             raise

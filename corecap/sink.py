@@ -18,7 +18,9 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
+import _thread
 from dataclasses import dataclass
 
 import msgspec
@@ -97,6 +99,35 @@ class Sink:
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
         self.proc.start()
         self.result: Status | None = None
+        self.died = False
+        self._watching = threading.Event()
+
+    def watch(self) -> None:
+        """Interrupt the main thread if the sink dies: the workers would then block on their
+        sends, and the step loop inside an engine step, forever."""
+        self._watching.set()
+
+        def watchdog() -> None:
+            while self._watching.is_set():
+                if not self.proc.is_alive():
+                    if self._watching.is_set():
+                        self.died = True
+                        _thread.interrupt_main()
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=watchdog, daemon=True, name="corecap-sink-watchdog").start()
+
+    def unwatch(self) -> None:
+        self._watching.clear()
+
+    def failure(self) -> str:
+        """Why the sink is gone: its own one-line report, or its exit code."""
+        if self.result is None and self.status.poll(1000):
+            self.result = self.decoder.decode(self.status.recv())
+        if isinstance(self.result, Failed):
+            return self.result.message
+        return f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
 
     def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None) -> None:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
@@ -144,6 +175,7 @@ class Sink:
         return self.result
 
     def close(self) -> None:
+        self.unwatch()
         if self.proc.is_alive():
             self.proc.join(timeout=30)
         if self.proc.is_alive():

@@ -11,7 +11,9 @@ bottleneck, and the slack that lets the GPU run ahead of a disk that keeps up on
 
 from __future__ import annotations
 
+import errno
 import queue
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +26,7 @@ from corecap import CorecapError
 from corecap.store import Record, Store, encode_sample
 
 _DONE = object()
+_LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
 
 
 @dataclass
@@ -137,7 +140,7 @@ class Writer:
         except CorecapError as e:
             self.error = e
         except BaseException as e:
-            self.error = CorecapError(f"{self.store.path}: writing the store failed: {_reason(e)}")
+            self.error = CorecapError(f"{self.store.path}: writing the store failed: {_reason(e, self.store.path)}")
 
     def close(self) -> None:
         """Commit everything queued and stop; raises if any commit failed."""
@@ -147,9 +150,11 @@ class Writer:
         self.raise_if_failed()
 
 
-def _reason(e: BaseException) -> str:
-    text = str(e)
-    if "No space left" in text or "MDB_MAP_FULL" in text or getattr(e, "errno", None) == 28:
-        return f"the disk is full ({text})"
-    return text or type(e).__name__
+def _reason(e: BaseException, path: str) -> str:
+    text = str(e) or type(e).__name__
+    # LMDB reports a short write on a full disk as EIO, so ask the filesystem too.
+    free = shutil.disk_usage(path).free
+    if "No space left" in text or getattr(e, "errno", None) == errno.ENOSPC or free < _LOW_SPACE:
+        return f"the disk is full ({free / 2**20:.0f} MiB free; {text})"
+    return text
 

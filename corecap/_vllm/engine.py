@@ -7,7 +7,10 @@ with async scheduling off so every step's capture belongs to exactly that step.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -63,8 +66,22 @@ def _split_cores(num_parts: int) -> str:
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def private_rpc_dir() -> str:
+    """A 0700 directory for vLLM's own IPC sockets (VLLM_RPC_BASE_PATH, default: the shared temp
+    dir), made once per process and removed at exit. One per process, not per run: vLLM caches
+    its environment once an engine has started."""
+    path = os.environ.get("VLLM_RPC_BASE_PATH")
+    if not path:
+        path = tempfile.mkdtemp(prefix="corecap-vllm-")
+        atexit.register(shutil.rmtree, path, True)
+        os.environ["VLLM_RPC_BASE_PATH"] = path
+    return path
+
+
 def build_vllm_config(spec: EngineSpec):
     from vllm.engine.arg_utils import EngineArgs
+
+    private_rpc_dir()
 
     if _cpu_platform() and spec.tensor_parallel_size > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _split_cores(spec.tensor_parallel_size))
@@ -73,7 +90,8 @@ def build_vllm_config(spec: EngineSpec):
         model=spec.model,
         tensor_parallel_size=spec.tensor_parallel_size,
         max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len,
+        # +1: a prompt of max_model_len tokens still needs room for its one sampled token.
+        max_model_len=spec.max_model_len + 1,
         max_num_batched_tokens=spec.max_num_batched_tokens,
         enable_chunked_prefill=True,
         # Cached prefix tokens are never recomputed, so their hidden states would be missing:
@@ -176,6 +194,20 @@ class Engine:
         self.num_unfinished += 1
 
     def step(self) -> StepTiming:
+        try:
+            return self._step()
+        except Exception:
+            # vLLM reports a dead worker as whatever its RPC saw ("cancelled", a timeout...):
+            # name the worker instead, once vLLM's monitor has noticed.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                problem = self.problem()
+                if problem:
+                    raise CorecapError(f"{problem} during an engine step") from None
+                time.sleep(0.1)
+            raise
+
+    def _step(self) -> StepTiming:
         timing = StepTiming(start=time.time())
         scheduler = self.core.scheduler
         scheduler_output = scheduler.schedule()

@@ -1,0 +1,162 @@
+"""`corecap verify`: check every sample of a store and say which ones are wrong, and how.
+
+    corecap verify --store out.lmdb      # exit 0: all good; 1: problems (listed); 2: not a store
+
+A sample is good when it has both its header and its states, its header agrees with the store's
+metadata (layers, dtype, hidden size, codec) and with its own key, its states decode (sizes and
+checksum), its input fingerprint matches its stored input ids, and its states hold no NaN/Inf
+and no layer that is exactly zero everywhere (a capture that never happened looks like that).
+
+The two databases are walked together in key order, one sample at a time inside one read
+transaction: memory stays at one sample however large the store, and a run that is writing the
+store meanwhile is neither blocked nor seen half-way (LMDB readers see a snapshot).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import click
+import lmdb
+import numpy as np
+import torch
+
+from corecap import CorecapError
+from corecap.store import Store, StoreMeta, decode_header, decode_sample, input_fingerprint
+
+
+@dataclass
+class VerifyReport:
+    store: str
+    num_samples: int = 0
+    num_tokens: int = 0  # of the samples whose header could be read
+    problems: dict[str, list[str]] = field(default_factory=dict)  # key → what is wrong with it
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        if self.ok:
+            return f"{self.store}: {self.num_samples} samples OK ({self.num_tokens} tokens)"
+        return f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
+
+
+def verify_store(path: str, on_problem: Callable[[str, list[str]], None] | None = None) -> VerifyReport:
+    """Check every sample of the store at `path`; `on_problem(key, problems)` as each is found.
+
+    Raises CorecapError when `path` is not a readable corecap store at all."""
+    try:
+        store = Store.open(path)
+    except lmdb.Error as e:  # e.g. a corecap meta db but no headers/samples db
+        raise CorecapError(f"{path}: not a corecap store ({e})") from None
+    report = VerifyReport(store.path)
+    try:
+        with store, store.env.begin(buffers=True) as txn:
+            for key, header, payload in _walk(txn, store):
+                report.num_samples += 1
+                problems = _check(key, header, payload, store.meta, report)
+                if problems:
+                    report.problems[key] = problems
+                    if on_problem is not None:
+                        on_problem(key, problems)
+    except lmdb.Error as e:
+        raise CorecapError(f"{path}: the LMDB itself is damaged ({e}); checked {report.num_samples} samples before it") from None
+    return report
+
+
+def _walk(txn, store: Store) -> Iterator[tuple[str, object, object]]:
+    """(key, header or None, payload or None) over the union of both dbs' keys, in key order.
+
+    Both cursors run in LMDB's key order (bytewise, as Python compares bytes), so a merge finds
+    the keys that one db has and the other lacks without holding any key set in memory."""
+    headers, payloads = txn.cursor(db=store.headers_db), txn.cursor(db=store.samples_db)
+    has_header, has_payload = headers.first(), payloads.first()
+    while has_header or has_payload:
+        hkey = bytes(headers.key()) if has_header else None
+        pkey = bytes(payloads.key()) if has_payload else None
+        if has_header and (not has_payload or hkey <= pkey):
+            same = has_payload and hkey == pkey
+            yield _text(hkey), headers.value(), payloads.value() if same else None
+            has_header = headers.next()
+            if same:
+                has_payload = payloads.next()
+        else:
+            yield _text(pkey), None, payloads.value()
+            has_payload = payloads.next()
+
+
+def _text(key: bytes) -> str:
+    return key.decode("utf-8", errors="backslashreplace")
+
+
+def _check(key: str, header_value, payload, meta: StoreMeta, report: VerifyReport) -> list[str]:
+    if header_value is None:
+        return ["states but no header (an incomplete sample)"]
+    try:
+        header = decode_header(key, header_value)
+    except CorecapError as e:
+        return [_strip(e, key)]
+    report.num_tokens += header.num_tokens
+    problems = []
+    if header.id != key:
+        problems.append(f"header is for sample {header.id!r}")
+    for name in ("layers", "dtype", "hidden_size", "codec"):
+        mine, store_value = getattr(header, name), getattr(meta, name)
+        if mine != store_value:
+            problems.append(f"header has {name}={mine!r}, the store's metadata {store_value!r}")
+    if payload is None:
+        problems.append("header but no states (an incomplete sample)")
+    if problems:  # decoding against the metadata would only restate these
+        return problems
+    try:
+        sample = decode_sample(key, header_value, payload, len(meta.layers))
+    except CorecapError as e:
+        return [_strip(e, key)]
+    if input_fingerprint(sample.input_ids) != header.input_fingerprint:
+        problems.append(
+            f"input fingerprint {header.input_fingerprint} does not match its input ids ({input_fingerprint(sample.input_ids)})"
+        )
+    mask = header.loss_mask
+    if mask is not None and (len(mask) != header.num_tokens or np.frombuffer(mask, np.uint8).max(initial=0) > 1):
+        problems.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
+    states_problems = _check_states(sample.hidden_states, meta.layers)
+    if states_problems and getattr(header, "nonfinite", False):  # stored under `--nonfinite store`
+        states_problems[0] += " (flagged at capture)"
+    return problems + states_problems
+
+
+def _check_states(states: torch.Tensor, layers: tuple[int, ...]) -> list[str]:
+    """NaN/Inf and all-zero layers, one layer at a time (bounds the temporaries)."""
+    problems = []
+    for i, layer in enumerate(layers):
+        x = states[i]
+        if x.numel() == 0:
+            continue
+        finite = torch.isfinite(x)
+        if not bool(finite.all()):
+            num_nan, num_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+            first = int(torch.nonzero(~finite.all(dim=-1))[0, 0])
+            problems.append(f"layer {layer}: {num_nan} NaN and {num_inf} Inf values (first at token {first})")
+        elif not bool(x.any()):
+            problems.append(f"layer {layer}: all {x.shape[0]} tokens are exactly zero (never captured?)")
+    return problems
+
+
+def _strip(error: CorecapError, key: str) -> str:
+    return str(error).removeprefix(f"sample {key!r}: ")
+
+
+@click.command()
+@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
+def verify(store) -> None:
+    """Check every stored sample (complete, consistent, checksums, finite, no zero layers)."""
+    try:
+        report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"))
+    except CorecapError as e:  # as in cli.py: one line, exit 2 for input that is not usable
+        click.echo(f"corecap: error: {e}", err=True)
+        sys.exit(2)
+    click.echo(report.line())
+    sys.exit(0 if report.ok else 1)

@@ -1,0 +1,572 @@
+"""Kill anywhere: SIGKILL a real `corecap run` at random moments, rerun it each time, and check
+that the store ends up exactly as an uninterrupted run makes it.
+
+    python tools/kill_loop.py                          # 20 kills, the tiny demo-size Llama, CPU
+    python tools/kill_loop.py --kills 40 --seed 7 --out kill_loop.json --enforce-eager
+
+It builds a tiny Llama (corecap.demo.build_tiny_llama, float32) and a random dataset in --work,
+makes an uninterrupted reference store (timing it: the load until the first commit, then the
+capture until the last), then runs the same command against a second store again and again,
+each time killing its whole process group (driver, sink, workers) with SIGKILL at a seeded
+random moment in one of three phases, cycled so each gets its share:
+  load    uniform over the reference's time to its first commit (startup, model load, warm-up);
+  step    a uniform delay after this run's first new commit: mid-capture, usually mid-step;
+  commit  as `step`, then at the next write to data.mdb: during an LMDB commit.
+Capture-phase delays are drawn from [0, 2 * capture / number of capture kills], so that the
+kills walk through the whole dataset instead of finishing it in the first few; a run that still
+completes the store before its kill ends a round (compared with the reference, then the store
+starts afresh), and the loop goes on until the wanted number of runs were really killed. After
+every kill the store must open and pass `corecap verify` (no partial sample), and no process of
+the run may survive. A final run completes the store, which is then compared with the reference:
+the same keys, input ids, headers and metadata exactly; hidden states bit-identical where the
+engine is batch-invariant, otherwise within 1e-6 relative (L2 per sample and layer); the
+measured difference is printed.
+
+tests/test_faults.py runs the same loop with a few kills (CORECAP_KILL_LOOPS); this script is
+the full run. Each run gets its own session, its own TMPDIR (mode 1777, like /tmp, so IPC files
+that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT under --work: a kill in
+the middle of torch.compile then hits this cache, not the user's. A SIGKILLed run leaves the
+shared memory it mapped in /dev/shm (vLLM's ring buffers, ~400 MB per run on the tiny model);
+the harness reports and removes it, or twenty kills would fill the machine's RAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import lmdb
+import numpy as np
+import psutil
+import torch
+
+from corecap import CorecapError
+from corecap.store import Store
+from corecap.verify import verify_store
+
+PHASES = ("load", "step", "commit")
+TOLERANCE = 1e-6  # relative L2 per sample and layer: float32's band after reordered reductions
+_POLL = 0.05
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """How to start one `corecap run`: the command line, its store, and where its files go."""
+
+    argv: tuple[str, ...]
+    store: str
+    workdir: str
+    env: dict = field(default_factory=dict)
+
+
+class Run:
+    """One started `corecap run` in its own session (process group), with its own TMPDIR and log files."""
+
+    started: list["Run"] = []  # every run of this process, ended at exit (own sessions outlive us)
+
+    def __init__(self, cmd: RunCommand, name: str):
+        self.cmd, self.name = cmd, name
+        self.tmpdir = os.path.join(cmd.workdir, f"{name}.tmp")
+        os.makedirs(self.tmpdir)
+        os.chmod(self.tmpdir, 0o1777)  # shared like /tmp: anything the run leaves directly here is exposed
+        self.stdout_path = os.path.join(cmd.workdir, f"{name}.stdout")
+        self.stderr_path = os.path.join(cmd.workdir, f"{name}.stderr")
+        env = {**os.environ, **cmd.env, "TMPDIR": self.tmpdir}
+        # files, not pipes: a pipe nobody reads fills up and stalls the run
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd.argv, cwd=cmd.workdir, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.start = time.monotonic()
+        self.pgid = self.proc.pid
+        self.shm: set[str] = set()  # /dev/shm files its processes mapped (seen by `watch`)
+        self.shm_before = set(os.listdir("/dev/shm"))
+        Run.started.append(self)
+
+    def watch(self) -> None:
+        """Note the shared memory the run's processes map: a SIGKILL leaves it behind."""
+        for p in self.processes():
+            try:
+                with open(f"/proc/{p.pid}/maps") as f:
+                    for line in f:
+                        if "/dev/shm/" in line:
+                            self.shm.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+            except OSError:
+                continue
+
+    def leaked_shm(self) -> list[tuple[str, int]]:
+        """(path, bytes) of shared memory it left: files it mapped, or that appeared in /dev/shm
+        while it ran, which no process maps any more (call after it ended; when other programs
+        use /dev/shm at the same time, what they leak meanwhile is counted too)."""
+        appeared = {os.path.join("/dev/shm", n) for n in set(os.listdir("/dev/shm")) - self.shm_before}
+        out = []
+        for path in sorted(self.shm | appeared):
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue
+            if not _mapped_by_anyone(path):
+                out.append((path, size))
+        return out
+
+    def remove_leaked_shm(self) -> None:
+        """vLLM's ring buffers are hundreds of MB of RAM each: repeated kills would use it all up."""
+        for path, _ in self.leaked_shm():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None if it is still running after `timeout` seconds."""
+        try:
+            return self.proc.wait(timeout=max(timeout, 0))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def processes(self) -> list[psutil.Process]:
+        """The driver and every descendant still alive."""
+        try:
+            main = psutil.Process(self.proc.pid)
+            return [main] + main.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def group_processes(self) -> list[psutil.Process]:
+        """Live (non-zombie) processes in the run's process group."""
+        out = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == self.pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return out
+
+    def wait_group_gone(self, timeout: float) -> list[str]:
+        """Wait for every process of the group to end; describe those that do not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = self.group_processes()
+            if not left or time.monotonic() > deadline:
+                return [_describe(p) for p in left]
+            time.sleep(_POLL)
+
+    def stdout(self) -> str:
+        with open(self.stdout_path, errors="replace") as f:
+            return f.read()
+
+    def stderr(self) -> str:
+        with open(self.stderr_path, errors="replace") as f:
+            return f.read()
+
+    def last_stderr_line(self) -> str:
+        lines = [line for line in self.stderr().splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+def _mapped_by_anyone(path: str) -> bool:
+    for maps in os.scandir("/proc"):
+        if maps.name.isdigit():
+            try:
+                with open(f"/proc/{maps.name}/maps") as f:
+                    if any(line.rstrip("\n").removesuffix(" (deleted)").endswith(" " + path) for line in f):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+@atexit.register
+def _kill_started_runs() -> None:
+    for run in Run.started:
+        if run.running():
+            run.signal_group(signal.SIGKILL)
+            run.wait(30)
+            run.wait_group_gone(10)
+        run.remove_leaked_shm()
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"pid {p.pid} {' '.join(p.cmdline())[:120] or p.name()}"
+    except psutil.Error:
+        return f"pid {p.pid}"
+
+
+def num_committed(store: str) -> int:
+    """Samples committed to `store` so far (0 while it does not exist or is being created)."""
+    try:
+        with Store.open(store) as s:
+            return len(s)
+    except (CorecapError, lmdb.Error):
+        return 0
+
+
+def _data_file_state(store: str):
+    try:
+        st = os.stat(os.path.join(store, "data.mdb"))
+        return st.st_mtime_ns, st.st_size
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Timing:
+    load: float  # start → first commit
+    capture: float  # first commit → last commit
+    total: float  # start → exit
+
+
+@dataclass
+class Outcome:
+    name: str
+    phase: str | None  # None: a run left to finish
+    killed: bool  # False: it exited before the kill came
+    at: float  # seconds after start when it was killed, or when it exited
+    returncode: int
+    committed_before: int
+    committed_after: int
+    verify_problems: int  # samples `corecap verify` finds wrong after this run
+    leftover_processes: list[str]
+    stderr_tail: str = ""
+    store_error: str = ""  # the store could not be opened at all (e.g. killed while creating it)
+    leaked_shm: int = 0  # /dev/shm files it left (removed by this harness afterwards)
+    leaked_shm_bytes: int = 0
+    landed: str = ""  # where the kill landed: "load" (nothing committed yet) or "capture"
+
+    @property
+    def failed(self) -> bool:
+        """A run that failed on its own, a store with a bad sample, or a process that survived."""
+        return (not self.killed and self.returncode != 0) or self.verify_problems > 0 or bool(self.leftover_processes)
+
+    def line(self) -> str:
+        what = f"killed in {self.phase} at {self.at:5.1f}s" if self.killed else f"exited {self.returncode} at {self.at:5.1f}s"
+        if self.killed and self.landed and self.landed != {"step": "capture", "commit": "capture"}.get(self.phase, self.phase):
+            what += f" (landed in {self.landed})"
+        if self.phase and not self.killed:
+            what += f" (before its {self.phase} kill)"
+        return (
+            f"{self.name}: {what}; committed {self.committed_before} -> {self.committed_after}; "
+            f"verify problems {self.verify_problems}; leftover processes {len(self.leftover_processes)}"
+            + (f"; left {self.leaked_shm} shm files ({self.leaked_shm_bytes / 2**20:.0f} MiB)" if self.leaked_shm else "")
+            + (f"; store unreadable: {self.store_error}" if self.store_error else "")
+        )
+
+
+def timed_run(cmd: RunCommand, name: str, timeout: float) -> tuple[Outcome, Timing]:
+    """Run to the end, timing the first and the last commit (polled)."""
+    before = num_committed(cmd.store)
+    run = Run(cmd, name)
+    first = last = None
+    count = before
+    while run.running() and run.elapsed() < timeout:
+        run.watch()
+        n = num_committed(cmd.store)
+        if n != count:
+            count, last = n, run.elapsed()
+            first = first if first is not None else last
+        time.sleep(_POLL)
+    outcome = _finish(run, None, killed=False, before=before)
+    total = outcome.at
+    first = first if first is not None else total
+    last = last if last is not None else total
+    return outcome, Timing(load=first, capture=max(last - first, 0.0), total=total)
+
+
+def kill_once(cmd: RunCommand, name: str, phase: str, rng: random.Random, timing: Timing, window: float, timeout: float) -> Outcome:
+    """Start a run and SIGKILL its whole process group at a random moment in `phase`."""
+    before = num_committed(cmd.store)
+    run = Run(cmd, name)
+    if phase == "load":
+        _sleep_while_running(run, rng.uniform(0, timing.load))
+    else:
+        while run.running() and num_committed(cmd.store) == before and run.elapsed() < timeout:
+            run.watch()
+            time.sleep(_POLL)
+        _sleep_while_running(run, rng.uniform(0, window))
+        if phase == "commit":
+            state = _data_file_state(cmd.store)
+            deadline = time.monotonic() + 30
+            while run.running() and _data_file_state(cmd.store) == state and time.monotonic() < deadline:
+                time.sleep(0.0005)
+    at_kill = num_committed(cmd.store) if phase == "load" else None  # a load kill may land late
+    killed = run.running()
+    if killed:
+        run.signal_group(signal.SIGKILL)
+    outcome = _finish(run, phase, killed=killed, before=before)
+    if killed:
+        outcome.landed = "load" if phase == "load" and at_kill == before else "capture"
+    return outcome
+
+
+def _sleep_while_running(run: Run, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while run.running() and time.monotonic() < deadline:
+        run.watch()
+        time.sleep(min(_POLL, max(deadline - time.monotonic(), 0)))
+
+
+def _finish(run: Run, phase: str | None, killed: bool, before: int) -> Outcome:
+    at = run.elapsed()
+    rc = run.wait(600)
+    if rc is None:  # a hang: end it, and say so through the return code
+        run.signal_group(signal.SIGKILL)
+        rc = run.wait(60)
+    leftovers = run.wait_group_gone(30)
+    run.signal_group(signal.SIGKILL)  # never leave a process behind for the next run
+    problems, store_error = 0, ""
+    if os.path.exists(os.path.join(run.cmd.store, "data.mdb")):
+        try:
+            problems = len(verify_store(run.cmd.store).problems)
+        except CorecapError as e:  # not a failure by itself: the next run must cope with it
+            store_error = str(e)
+    tail = "" if killed or rc == 0 else "\n".join(run.stderr().splitlines()[-20:])
+    leaked = run.leaked_shm()
+    run.remove_leaked_shm()
+    return Outcome(
+        run.name, phase, killed, round(at, 2), rc, before, num_committed(run.cmd.store), problems, leftovers, tail,
+        store_error, len(leaked), sum(size for _, size in leaked),
+    )
+
+
+@dataclass
+class LoopResult:
+    outcomes: list[Outcome]
+    rounds: list["Comparison"]  # a store the loop completed, compared with the reference, then restarted
+
+    @property
+    def num_killed(self) -> int:
+        return sum(o.killed for o in self.outcomes)
+
+    @property
+    def failed(self) -> bool:
+        return any(o.failed for o in self.outcomes) or not all(c.ok for c in self.rounds)
+
+
+def kill_loop(cmd: RunCommand, num_kills: int, seed: int, timing: Timing, reference: str | None = None,
+              timeout: float = 900, log=print) -> LoopResult:
+    """Run until `num_kills` runs were SIGKILLed at random moments; phases come in a seeded order.
+
+    A run that finishes before its kill completed the store: it is compared with `reference`,
+    then removed, and the next kill starts a new round on an empty store, so that every kill
+    lands on a run with work left. Stops at the first run that fails on its own."""
+    rng = random.Random(seed)
+    phases = [PHASES[i % len(PHASES)] for i in range(num_kills)]
+    rng.shuffle(phases)
+    num_capture_kills = sum(p != "load" for p in phases)
+    window = max(0.2, 2 * timing.capture / max(num_capture_kills, 1))
+    result = LoopResult([], [])
+    while result.num_killed < num_kills and len(result.outcomes) < 3 * num_kills:
+        phase = phases[result.num_killed]
+        outcome = kill_once(cmd, f"run-{len(result.outcomes):02d}", phase, rng, timing, window, timeout)
+        result.outcomes.append(outcome)
+        log(outcome.line())
+        if outcome.stderr_tail:
+            log(outcome.stderr_tail)
+        if outcome.failed:
+            break
+        if not outcome.killed:  # it completed the store: check this round, start the next
+            if reference is not None:
+                result.rounds.append(compare_stores(reference, cmd.store))
+                log(f"round {len(result.rounds)} complete: {result.rounds[-1].line()}")
+            shutil.rmtree(cmd.store)
+    return result
+
+
+@dataclass
+class Comparison:
+    num_reference: int
+    num_compared: int
+    missing: list[str]
+    extra: list[str]
+    meta_equal: bool
+    header_mismatches: list[str]  # "key: field" where headers differ (checksum aside)
+    num_bit_identical: int
+    max_rel: float  # max over samples and layers of ||got - ref|| / ||ref||
+    max_abs: float
+    worst_key: str | None
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.missing and not self.extra and self.meta_equal and not self.header_mismatches
+            and self.num_compared == self.num_reference and self.max_rel <= TOLERANCE
+        )
+
+    def line(self) -> str:
+        return (
+            f"{self.num_compared} of {self.num_reference} samples compared: {len(self.missing)} missing, "
+            f"{len(self.extra)} extra, metadata {'equal' if self.meta_equal else 'DIFFERENT'}, "
+            f"{len(self.header_mismatches)} header mismatches; states bit-identical in {self.num_bit_identical}, "
+            f"max relative difference {self.max_rel:.3e} (L2 per sample and layer; tolerance {TOLERANCE:g}), "
+            f"max absolute {self.max_abs:.3e}" + (f" at {self.worst_key!r}" if self.worst_key else "")
+        )
+
+
+def compare_stores(reference: str, got: str) -> Comparison:
+    """`got` against `reference`, one sample at a time."""
+    import msgspec
+
+    with Store.open(reference) as ref_store:
+        ref_keys, ref_meta = list(ref_store.keys()), ref_store.meta
+    with Store.open(got) as got_store:
+        got_keys, got_meta = list(got_store.keys()), got_store.meta
+    common = sorted(set(ref_keys) & set(got_keys))
+    header_mismatches: list[str] = []
+    num_identical, max_rel, max_abs, worst = 0, 0.0, 0.0, None
+    with Store.open(reference) as ref_store, Store.open(got) as got_store:
+        for key in common:
+            a, b = ref_store.get(key), got_store.get(key)
+            ha, hb = msgspec.structs.asdict(a.header), msgspec.structs.asdict(b.header)
+            for name in ha:
+                if name != "checksum" and ha[name] != hb.get(name):
+                    header_mismatches.append(f"{key}: {name}")
+            if not np.array_equal(a.input_ids, b.input_ids):
+                header_mismatches.append(f"{key}: input_ids")
+            if a.hidden_states.shape != b.hidden_states.shape:
+                header_mismatches.append(f"{key}: shape")
+                continue
+            if torch.equal(a.hidden_states, b.hidden_states):
+                num_identical += 1
+                continue
+            ref, new = a.hidden_states.double(), b.hidden_states.double()
+            rel = float(((new - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1).clamp_min(1e-300)).max())
+            if rel > max_rel:
+                max_rel, worst = rel, key
+            max_abs = max(max_abs, float((new - ref).abs().max()))
+    return Comparison(
+        num_reference=len(ref_keys), num_compared=len(common),
+        missing=sorted(set(ref_keys) - set(got_keys)), extra=sorted(set(got_keys) - set(ref_keys)),
+        meta_equal=ref_meta == got_meta, header_mismatches=header_mismatches,
+        num_bit_identical=num_identical, max_rel=max_rel, max_abs=max_abs, worst_key=worst,
+    )
+
+
+def make_inputs(workdir: str, num_samples: int, max_tokens: int, seed: int = 0) -> tuple[str, str]:
+    """A tiny float32 Llama (no tokenizer: the data is token ids) and a random dataset."""
+    from corecap.demo import build_tiny_llama
+
+    model = os.path.join(workdir, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        build_tiny_llama(model, seed=seed, num_layers=8, vocab_size=512)
+    rng = np.random.default_rng(seed)
+    data = os.path.join(workdir, "data.jsonl")
+    with open(data, "w") as f:
+        for i in range(num_samples):
+            n = int(rng.integers(8, max_tokens + 1))
+            f.write(json.dumps({"id": f"sample-{i:04d}", "input_ids": rng.integers(3, 512, size=n).tolist()}) + "\n")
+    return model, data
+
+
+def run_command(workdir: str, model: str, data: str, store: str, *, layers: str, max_batched_tokens: int,
+                max_len: int, enforce_eager: bool, env: dict | None = None) -> RunCommand:
+    argv = [
+        sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
+        "--layers", layers, "--dtype", "float32", "--max-batched-tokens", str(max_batched_tokens),
+        "--max-len", str(max_len),
+    ]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    return RunCommand(tuple(argv), store, workdir, env or {})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default=None, help="working directory (default: a new temporary one, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true", help="keep the working directory (stores, logs)")
+    ap.add_argument("--samples", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--layers", default="0,2,4,8")
+    ap.add_argument("--max-batched-tokens", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster starts; the default runs compile)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    workdir = args.work or tempfile.mkdtemp(prefix="kill-loop-")
+    os.makedirs(workdir, exist_ok=True)
+    model, data = make_inputs(workdir, args.samples, args.max_tokens, args.seed)
+    make = lambda store: run_command(  # noqa: E731
+        workdir, model, data, os.path.join(workdir, store), layers=args.layers,
+        max_batched_tokens=args.max_batched_tokens, max_len=args.max_tokens + 16, enforce_eager=args.enforce_eager,
+        env={"VLLM_CACHE_ROOT": os.path.join(workdir, "vllm-cache")},
+    )
+    reference_cmd, cmd = make("reference"), make("killed")
+    for store in (reference_cmd.store, cmd.store):
+        shutil.rmtree(store, ignore_errors=True)
+    print(f"work directory {workdir}; {args.kills} kills, seed {args.seed}", flush=True)
+
+    reference, timing = timed_run(reference_cmd, "reference", args.timeout)
+    print(f"{reference.line()}\ntiming: load {timing.load:.1f}s, capture {timing.capture:.1f}s, total {timing.total:.1f}s", flush=True)
+    if reference.failed or reference.returncode != 0:
+        print(reference.stderr_tail or "the reference run failed", file=sys.stderr)
+        return 1
+    loop = kill_loop(cmd, args.kills, args.seed, timing, reference_cmd.store, args.timeout, log=lambda m: print(m, flush=True))
+    outcomes = loop.outcomes
+    final, _ = timed_run(cmd, "final", args.timeout)
+    print(final.line(), flush=True)
+    comparison = compare_stores(reference_cmd.store, cmd.store) if final.returncode == 0 else None
+    print(comparison.line() if comparison else f"the final run failed:\n{final.stderr_tail}", flush=True)
+
+    killed = [o for o in outcomes if o.killed]
+    by_phase = {p: sum(o.phase == p for o in killed) for p in PHASES}
+    late = sum(o.phase == "load" and o.landed == "capture" for o in killed)
+    leaked = sum(o.leaked_shm_bytes for o in outcomes)
+    print(f"/dev/shm left by the killed runs (removed): {sum(o.leaked_shm for o in outcomes)} files, {leaked / 2**20:.0f} MiB", flush=True)
+    ok = comparison is not None and comparison.ok and not final.failed and not loop.failed and loop.num_killed == args.kills
+    print(
+        f"{'OK' if ok else 'FAILED'}: {len(killed)} of {len(outcomes)} runs killed in {len(loop.rounds) + 1} rounds "
+        f"({', '.join(f'{n} in {p}' for p, n in by_phase.items())}; {late} of the load kills landed in the capture); "
+        f"{sum(o.failed for o in outcomes)} runs failed, left a bad store or left processes",
+        flush=True,
+    )
+    if args.out:
+        result = {
+            "ok": ok,
+            "command": " ".join(cmd.argv),
+            "kills": args.kills,
+            "seed": args.seed,
+            "timing": asdict(timing),
+            "reference": asdict(reference),
+            "runs": [asdict(o) for o in outcomes],
+            "rounds": [asdict(c) for c in loop.rounds],
+            "final": asdict(final),
+            "comparison": asdict(comparison) if comparison else None,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        }
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if not args.work and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
