@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import _thread
@@ -86,7 +85,7 @@ class Sink:
     """The driver's handle on the sink process."""
 
     def __init__(self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int):
-        self.dir = tempfile.mkdtemp(prefix="corecap-")  # mode 0700: owner only
+        self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PUSH)

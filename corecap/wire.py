@@ -12,6 +12,8 @@ The decoder trusts nothing: a wrong version, frame count, or size for the declar
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 
 import msgspec
@@ -26,6 +28,18 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+
+def private_ipc_dir(prefix: str, longest_name: int = 40) -> str:
+    """A new 0700 directory for IPC sockets, in the temp dir, or in /tmp where the temp dir's
+    path is too long for a socket path (`longest_name`: the longest file name to go in it)."""
+    base = tempfile.gettempdir()
+    if len(base) + len(prefix) + 10 + longest_name > _IPC_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=base)
 
 
 class WireError(ValueError):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 from corecap import CorecapError
+from corecap.wire import private_ipc_dir
 
 WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
 
@@ -72,7 +72,7 @@ def private_rpc_dir() -> str:
     its environment once an engine has started."""
     path = os.environ.get("VLLM_RPC_BASE_PATH")
     if not path:
-        path = tempfile.mkdtemp(prefix="corecap-vllm-")
+        path = private_ipc_dir("corecap-vllm-")  # vLLM names its sockets by uuid4: 36 chars
         atexit.register(shutil.rmtree, path, True)
         os.environ["VLLM_RPC_BASE_PATH"] = path
     return path
