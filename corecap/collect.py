@@ -47,7 +47,6 @@ class Collector:
         self.layers = layers
         self.on_complete = on_complete
         self.pending: dict[str, _Pending] = {}
-        self.num_chunks = 0
         self.timings: list[ChunkTiming] = []
 
     def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
@@ -85,5 +84,4 @@ class Collector:
             if p.num_covered == len(p.token_ids):
                 del self.pending[seg.req_id]
                 self.on_complete(p)
-        self.num_chunks += 1
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))

@@ -152,18 +152,6 @@ class Engine:
 
         return DTYPE_NAMES[vllm_config.model_config.dtype]
 
-    @property
-    def num_layers(self) -> int:
-        return self.vllm_config.model_config.hf_config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.vllm_config.model_config.hf_config.hidden_size
-
-    @property
-    def block_size(self) -> int:
-        return self.vllm_config.cache_config.block_size
-
     def worker_pids(self) -> list[tuple[int, int]]:
         """(rank, pid) of every worker process."""
         return [(w["rank"], w["pid"]) for w in self.executor.corecap_workers]
