@@ -5,11 +5,11 @@ calls `corecap_install` once, after the model is loaded and before the engine pr
 compiles or captures CUDA graphs. Capture comes through the model's own outputs, not forward
 hooks (hooks added after compilation never fire): we ask the model for its EAGLE-3 auxiliary
 hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` interface), so
-the compiled graph returns them, and we tap the runner's `_model_forward` to copy them out.
+the compiled graph returns them, and we tap the model runner (`_Tap._patch`) to copy them out.
 
 Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
 buffer (cheap, on the compute stream), copies it to host on a side stream, and a sender thread
-pushes one `wire.Chunk` message to the driver once the copy is done. The compute thread only
+pushes one `wire.Chunk` message to the sink process (corecap/sink.py) once the copy is done. The compute thread only
 waits when the sender is `_MAX_IN_FLIGHT` steps behind (backpressure from a slow store).
 """
 
