@@ -62,8 +62,7 @@ class StoreMeta(msgspec.Struct, frozen=True):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise CorecapError(f"{path}: store has {name}={theirs!r}, this run has {mine!r}")
-        # Each sample records its own codec, so lossless codecs may mix; lossy and exact may not.
-        if (self.codec == FP8) != (other.codec == FP8):
+        if not codecs_may_mix(self.codec, other.codec):
             raise CorecapError(f"{path}: store has codec={other.codec!r}, this run has {self.codec!r} (lossy and exact states must not mix)")
         for name in ("config_hash", "weights_fingerprint"):
             mine, theirs = getattr(self.model, name), getattr(other.model, name)
@@ -71,6 +70,12 @@ class StoreMeta(msgspec.Struct, frozen=True):
                 raise CorecapError(
                     f"{path}: store was made by another model ({name} {theirs}, this run {mine})"
                 )
+
+
+def codecs_may_mix(a: str, b: str) -> bool:
+    """Each sample records its own codec, so lossless codecs may mix in a store; lossy (fp8) and
+    exact states may not."""
+    return (a == FP8) == (b == FP8)
 
 
 class SampleHeader(msgspec.Struct, array_like=True, frozen=True):

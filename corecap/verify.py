@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from corecap import CorecapError
-from corecap.store import Store, StoreMeta, decode_header, decode_sample, input_fingerprint
+from corecap.store import Store, StoreMeta, codecs_may_mix, decode_header, decode_sample, input_fingerprint
 
 
 @dataclass
@@ -103,10 +103,12 @@ def _check(key: str, header_value, payload, meta: StoreMeta, report: VerifyRepor
     problems = []
     if header.id != key:
         problems.append(f"header is for sample {header.id!r}")
-    for name in ("layers", "dtype", "hidden_size", "codec"):
+    for name in ("layers", "dtype", "hidden_size"):
         mine, store_value = getattr(header, name), getattr(meta, name)
         if mine != store_value:
             problems.append(f"header has {name}={mine!r}, the store's metadata {store_value!r}")
+    if not codecs_may_mix(header.codec, meta.codec):
+        problems.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
     if payload is None:
         problems.append("header but no states (an incomplete sample)")
     if problems:  # decoding against the metadata would only restate these

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from corecap.store import (
-    FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_header, encode_sample,
+    FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_header, encode_sample,
 )
 from corecap.verify import verify, verify_store
 
@@ -128,14 +128,16 @@ def test_header_disagreeing_with_metadata(tmp_path):
             encode_sample("wrong-layers", _ids(1, 4), _states(1, 4), (0, 2, 7)),
             encode_sample("wrong-dtype", _ids(2, 4), _states(2, 4).half(), LAYERS),
             encode_sample("wrong-hidden", _ids(3, 4), _states(3, 4)[..., :8], LAYERS),
-            encode_sample("wrong-codec", _ids(4, 4), _states(4, 4), LAYERS, codec="zstd-planes"),
+            encode_sample("wrong-codec", _ids(4, 4), _states(4, 4), LAYERS, codec=FP8),
+            # lossless codecs may mix in one store (a resumed run may use another): no problem
+            encode_sample("other-lossless", _ids(5, 4), _states(5, 4), LAYERS, codec="zstd-planes"),
         ])
     report = verify_store(path)
     assert sorted(report.problems) == ["wrong-codec", "wrong-dtype", "wrong-hidden", "wrong-layers"]
     assert report.problems["wrong-layers"] == ["header has layers=(0, 2, 7), the store's metadata (0, 2, 8)"]
     assert "dtype='float16'" in report.problems["wrong-dtype"][0]
     assert "hidden_size=8" in report.problems["wrong-hidden"][0]
-    assert "codec='zstd-planes'" in report.problems["wrong-codec"][0]
+    assert f"codec={FP8!r}" in report.problems["wrong-codec"][0]
 
 
 def test_unreadable_header_and_header_for_another_key(tmp_path):
