@@ -511,9 +511,11 @@ def read_samples(
 def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
+    on_sample: Callable[[Sample], None] | None = None,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
-    outcome. `on_skip` is called with each skipped row's message (e.g. to log them all)."""
+    outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
+    `on_sample` with each sample kept (e.g. to check it against a store), in the same pass."""
     invalid = _check_policies(overflow, invalid, shard)
     first: dict[bytes, int] = {}  # id digest → row number: 16 bytes a key, not the key itself
     counts: Counter = Counter()
@@ -542,6 +544,8 @@ def validate(
                 raise CorecapError(f"{value.where}: duplicate id {value.key!r} (first seen {seen})")
             first[digest] = value.line
             num_tokens += len(value.token_ids)
+            if on_sample is not None:
+                on_sample(value)
     num_samples = counts["sample"] + counts["truncated"]
     if num_samples + counts["skipped"] + counts["other shard"] == 0:
         raise CorecapError(f"--data {path}: no samples (the file is empty)")

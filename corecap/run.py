@@ -19,8 +19,7 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.sink import Done, Sink
-
-TRACE_FILE = "trace.json"
+from corecap.trace import TRACE_FILE, TRACE_VERSION
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,12 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=cfg.max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
     )
-    dataset = data.validate(data_path, **read)
+    # Keys already committed, read before validating so that the same pass checks their inputs;
+    # the store itself is created (and its metadata checked) only once the input is known good.
+    committed = _committed_fingerprints(cfg.store)
+    resume = _ResumeCheck(committed)
+    dataset = data.validate(data_path, **read, on_sample=resume)
+    todo = resume.todo
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
 
@@ -91,9 +95,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         vllm_version=vllm_version(),
         codec=cfg.codec,
     )
-    with Store.create_or_open(cfg.store, meta) as store:
-        committed = store.fingerprints()
-    todo = _check_resume(data_path, read, committed)
+    Store.create_or_open(cfg.store, meta).close()
     log(
         f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
         f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
@@ -150,19 +152,30 @@ def _raise_interrupted(signum, frame):
     raise Interrupted("terminated")
 
 
-def _check_resume(data_path: str, read: dict, committed: dict[str, str]) -> int:
-    """Count samples still to do; a stored key whose input changed is an error."""
-    todo = 0
-    for sample in data.read_samples(data_path, **read):
-        stored = committed.get(sample.key)
+def _committed_fingerprints(store_path: str) -> dict[str, str]:
+    """key → input fingerprint of every sample already in the store (empty for a new store)."""
+    if not os.path.exists(os.path.join(store_path, "data.mdb")):
+        return {}
+    with Store.open(store_path) as store:
+        return store.fingerprints()
+
+
+class _ResumeCheck:
+    """Counts the samples still to do; a stored key whose input changed is an error."""
+
+    def __init__(self, committed: dict[str, str]):
+        self.committed = committed
+        self.todo = 0
+
+    def __call__(self, sample) -> None:
+        stored = self.committed.get(sample.key)
         if stored is None:
-            todo += 1
+            self.todo += 1
         elif stored != input_fingerprint(sample.token_ids):
             raise CorecapError(
                 f"{sample.where}: sample {sample.key!r} is already stored with input "
                 f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
             )
-    return todo
 
 
 def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=()) -> None:
@@ -170,7 +183,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
     import msgspec
 
     record = {
-        "version": 1,
+        "version": TRACE_VERSION,
         "start": start,
         "end": end,
         "steps": steps,
