@@ -3,12 +3,13 @@
     corecap merge all.lmdb shard0.lmdb shard1.lmdb shard2.lmdb
 
 Every check runs before anything is written, so a refused merge leaves OUT as it was:
-- the stores' metadata must agree on every field except corecap_version, vllm_version and
-  model.path (the same model may sit in another directory on another machine);
+- the stores' metadata must agree on every field except corecap_version, vllm_version,
+  format_version (OUT keeps its own) and model.path (the same model may sit in another
+  directory on another machine);
 - a key held by two stores (OUT included, when it exists) must have the same input
   fingerprint in both; such identical duplicates are kept once.
-Records are copied as stored (header and payload bytes, no decoding, no re-encoding), one
-LMDB transaction per batch. LMDB keeps keys sorted, so the duplicate check is a k-way merge of
+Records are copied as stored (header and encoded states, no decoding, no re-encoding), one
+durable commit per batch. LMDB keeps keys sorted, so the duplicate check is a k-way merge of
 the stores' key cursors, in memory independent of the number of samples.
 """
 
@@ -21,13 +22,12 @@ import sys
 from dataclasses import dataclass
 
 import click
-import lmdb
 import msgspec
 
 from corecap import CorecapError
-from corecap.store import Store, StoreMeta, decode_header
+from corecap.store import Record, Store, StoreMeta, decode_header
 
-IGNORED_FIELDS = ("corecap_version", "vllm_version", "model.path")
+IGNORED_FIELDS = ("corecap_version", "vllm_version", "format_version", "model.path")
 _BATCH_RECORDS = 1024
 _BATCH_BYTES = 256 << 20
 
@@ -97,43 +97,29 @@ def _check_keys(stores: list[Store]) -> int:
     return num_duplicates
 
 
-def _put_batch(out: Store, batch: list[tuple[bytes, object, object]]) -> tuple[int, int]:
-    """Write the records OUT does not hold yet, in one transaction; return (records, bytes)."""
-    nbytes = sum(len(h) + len(p) for _, h, p in batch)
-    while True:
-        try:
-            num = written = 0
-            with out.env.begin(write=True) as txn:
-                for key, header, payload in batch:
-                    if txn.put(key, header, db=out.headers_db, overwrite=False):
-                        txn.put(key, payload, db=out.samples_db)
-                        num += 1
-                        written += len(header) + len(payload)
-            return num, written
-        except lmdb.MapFullError:
-            out.env.set_mapsize(max(2 * out.env.info()["map_size"], 2 * nbytes))
-
-
 def _copy(src: Store, out: Store) -> tuple[int, int]:
+    """Copy the samples OUT does not hold yet (duplicates were checked to be the same input)."""
     num = nbytes = 0
-    batch: list = []
+    batch: list[Record] = []
     batch_bytes = 0
-    # buffers=True: headers and payloads are views into src's map, valid while its read txn lives.
+    # buffers=True: headers (and format 1 states) are views into src's map, valid while its read txn lives.
     with src.env.begin(buffers=True) as txn:
         for key in txn.cursor(db=src.headers_db).iternext(keys=True, values=False):
-            key = bytes(key)
-            header = txn.get(key, db=src.headers_db)
-            payload = txn.get(key, db=src.samples_db)
-            if payload is None:
-                raise CorecapError(f"{src.path}: sample {key.decode()!r} has a header but no states")
-            batch.append((key, header, payload))
-            batch_bytes += len(header) + len(payload)
+            text = bytes(key).decode()
+            if text in out:
+                continue
+            value = txn.get(key, db=src.samples_db)
+            if value is None:
+                raise CorecapError(f"{src.path}: sample {text!r} has a header but no states")
+            record = Record(text, txn.get(key, db=src.headers_db), src.states(text, value))
+            batch.append(record)
+            batch_bytes += record.nbytes
             if len(batch) >= _BATCH_RECORDS or batch_bytes >= _BATCH_BYTES:
-                n, b = _put_batch(out, batch)
-                num, nbytes, batch, batch_bytes = num + n, nbytes + b, [], 0
+                nbytes += out.put_many(batch)
+                num, batch, batch_bytes = num + len(batch), [], 0
         if batch:
-            n, b = _put_batch(out, batch)
-            num, nbytes = num + n, nbytes + b
+            nbytes += out.put_many(batch)
+            num += len(batch)
     return num, nbytes
 
 

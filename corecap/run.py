@@ -139,7 +139,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         sink.close()
         result = sink.result
         if steps is not None and isinstance(result, Done):
-            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes)
+            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes)
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
@@ -178,7 +178,7 @@ class _ResumeCheck:
             )
 
 
-def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=()) -> None:
+def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=()) -> None:
     """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
     import msgspec
 
@@ -190,6 +190,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
         "chunks": chunks,
         "commits": commits,
         "encodes": list(encodes),
+        "writes": list(writes),
     }
     tmp = os.path.join(store_path, "trace.json.tmp")
     with open(tmp, "wb") as f:

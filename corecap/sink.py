@@ -59,6 +59,7 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     chunks: list[dict]
     commits: list[dict]
     encodes: list[dict]
+    writes: list[dict]
 
 
 class Failed(msgspec.Struct, array_like=True, tag=5):
@@ -248,13 +249,13 @@ def main(spec: SinkSpec) -> None:
             writer.flagged, [dataclasses.asdict(t) for t in collector.timings],
             [dataclasses.asdict(c) for c in writer.commits],
             [{"start": a, "end": b} for a, b in writer.encodes],
+            [dataclasses.asdict(w) for w in writer.writes],
         )))
     except BaseException as e:
         message = str(e) if isinstance(e, CorecapError) else f"the sink failed: {e!r}"
         if writer is not None:
-            try:  # commit what is complete, unless the store itself is what failed
-                if writer.error is None:
-                    writer.close()
+            try:  # commit what is complete (the writer stops by itself if the store failed)
+                writer.close()
             except BaseException:
                 pass
         status.send(encoder.encode(Failed(message, writer.num_committed if writer else 0)))

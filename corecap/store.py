@@ -1,12 +1,14 @@
-"""The store: one LMDB environment (a directory) holding samples and a metadata record.
+"""The store: a directory with one LMDB environment (metadata, sample headers, pointers) and
+append-only state files (the hidden states themselves; corecap/segments.py says why).
 
-Two named databases keep metadata outside the sample key space:
+Named LMDB databases keep metadata outside the sample key space:
   meta     b"store" → JSON `StoreMeta` (format version, model identity, layers, dtype, ...)
-  samples  id (UTF-8, ≤ 511 bytes) → one record: 4-byte little-endian header length,
-           msgpack `SampleHeader`, then the payload (token ids int32 [T], then the
-           hidden states [L, T, H] in the stored dtype, encoded by `codec`).
+           b"states_end" → the committed end of the state files (`segments.END`)
+  headers  id (UTF-8, ≤ 511 bytes) → msgpack `SampleHeader` (input ids, codec, checksum, ...)
+  samples  id → `segments.POINTER` to the sample's states [L, T, H] (stored dtype, encoded by
+           its codec) in states-NNNNNN.bin; format 1 stores kept the states here inline.
 The layout is documented with a literal example in docs/store.md. Readers check the format
-version and refuse what they do not understand.
+version and refuse what they do not understand; format 1 stores stay readable and writable.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import torch
 
 from corecap import CorecapError
 from corecap import codec as codecs
+from corecap import segments
 from corecap.wire import DTYPES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: states inline in LMDB
 MAX_KEY_BYTES = 511  # LMDB's default key size limit
 LAYER_MEANING = (
     "index k is HF transformers' output_hidden_states[k]: 0 = token embeddings, "
@@ -104,6 +108,15 @@ class Record:
     @property
     def nbytes(self) -> int:
         return len(self.header) + memoryview(self.payload).nbytes
+
+
+@dataclass(frozen=True)
+class Appended:
+    """Records whose states are written (not yet durable) and where: `Store.commit` them."""
+
+    records: list[Record]
+    pointers: list[bytes] | None  # None: a format 1 store, states go inline
+    end: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
@@ -215,12 +228,16 @@ def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
 class Store:
     """An open store. `Store.create_or_open` for writers, `Store.open` for readers."""
 
-    def __init__(self, path: str, env: lmdb.Environment, meta: StoreMeta | None):
+    def __init__(self, path: str, env: lmdb.Environment, meta: StoreMeta):
         self.path = path
         self.env = env
         self.headers_db = env.open_db(b"headers", create=False)
         self.samples_db = env.open_db(b"samples", create=False)
+        self.meta_db = env.open_db(b"meta", create=False)
         self.meta = meta
+        self.inline = meta.format_version == 1
+        self.reader = segments.SegmentReader(path)
+        self.writer: segments.SegmentWriter | None = None  # made by the first append
 
     @staticmethod
     def _open_env(path: str, readonly: bool) -> lmdb.Environment:
@@ -269,8 +286,12 @@ class Store:
                 env.open_db(b"samples", txn=txn)
                 txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
             existing = meta
-        else:
+        try:
             meta.check_compatible(existing, path)
+            segments.check_unlocked(path)
+        except CorecapError:
+            env.close()
+            raise
         return cls(path, env, existing)
 
     @classmethod
@@ -306,25 +327,59 @@ class Store:
             header = txn.get(key.encode(), db=self.headers_db)
             if header is None:
                 raise CorecapError(f"{self.path}: no sample with key {key!r}")
-            payload = txn.get(key.encode(), db=self.samples_db)
-            if payload is None:
+            value = txn.get(key.encode(), db=self.samples_db)
+            if value is None:
                 raise CorecapError(f"{self.path}: sample {key!r} has a header but no states")
-            return decode_sample(key, header, payload, len(self.meta.layers))
+            return decode_sample(key, header, self.states(key, value), len(self.meta.layers))
 
-    def put_many(self, records: list[Record]) -> int:
-        """Commit whole records in one durable transaction, growing the map as needed."""
+    def states(self, key: str, value):
+        """A sample's encoded states from its `samples` value (read inside the same txn)."""
+        if self.inline:
+            return value
+        try:
+            return self.reader.read(value)
+        except CorecapError as e:
+            raise CorecapError(f"sample {key!r}: {e}") from None
+
+    def append(self, records: list[Record]) -> Appended:
+        """First half of a commit: write the records' states to the state files (page cache)."""
+        if self.inline:
+            return Appended(records, None, None)
+        if self.writer is None:
+            with self.env.begin() as txn:
+                end = txn.get(b"states_end", db=self.meta_db)
+            self.writer = segments.SegmentWriter(self.path, segments.END.unpack(end) if end else (0, 0))
+        return Appended(records, self.writer.append(r.payload for r in records), self.writer.end)
+
+    def commit(self, appended: Appended) -> int:
+        """Second half: make the states durable, then commit headers and pointers in one durable
+        transaction (growing the map as needed). Returns the bytes committed."""
+        records = appended.records
+        if not self.inline:
+            self.writer.sync()
         nbytes = sum(r.nbytes for r in records)
+        values = [r.payload for r in records] if self.inline else appended.pointers
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    for r in records:
+                    for r, value in zip(records, values):
                         txn.put(r.key.encode(), r.header, db=self.headers_db)
-                        txn.put(r.key.encode(), r.payload, db=self.samples_db)
+                        txn.put(r.key.encode(), value, db=self.samples_db)
+                    if appended.end is not None:
+                        txn.put(b"states_end", segments.END.pack(*appended.end), db=self.meta_db)
                 return nbytes
             except lmdb.MapFullError:
                 self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
 
+    def put_many(self, records: list[Record]) -> int:
+        """Commit whole records durably (append, then commit); returns the bytes committed."""
+        return self.commit(self.append(records))
+
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.reader.close()
         self.env.close()
 
     def __enter__(self):
@@ -350,6 +405,6 @@ def _read_meta(env: lmdb.Environment, path: str, missing_ok: bool = False) -> St
     if raw is None:
         raise CorecapError(f"{path}: not a corecap store (no corecap metadata)")
     version = msgspec.json.decode(raw).get("format_version")
-    if version != FORMAT_VERSION:
-        raise CorecapError(f"{path}: store format version {version}, this corecap reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CorecapError(f"{path}: store format version {version}, this corecap reads {READABLE_VERSIONS}")
     return msgspec.json.decode(raw, type=StoreMeta)

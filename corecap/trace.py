@@ -4,11 +4,12 @@
     corecap trace --store out.lmdb --chrome t.json --plot t.png
     corecap trace --steps 40 --max-batched-tokens 64        # profile a short demo run directly
 
-trace.json is {"version": 1, "start", "end", "steps", "chunks", "commits"}, all times time.time()
+trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits"}, all times time.time()
 seconds (one clock: the driver and its workers share a host). Steps are the driver's
 schedule → execute_model → sample_tokens → update_from_output; chunks are one engine step's
 capture on its way worker copy (t_copy → t_ready) → wire (→ t_recv) → reassembly (→ t_done);
-commits are the writer's LMDB transactions.
+encodes are the samples' checksums and compression; writes put a batch of states into the state
+files; commits make a batch durable (fdatasync, then the LMDB transaction of its headers).
 
 How to read the table (the definitions `summarize` uses):
 - wall time is trace end - start (the capture only: model loading is not in it).
@@ -25,10 +26,10 @@ How to read the table (the definitions `summarize` uses):
   start to the last kept step's end.
 - bottleneck: a data-path stage busy >= 90% of the wall time is saturated and holds the engine
   back through backpressure, so it is named. Otherwise the critical path is the serial driver
-  loop, then the drain; each drain instant goes to the data-path stage active then (LMDB
-  commit, else reassembly, else worker copy, else wire, else "drain: waiting"), and the phase
-  with the largest share of that path is named.
-- overlap: the share of the data path's busy time (worker copy ∪ reassembly ∪ LMDB commit) that
+  loop, then the drain; each drain instant goes to the data-path stage active then (in
+  `DRAIN_ORDER`: store commit, states write, codec, reassembly, worker copy, wire; else
+  "drain: waiting"), and the phase with the largest share of that path is named.
+- overlap: the share of the data path's busy time (the union of its busy stages) that
   falls inside execute_model intervals.
 """
 
@@ -65,10 +66,11 @@ DATA_STAGES = (
     ("wire", "chunks", "t_ready", "t_recv"),
     ("reassembly", "chunks", "t_recv", "t_done"),
     ("codec", "encodes", "start", "end"),
-    ("LMDB commit", "commits", "start", "end"),
+    ("states write", "writes", "start", "end"),
+    ("store commit", "commits", "start", "end"),
 )
-BUSY_STAGES = ("worker copy", "reassembly", "codec", "LMDB commit")  # work, not time in flight
-DRAIN_ORDER = ("LMDB commit", "codec", "reassembly", "worker copy", "wire")
+BUSY_STAGES = ("worker copy", "reassembly", "codec", "states write", "store commit")  # work, not time in flight
+DRAIN_ORDER = ("store commit", "states write", "codec", "reassembly", "worker copy", "wire")
 MEANING = {
     "schedule": "vLLM's scheduler",
     "execute_model": "the forward pass",
@@ -79,7 +81,8 @@ MEANING = {
     "drain: waiting": "waiting after the last step",
     "worker copy": "the worker's device-to-host copy and send queue",
     "reassembly": "the collector thread",
-    "LMDB commit": "the store",
+    "states write": "writing states to the state files",
+    "store commit": "the store (fdatasync + LMDB commit)",
     "codec": "checksums and compression",
     "wire": "ZeroMQ transfer",
 }
@@ -88,6 +91,7 @@ _FIELDS = {
     "chunks": ("t_copy", "t_ready", "t_recv", "t_done", "nbytes", "num_tokens"),
     "commits": ("start", "end", "num_samples", "nbytes"),
     "encodes": ("start", "end"),  # optional: traces before the codec timing have none
+    "writes": ("start", "end", "num_samples", "nbytes"),  # optional: none before the state files
 }
 # Chrome trace: stage -> (on the worker process?, first thread id, thread name, event name)
 CHROME_TRACKS = {
@@ -95,7 +99,8 @@ CHROME_TRACKS = {
     "wire": (True, 200, "wire", "wire"),
     "reassembly": (False, 300, "collector (reassembly)", "reassemble"),
     "codec": (False, 350, "encoder threads (codec)", "encode"),
-    "LMDB commit": (False, 400, "writer (LMDB commits)", "commit"),
+    "states write": (False, 380, "writer (states write)", "write"),
+    "store commit": (False, 400, "committer (fdatasync + LMDB)", "commit"),
 }
 COLORS = {
     "schedule": "#4c72b0",
@@ -108,7 +113,8 @@ COLORS = {
     "worker copy": "#8172b3",
     "wire": "#937860",
     "reassembly": "#da8bc3",
-    "LMDB commit": "#17becf",
+    "states write": "#9edae5",
+    "store commit": "#17becf",
     "codec": "#bcbd22",
 }
 
@@ -140,6 +146,7 @@ def check_trace(trace, where: str) -> None:
         if not isinstance(trace.get(key), (int, float)):
             raise CorecapError(f"{where}: missing number {key!r}")
     trace.setdefault("encodes", [])
+    trace.setdefault("writes", [])
     for key, fields in _FIELDS.items():
         records = trace.get(key)
         if not isinstance(records, list):
@@ -454,7 +461,7 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
     tracks = ["driver"] + [name for name, *_ in DATA_STAGES]
     labels = {"driver": "driver\n(step loop)", "worker copy": "worker copy\n(rank 0)", "wire": "wire\n(in flight)",
               "reassembly": "collector\n(reassembly)", "codec": "encoders\n(codec)",
-              "LMDB commit": "writer\n(LMDB commit)"}
+              "states write": "writer\n(states write)", "store commit": "committer\n(fsync + LMDB)"}
     y = {name: len(tracks) - 1 - i for i, name in enumerate(tracks)}
     for p in rows:
         pairs = [(a - t0, b - a) for a, b in p.intervals if b > a]

@@ -3,8 +3,8 @@
     corecap verify --store out.lmdb      # exit 0: all good; 1: problems (listed); 2: not a store
 
 A sample is good when it has both its header and its states, its header agrees with the store's
-metadata (layers, dtype, hidden size, codec) and with its own key, its states decode (sizes and
-checksum), its input fingerprint matches its stored input ids, and its states hold no NaN/Inf
+metadata (layers, dtype, hidden size, codec) and with its own key, its states can be read (the
+state file its pointer names holds them) and decode (sizes and checksum), its input fingerprint matches its stored input ids, and its states hold no NaN/Inf
 and no layer that is exactly zero everywhere (a capture that never happened looks like that).
 
 The two databases are walked together in key order, one sample at a time inside one read
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from corecap import CorecapError
-from corecap.store import Store, StoreMeta, codecs_may_mix, decode_header, decode_sample, input_fingerprint
+from corecap.store import Store, codecs_may_mix, decode_header, decode_sample, input_fingerprint
 
 
 @dataclass
@@ -55,9 +55,9 @@ def verify_store(path: str, on_problem: Callable[[str, list[str]], None] | None 
     report = VerifyReport(store.path)
     try:
         with store, store.env.begin(buffers=True) as txn:
-            for key, header, payload in _walk(txn, store):
+            for key, header, value in _walk(txn, store):
                 report.num_samples += 1
-                problems = _check(key, header, payload, store.meta, report)
+                problems = _check(key, header, value, store, report)
                 if problems:
                     report.problems[key] = problems
                     if on_problem is not None:
@@ -68,7 +68,7 @@ def verify_store(path: str, on_problem: Callable[[str, list[str]], None] | None 
 
 
 def _walk(txn, store: Store) -> Iterator[tuple[str, object, object]]:
-    """(key, header or None, payload or None) over the union of both dbs' keys, in key order.
+    """(key, header or None, states value or None) over the union of both dbs' keys, in key order.
 
     Both cursors run in LMDB's key order (bytewise, as Python compares bytes), so a merge finds
     the keys that one db has and the other lacks without holding any key set in memory."""
@@ -92,7 +92,8 @@ def _text(key: bytes) -> str:
     return key.decode("utf-8", errors="backslashreplace")
 
 
-def _check(key: str, header_value, payload, meta: StoreMeta, report: VerifyReport) -> list[str]:
+def _check(key: str, header_value, value, store: Store, report: VerifyReport) -> list[str]:
+    meta = store.meta
     if header_value is None:
         return ["states but no header (an incomplete sample)"]
     try:
@@ -109,12 +110,12 @@ def _check(key: str, header_value, payload, meta: StoreMeta, report: VerifyRepor
             problems.append(f"header has {name}={mine!r}, the store's metadata {store_value!r}")
     if not codecs_may_mix(header.codec, meta.codec):
         problems.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
-    if payload is None:
+    if value is None:
         problems.append("header but no states (an incomplete sample)")
     if problems:  # decoding against the metadata would only restate these
         return problems
     try:
-        sample = decode_sample(key, header_value, payload, len(meta.layers))
+        sample = decode_sample(key, header_value, store.states(key, value), len(meta.layers))
     except CorecapError as e:
         return [_strip(e, key)]
     if input_fingerprint(sample.input_ids) != header.input_fingerprint:

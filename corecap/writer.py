@@ -1,12 +1,14 @@
 """The store writer: encodes finished samples on a thread pool and commits them in durable batches.
 
-Each LMDB commit is one fsync'd transaction holding whole samples only, so a kill at any moment
-leaves every committed sample intact and no partial one. Encoding (checksum, NaN/Inf check,
-compression) runs on `num_threads` threads, since zstd, crc32 and torch release the GIL; one
-commit thread takes the encoded records in arrival order and batches them (up to `batch_bytes`,
-or whatever is ready) so the disk keeps streaming. At most `buffer_bytes` of states wait for
-their commit: that bound is the backpressure that keeps host memory flat when the disk is the
-bottleneck, and the slack that lets the GPU run ahead of a disk that keeps up on average.
+Each commit is whole samples only: their states fdatasync'd, then their headers and pointers in
+one fsync'd LMDB transaction, so a kill at any moment leaves every committed sample intact and
+no partial one. Encoding (checksum, NaN/Inf check, compression) runs on `num_threads` threads,
+since zstd, crc32 and torch release the GIL. A write thread takes the encoded records in arrival
+order, batches them (up to `batch_bytes`, or whatever is ready) and writes their states; a commit
+thread makes each batch durable meanwhile, so the disk streams while the next batch is written.
+At most `buffer_bytes` of states wait for their commit: that bound is the backpressure that keeps
+host memory flat when the disk is the bottleneck, and the slack that lets the GPU run ahead of a
+disk that keeps up on average.
 """
 
 from __future__ import annotations
@@ -67,10 +69,17 @@ class Writer:
         self.nbytes = 0
         self.raw_bytes = 0
         self.flagged: list[str] = []
-        self.commits: list[CommitTiming] = []
+        self.writes: list[CommitTiming] = []  # states written to the page cache
+        self.commits: list[CommitTiming] = []  # states synced, headers and pointers committed
         self.encodes: list[tuple[float, float]] = []  # (start, end) of each sample's encoding
-        self.thread = threading.Thread(target=self._commit_loop, daemon=True, name="corecap-commit")
-        self.thread.start()
+        # One batch is written while the one before it is committed; more would only hold memory.
+        self.written: queue.Queue = queue.Queue(maxsize=1)
+        self.threads = [
+            threading.Thread(target=self._write_loop, daemon=True, name="corecap-write"),
+            threading.Thread(target=self._commit_loop, daemon=True, name="corecap-commit"),
+        ]
+        for t in self.threads:
+            t.start()
 
     def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None) -> None:
         """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
@@ -104,10 +113,10 @@ class Writer:
         if self.error is not None:
             raise self.error
 
-    def _commit_loop(self) -> None:
+    def _write_loop(self) -> None:
         done = False
         try:
-            while not done:
+            while not done and self.error is None:
                 item = self.queue.get()
                 records, size, tokens, raw = [], 0, 0, 0
                 while True:
@@ -128,24 +137,44 @@ class Writer:
                         break
                 if records:
                     start = time.time()
-                    nbytes = self.store.put_many(records)
-                    self.commits.append(CommitTiming(start, time.time(), len(records), nbytes))
-                    self.num_committed += len(records)
-                    self.num_tokens += tokens
-                    self.nbytes += nbytes
-                    self.raw_bytes += raw
-                    with self.space:
-                        self.in_flight -= raw
-                        self.space.notify_all()
-        except CorecapError as e:
-            self.error = e
+                    appended = self.store.append(records)
+                    self.writes.append(CommitTiming(start, time.time(), len(records), size))
+                    self.written.put((appended, tokens, raw))
         except BaseException as e:
-            self.error = CorecapError(f"{self.store.path}: writing the store failed: {_reason(e, self.store.path)}")
+            self._fail(e)
+        finally:
+            self.written.put(_DONE)
+
+    def _commit_loop(self) -> None:
+        try:
+            while (item := self.written.get()) is not _DONE:
+                appended, tokens, raw = item  # committed even after a later failure: it is whole
+                start = time.time()
+                nbytes = self.store.commit(appended)
+                self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
+                self.num_committed += len(appended.records)
+                self.num_tokens += tokens
+                self.nbytes += nbytes
+                self.raw_bytes += raw
+                with self.space:
+                    self.in_flight -= raw
+                    self.space.notify_all()
+        except BaseException as e:
+            self._fail(e)
+            while self.written.get() is not _DONE:
+                pass
+
+    def _fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e if isinstance(e, CorecapError) else CorecapError(
+                f"{self.store.path}: writing the store failed: {_reason(e, self.store.path)}"
+            )
 
     def close(self) -> None:
         """Commit everything queued and stop; raises if any commit failed."""
         self.queue.put(_DONE)
-        self.thread.join()
+        for t in self.threads:
+            t.join()
         self.pool.shutdown(wait=True)
         self.raise_if_failed()
 

@@ -43,7 +43,7 @@ def test_demo_run_then_get(demo_store):
         ids, hs = f.get_tensor("input_ids"), f.get_tensor("hidden_states")
     assert ids.dtype == torch.int64 and hs.shape == (4, len(ids), 128)
     info = json.loads(corecap("info", cwd=cwd).stdout)
-    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 1
+    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 2
     assert info["model"]["weights_fingerprint"] and info["vllm_version"]
 
 

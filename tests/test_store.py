@@ -1,12 +1,17 @@
-"""The LMDB store: records round-trip exactly, metadata is checked, corruption is detected."""
+"""The store: records round-trip exactly, metadata is checked, corruption is detected, state files
+keep only committed bytes, one writer at a time."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from corecap import CorecapError
+from corecap import CorecapError, segments
 from corecap.store import (
     FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_sample, encode_sample,
 )
@@ -74,7 +79,8 @@ def test_map_grows_as_needed(tmp_path, monkeypatch):
     import corecap.store as store_mod
 
     monkeypatch.setattr(store_mod, "_INITIAL_MAP_SIZE", 1 << 20)
-    with Store.create_or_open(str(tmp_path / "s"), _meta()) as store:
+    # Format 1 keeps the states in LMDB itself (format 2 puts only headers and pointers there).
+    with Store.create_or_open(str(tmp_path / "s"), _meta(format_version=1)) as store:
         big = torch.randn(2, 4096, 16).bfloat16()  # 256 KiB each; 12 of them overflow 1 MiB
         for i in range(12):
             store.put_many([encode_sample(f"k{i}", np.arange(4096), big, (2, 8))])
@@ -134,3 +140,81 @@ def test_fp8_storage_is_approximate_within_its_bound():
 def test_unknown_codec_is_refused():
     with pytest.raises(CorecapError, match="codec 'lzma'"):
         encode_sample("k", np.arange(2), torch.zeros(1, 2, 4), (1,), codec="lzma")
+
+
+def _sample(key: str, num_tokens: int, seed: int = 0):
+    states = torch.randn(2, num_tokens, 16, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return encode_sample(key, np.arange(num_tokens), states, (2, 8)), states
+
+
+def _state_files(path: str) -> dict[int, int]:
+    return {n: os.path.getsize(segments.segment_path(path, n)) for n in segments.segment_numbers(path)}
+
+
+def test_uncommitted_states_are_cut_off_by_the_next_writer(tmp_path, monkeypatch):
+    """A writer killed between writing states and committing their pointers leaves bytes that
+    belong to no sample, possibly in a newer state file: the next writer removes them."""
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", 1000)  # 2 x 10 tokens x 16 x bf16 = 640 bytes
+    path = str(tmp_path / "s")
+    originals = {}
+    with Store.create_or_open(path, _meta()) as store:
+        for i in range(3):
+            record, originals[f"k{i}"] = _sample(f"k{i}", 10, seed=i)
+            store.put_many([record])
+        committed = _state_files(path)
+        assert sorted(committed) == [0, 1, 2]  # each 640-byte sample started a new file
+        store.append([_sample("lost", 10, seed=9)[0], _sample("lost2", 10, seed=8)[0]])  # no commit
+        assert sorted(_state_files(path)) == [0, 1, 2, 3, 4]
+    with Store.open(path) as store:
+        assert sorted(store.keys()) == ["k0", "k1", "k2"]
+    with Store.create_or_open(path, _meta()) as store:
+        record, originals["k3"] = _sample("k3", 4, seed=3)
+        store.put_many([record])  # 256 bytes: fits after k2 once the tail is gone
+        assert _state_files(path) == {**committed, 2: committed[2] + 256}
+    with Store.open(path) as store:
+        for key, states in originals.items():
+            assert torch.equal(store.get(key).hidden_states, states)
+
+
+def test_one_writer_at_a_time(tmp_path):
+    path = str(tmp_path / "s")
+    with Store.create_or_open(path, _meta()) as store:
+        store.put_many([_sample("a", 3)[0]])
+    # Another process writing the store (LMDB allows one environment per process, hence a child).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from corecap.segments import _take_lock; _take_lock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()", path],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CorecapError, match=rf"another process \(pid {holder.pid}\) is writing this store"):
+            Store.create_or_open(path, _meta())
+        with Store.open(path) as reader:  # readers are never blocked
+            assert list(reader.keys()) == ["a"]
+    finally:
+        holder.communicate("", timeout=60)
+    with Store.create_or_open(path, _meta()) as store:  # the lock went with its process
+        store.put_many([_sample("b", 3)[0]])
+        assert len(store) == 2
+
+
+def test_format_1_store_is_read_and_resumed_inline(tmp_path):
+    path = str(tmp_path / "s")
+    record, states = _sample("old", 5)
+    with Store.create_or_open(path, _meta(format_version=1)) as store:
+        store.put_many([record])
+    with Store.create_or_open(path, _meta()) as store:  # a run of this corecap resumes it
+        assert store.meta.format_version == 1
+        record2, states2 = _sample("new", 6, seed=1)
+        store.put_many([record2])
+    assert _state_files(path) == {}
+    with Store.open(path) as store:
+        assert torch.equal(store.get("old").hidden_states, states)
+        assert torch.equal(store.get("new").hidden_states, states2)
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    path = str(tmp_path / "s")
+    Store.create_or_open(path, _meta(format_version=3)).close()
+    with pytest.raises(CorecapError, match=r"store format version 3, this corecap reads \(1, 2\)"):
+        Store.open(path)

@@ -91,17 +91,17 @@ def test_bottleneck_is_a_saturated_store():
     # Commits of a whole step's length: the writer is busy all the time.
     t = synthetic_trace(commit=STEP + GAP)
     t["commits"][-1]["end"] = t["end"]
-    assert bottleneck(t).startswith("bottleneck: LMDB commit")
+    assert bottleneck(t).startswith("bottleneck: store commit")
 
 
 def test_bottleneck_is_the_drain():
     t = synthetic_trace(num_steps=2, drain=2.0)
     t["commits"].append({"start": t["steps"][-1]["end"] + 0.1, "end": t["end"] - 0.1, "num_samples": 5, "nbytes": 1})
     path = critical_path(t)
-    assert path["drain: LMDB commit"] == pytest.approx(1.8)
+    assert path["drain: store commit"] == pytest.approx(1.8)
     assert path["drain: waiting"] == pytest.approx(0.2)
     assert sum(path.values()) == pytest.approx(t["end"] - t["start"])
-    assert bottleneck(t).startswith("bottleneck: drain: LMDB commit")
+    assert bottleneck(t).startswith("bottleneck: drain: store commit")
 
 
 def test_overlap_of_data_path_with_forward():
@@ -114,7 +114,7 @@ def test_overlap_of_data_path_with_forward():
 def test_summarize_names_every_row():
     text = summarize(synthetic_trace())
     for row in ("schedule", "execute_model", "sample_tokens", "update_from_output", "unaccounted",
-                "between steps", "drain", "total", "worker copy", "wire", "reassembly", "LMDB commit"):
+                "between steps", "drain", "total", "worker copy", "wire", "reassembly", "store commit"):
         assert f"  {row} " in text
     assert "tokens/s:" in text and "MB/s" in text and "overlap:" in text
     assert len([line for line in text.splitlines() if line.startswith("bottleneck:")]) == 1
@@ -138,7 +138,7 @@ def test_chrome_trace_events_are_complete():
         if e["ph"] == "X":
             assert isinstance(e["dur"], int) and e["dur"] >= 0 and e["ts"] >= 0
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert {"step loop", "worker copy", "wire", "collector (reassembly)", "writer (LMDB commits)"} <= names
+    assert {"step loop", "worker copy", "wire", "collector (reassembly)", "committer (fdatasync + LMDB)"} <= names
     assert len({e["pid"] for e in events}) == 2  # driver and worker processes
     steps = [e for e in events if e["ph"] == "X" and e["name"].startswith("step ")]
     assert len(steps) == 10

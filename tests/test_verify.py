@@ -1,10 +1,12 @@
 """`corecap verify`: a clean store passes; each kind of damage is found, on exactly the damaged keys.
 
-Stores are built directly (no engine) and then damaged with raw LMDB writes, as a bad disk, a
-killed writer or a buggy capture would leave them.
+Stores are built directly (no engine) and then damaged with raw LMDB writes or by editing their
+state files, as a bad disk, a killed writer or a buggy capture would leave them.
 """
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 import numpy as np
@@ -15,6 +17,7 @@ from click.testing import CliRunner
 from corecap.store import (
     FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_header, encode_sample,
 )
+from corecap.segments import POINTER, segment_path
 from corecap.verify import verify, verify_store
 
 LAYERS = (0, 2, 8)
@@ -22,9 +25,9 @@ HIDDEN = 16
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
 
 
-def _meta(codec: str) -> StoreMeta:
+def _meta(codec: str, format_version: int = FORMAT_VERSION) -> StoreMeta:
     return StoreMeta(
-        format_version=FORMAT_VERSION, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING,
+        format_version=format_version, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING,
         dtype="bfloat16", hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=codec,
     )
 
@@ -38,9 +41,9 @@ def _ids(seed: int, num_tokens: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 100, size=num_tokens).astype(np.int32)
 
 
-def _make_store(path: str, codec: str = "raw", num_samples: int = 12) -> list[str]:
+def _make_store(path: str, codec: str = "raw", num_samples: int = 12, format_version: int = FORMAT_VERSION) -> list[str]:
     keys = [f"s{i:02d}" for i in range(num_samples)]
-    with Store.create_or_open(path, _meta(codec)) as store:
+    with Store.create_or_open(path, _meta(codec, format_version)) as store:
         records = [encode_sample(k, _ids(i, 5 + i), _states(i, 5 + i), LAYERS, codec=codec) for i, k in enumerate(keys)]
         store.put_many(records[:5])  # several commits, as a run makes
         store.put_many(records[5:])
@@ -54,6 +57,17 @@ def _raw_update(path: str, fn) -> None:
     with Store.create_or_open(path, meta) as store:
         with store.env.begin(write=True) as txn:
             fn(txn, store.headers_db, store.samples_db)
+
+
+def _flip_states_byte(path: str, key: str) -> None:
+    """Flip one bit in the middle of a sample's states, where they lie in their state file."""
+    with Store.open(path) as store, store.env.begin() as txn:
+        segment, offset, length = POINTER.unpack(txn.get(key.encode(), db=store.samples_db))
+    with open(segment_path(path, segment), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0x10]))
 
 
 def _invoke(path: str):
@@ -79,9 +93,21 @@ def test_empty_store_passes(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
-def test_flipped_payload_byte(tmp_path, codec):
+def test_flipped_states_byte(tmp_path, codec):
     path = str(tmp_path / "s")
     _make_store(path, codec)
+    _flip_states_byte(path, "s03")
+    report = verify_store(path)
+    assert list(report.problems) == ["s03"]
+    assert "checksum mismatch" in report.problems["s03"][0]
+
+
+def test_flipped_byte_in_a_format_1_store(tmp_path):
+    """Format 1 kept the states inline in LMDB; such stores are still read and verified."""
+    path = str(tmp_path / "s")
+    _make_store(path, format_version=1)
+    assert not os.path.exists(segment_path(path, 0))
+    assert verify_store(path).ok
 
     def flip(txn, headers_db, samples_db):
         value = bytearray(txn.get(b"s03", db=samples_db))
@@ -90,16 +116,26 @@ def test_flipped_payload_byte(tmp_path, codec):
 
     _raw_update(path, flip)
     report = verify_store(path)
-    assert list(report.problems) == ["s03"]
-    assert "checksum mismatch" in report.problems["s03"][0]
+    assert list(report.problems) == ["s03"] and "checksum mismatch" in report.problems["s03"][0]
 
 
-def test_truncated_payload(tmp_path):
+def test_short_pointer_and_cut_state_file(tmp_path):
     path = str(tmp_path / "s")
     _make_store(path)
-    _raw_update(path, lambda txn, h, s: txn.put(b"s04", bytes(txn.get(b"s04", db=s))[:-2], db=s))
+
+    def shorten(txn, headers_db, samples_db):
+        segment, offset, length = POINTER.unpack(txn.get(b"s04", db=samples_db))
+        txn.put(b"s04", POINTER.pack(segment, offset, length - 2), db=samples_db)
+
+    _raw_update(path, shorten)
+    os.truncate(segment_path(path, 0), os.path.getsize(segment_path(path, 0)) - 1)  # s11 is last
     report = verify_store(path)
-    assert list(report.problems) == ["s04"] and "payload is" in report.problems["s04"][0]
+    assert sorted(report.problems) == ["s04", "s11"]
+    assert "payload is" in report.problems["s04"][0]
+    assert "the file was cut short" in report.problems["s11"][0]
+    os.unlink(segment_path(path, 0))
+    report = verify_store(path)
+    assert len(report.problems) == 12 and "states file states-000000.bin is missing" in report.problems["s00"][0]
 
 
 def test_header_without_states_and_states_without_header(tmp_path):
@@ -210,13 +246,8 @@ def test_cli_lists_each_problem_and_exits_1(tmp_path):
     path = str(tmp_path / "s")
     _make_store(path)
 
-    def damage(txn, headers_db, samples_db):
-        assert txn.delete(b"s00", db=samples_db)
-        value = bytearray(txn.get(b"s10", db=samples_db))
-        value[0] ^= 0xFF
-        txn.put(b"s10", bytes(value), db=samples_db)
-
-    _raw_update(path, damage)
+    _raw_update(path, lambda txn, headers_db, samples_db: txn.delete(b"s00", db=samples_db))
+    _flip_states_byte(path, "s10")
     result = _invoke(path)
     assert result.exit_code == 1
     lines = result.stdout.strip().splitlines()

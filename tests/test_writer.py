@@ -55,15 +55,18 @@ def test_nan_stored_and_flagged_on_request(store):
     assert w.flagged == ["bad"] and store.get("bad").header.nonfinite
 
 
-def test_disk_full_is_a_clear_error_and_the_store_stays_readable(store, monkeypatch):
+@pytest.mark.parametrize("where", ["append", "commit"])
+def test_disk_full_is_a_clear_error_and_the_store_stays_readable(store, monkeypatch, where):
     w = Writer(store)
     w.put("first", np.arange(3), torch.randn(2, 3, 16))
     w.close()
 
-    def no_space(self, records):
+    def no_space(self, arg):
+        if where == "append":  # writing the states
+            raise OSError(errno.ENOSPC, "No space left on device")
         raise lmdb.Error(f"mdb_txn_commit: {errno.errorcode[errno.ENOSPC]}: No space left on device")
 
-    monkeypatch.setattr(Store, "put_many", no_space)
+    monkeypatch.setattr(Store, where, no_space)
     w = Writer(store)
     w.put("second", np.arange(3), torch.randn(2, 3, 16))
     with pytest.raises(CorecapError, match="the disk is full"):

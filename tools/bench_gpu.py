@@ -1,15 +1,18 @@
 """GPU benchmark, one device call: plain vLLM prefill vs vLLM's built-in hidden-state extraction vs
 corecap vs HF transformers, on a Llama-3-8B-shaped model with dummy weights, 512 prompts x 1,024
 random tokens, layers 2,16,29,32, prefix caching off; plus the disk's fsync'd sequential bandwidth
-(dd) and LMDB's with corecap's commit pattern.
+(dd) and the store's, with corecap's commit pattern, against LMDB's.
 
     PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench_gpu.py \
-        --modes dd,lmdb,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR]
+        --modes dd,store,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR]
 
+A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-prompts-double check).
+`plain-sync` is plain vLLM with async scheduling off, as corecap steps it.
 Each mode runs in its own process (one engine per process); every result is a JSON line in
 DIR/bench_gpu.jsonl. Clocks: "capture" = until the last sample is handed to storage; "durable" =
-until everything is on disk (corecap: the last fsync'd LMDB commit; built-in: all files exist and
-os.sync() returned). Both start when generation starts (after the engine is up and warm).
+until everything is on disk (corecap: the last commit, states fdatasync'd and LMDB fsync'd;
+built-in: all files exist and os.sync() returned). Both start when generation starts (after the
+engine is up and warm).
 """
 
 from __future__ import annotations
@@ -59,33 +62,54 @@ def mode_dd(args) -> dict:
     return {"gb_s": 2048 * 2**20 / dt / 1e9}
 
 
-def mode_lmdb(args) -> dict:
-    """corecap's Store.put_many with raw 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16),
-    2 per commit (4 GiB in all); and plain LMDB puts with other environment flags, for comparison."""
+def mode_store(args) -> dict:
+    """4 GiB of raw 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16), 2 per commit, into:
+    corecap's store (states files + LMDB pointers) by put_many and by the writer's pipelined
+    append/commit; a format 1 store (states inline in LMDB); plain LMDB puts for comparison."""
+    import threading
+
     import lmdb
     import numpy as np
     import torch
 
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
-    path = os.path.join(DISK, "bw.lmdb")
-    shutil.rmtree(path, ignore_errors=True)
+    path = os.path.join(DISK, "bw.store")
     ident = ModelIdentity("x", "x", "x", "x", 32, 4096, 128256)
-    meta = StoreMeta(FORMAT_VERSION, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
     states = torch.randn(4, PROMPT_LEN, 4096).bfloat16()
     ids = np.arange(PROMPT_LEN)
+    batch = [encode_sample(f"k{j}", ids, states, tuple(LAYERS)) for j in range(2)]
     out = {}
-    with Store.create_or_open(path, meta) as store:
-        batch = [encode_sample(f"k{j}", ids, states, tuple(LAYERS)) for j in range(2)]
-        t = time.perf_counter()
-        nbytes = 0
-        for i in range(64):
-            nbytes += store.put_many([dataclasses.replace(r, key=f"k{i}-{r.key}") for r in batch])
-        out["store_put_many_gb_s"] = nbytes / (time.perf_counter() - t) / 1e9
-    shutil.rmtree(path)
+
+    def batches():
+        return [[dataclasses.replace(r, key=f"k{i}-{r.key}") for r in batch] for i in range(64)]
+
+    for name, version, pipelined in [("store_put_many", FORMAT_VERSION, False), ("store_pipelined", FORMAT_VERSION, True),
+                                     ("store_format1_put_many", 1, False)]:
+        shutil.rmtree(path, ignore_errors=True)
+        meta = StoreMeta(version, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
+        todo = batches()
+        with Store.create_or_open(path, meta) as store:
+            t = time.perf_counter()
+            nbytes = 0
+            if pipelined:  # as corecap/writer.py: write batch i+1 while batch i is synced and committed
+                import queue
+
+                q: queue.Queue = queue.Queue(maxsize=1)
+                committer = threading.Thread(target=lambda: [store.commit(a) for a in iter(q.get, None)])
+                committer.start()
+                for records in todo:
+                    q.put(store.append(records))
+                    nbytes += sum(r.nbytes for r in records)
+                q.put(None)
+                committer.join()
+            else:
+                for records in todo:
+                    nbytes += store.put_many(records)
+            out[f"{name}_gb_s"] = nbytes / (time.perf_counter() - t) / 1e9
+    shutil.rmtree(path, ignore_errors=True)
     value = states.view(torch.uint8).numpy()
-    for name, flags, per_txn in [("default_32MiB", {}, 1), ("default_256MiB", {}, 8), ("writemap", {"writemap": True}, 2),
-                                 ("nometasync", {"metasync": False}, 2)]:
+    for name, flags, per_txn in [("default_32MiB", {}, 1), ("default_256MiB", {}, 8), ("writemap", {"writemap": True}, 2)]:
         env = lmdb.open(path, map_size=16 << 30, **flags)
         t = time.perf_counter()
         for i in range(0, 128, per_txn):
@@ -102,8 +126,9 @@ def mode_plain(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    extra = {"async_scheduling": False} if args.one == "plain-sync" else {}
     t0 = time.perf_counter()
-    llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE)
+    llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE, **extra)
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
     ps = prompts(args.prompts)
@@ -111,7 +136,11 @@ def mode_plain(args) -> dict:
     t = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return {"tok_s": len(ps) * PROMPT_LEN / dt, "seconds": dt, "load_s": load}
+    try:
+        async_scheduling = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    except AttributeError:
+        async_scheduling = "unknown"
+    return {"tok_s": len(ps) * PROMPT_LEN / dt, "seconds": dt, "load_s": load, "async_scheduling": async_scheduling}
 
 
 def mode_extract(args) -> dict:
@@ -214,13 +243,13 @@ def mode_hf(args) -> dict:
     return {"tok_s": n * PROMPT_LEN / dt, "batch": batch}
 
 
-MODES = {"dd": mode_dd, "lmdb": mode_lmdb, "plain": mode_plain, "extract": mode_extract, "corecap": mode_corecap,
+MODES = {"dd": mode_dd, "store": mode_store, "plain": mode_plain, "plain-sync": mode_plain, "extract": mode_extract, "corecap": mode_corecap,
          "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap, "hf": mode_hf}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="dd,lmdb,corecap,plain,extract,hf")
+    ap.add_argument("--modes", default="dd,store,corecap,plain,extract,hf")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--codec", default=None, help="corecap store codec (default: corecap's default)")
@@ -237,7 +266,8 @@ def main() -> None:
         return
     for r in range(args.repeat):
         for mode in args.modes.split(","):
-            cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(args.prompts), "--out", args.out]
+            mode, _, num = mode.partition("@")
+            cmd = [sys.executable, __file__, "--one", mode, "--prompts", num or str(args.prompts), "--out", args.out]
             if args.codec:
                 cmd += ["--codec", args.codec]
             t = time.time()
