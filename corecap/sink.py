@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from corecap import CorecapError, wire
+from corecap import CorecapError, ring, wire
 from corecap.collect import Collector
 
 _CONTROL = "control.sock"
@@ -205,6 +205,9 @@ def main(spec: SinkSpec) -> None:
         data = ctx.socket(zmq.PULL)
         data.setsockopt(zmq.RCVHWM, 2)
         data.bind(f"ipc://{os.path.join(spec.ipc_dir, CAPTURE)}")
+        rings = ring.RingReader()
+        free = ctx.socket(zmq.PUSH)  # slots of the worker's ring go back once reassembled
+        free.connect(f"ipc://{os.path.join(spec.ipc_dir, ring.FREE_SOCKET)}")
         store = Store.open_for_writing(spec.store)
         writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
         collector = Collector(store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask))
@@ -232,7 +235,7 @@ def main(spec: SinkSpec) -> None:
             if data in events and not aborting:
                 frames = data.recv_multipart(copy=False)
                 t_recv = time.time()
-                msg = wire.decode(frames)
+                msg = wire.decode(frames, ring=rings)
                 if isinstance(msg, wire.WorkerError):
                     raise CorecapError(f"worker rank {msg.rank} (pid {msg.pid}) failed: {msg.message.splitlines()[0]}")
                 # The driver announces a request before the engine sees it, but on another socket.
@@ -240,6 +243,8 @@ def main(spec: SinkSpec) -> None:
                 while not collector.knows(msg) and time.monotonic() < deadline and control.poll(100):
                     on_control(control.recv())
                 collector.take(msg, t_recv)
+                if msg.header.ring:
+                    free.send(msg.header.slot.to_bytes(4, "little"))
             writer.raise_if_failed()
             if os.getppid() != spec.parent_pid:
                 aborting = True  # the driver is gone: keep what is complete

@@ -24,8 +24,10 @@ How to read the table (the definitions `summarize` uses):
 - steady state drops the first and last 10% of steps (none when fewer than 10 steps): warm-up
   and the ragged tail; its tokens/s is their tokens over the time from the first kept step's
   start to the last kept step's end.
-- bottleneck: a data-path stage busy >= 90% of the wall time is saturated and holds the engine
-  back through backpressure, so it is named. Otherwise the critical path is the serial driver
+- bottleneck: a data-path stage whose threads are busy >= 90% of the wall time is saturated and
+  holds the engine back through backpressure, so it is named. A stage that runs on k threads at
+  once (the codec's encoder pool; k = the most of its intervals seen overlapping) counts its
+  work over k x the wall time: one busy encoder of eight is not a saturated codec. Otherwise the critical path is the serial driver
   loop, then the drain; each drain instant goes to the data-path stage active then (in
   `DRAIN_ORDER`: store commit, states write, codec, reassembly, worker copy, wire; else
   "drain: waiting"), and the phase with the largest share of that path is named.
@@ -82,7 +84,7 @@ MEANING = {
     "worker copy": "the worker's device-to-host copy and send queue",
     "reassembly": "the collector thread",
     "states write": "writing states to the state files",
-    "store commit": "the store (fdatasync + LMDB commit)",
+    "store commit": "fdatasync and LMDB commit",
     "codec": "checksums and compression",
     "wire": "ZeroMQ transfer",
 }
@@ -277,9 +279,9 @@ def bottleneck(trace: dict) -> str:
     """One line naming what limits the run (see the module docstring for the rule)."""
     rows = phases(trace)
     wall = trace["end"] - trace["start"]
-    busy = {name: _phase(rows, name).busy for name in BUSY_STAGES}
+    busy = {name: _utilization(_phase(rows, name), wall) for name in BUSY_STAGES}
     busiest = max(busy, key=busy.get)
-    utilization = busy[busiest] / wall if wall > 0 else 0.0
+    utilization = busy[busiest]
     if utilization >= SATURATED:
         return (
             f"bottleneck: {busiest} ({MEANING[busiest]}), busy {utilization:.0%} of the wall time: "
@@ -294,6 +296,13 @@ def bottleneck(trace: dict) -> str:
         f"bottleneck: {name} ({where}), {share:.0%} of the critical path; "
         f"busiest data-path stage: {busiest} at {utilization:.0%} of the wall time"
     )
+
+
+def _utilization(p: Phase, wall: float) -> float:
+    """The stage's work over what its threads could have done in the wall time."""
+    if wall <= 0 or not p.intervals:
+        return 0.0
+    return p.total / (wall * (max(_lanes(p.intervals)) + 1))
 
 
 def _ms(values: np.ndarray, q: float | None) -> str:
@@ -365,7 +374,7 @@ def _lanes(intervals: list[tuple[float, float]]) -> list[int]:
     lanes = [0] * len(intervals)
     for i in sorted(range(len(intervals)), key=lambda i: intervals[i][0]):
         a, b = intervals[i]
-        free = next((k for k, end in enumerate(lane_ends) if end <= a), None)
+        free = next((k for k, end in enumerate(lane_ends) if end <= a + 1e-6), None)  # touching is not overlapping
         if free is None:
             free = len(lane_ends)
             lane_ends.append(b)

@@ -2,8 +2,9 @@
 
 Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle); frames 1..3 are raw,
 zero-copy tensor bytes: token ids (int32 [T]), positions (int32 [T]) and the captured hidden
-states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). `segments`
-say which request owns which run of the T tokens, in order. A worker that fails sends a
+states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). When the
+header names a `ring` slot (corecap/ring.py), frame 3 is empty and the states are in that
+shared-memory slot instead. `segments` say which request owns which run of the T tokens, in order. A worker that fails sends a
 `WorkerError` instead, so the driver can name it rather than wait.
 
 The decoder trusts nothing: a wrong version, frame count, or size for the declared shape is a
@@ -20,7 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,6 +64,10 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
     # Worker-side timings (seconds, time.time() clock) for the trace: copy start/end, send.
     t_copy: float = 0.0
     t_ready: float = 0.0
+    # Where the states are when not in frame 3: a slot of a shared-memory ring (corecap/ring.py).
+    ring: str = ""
+    slot: int = -1
+    slot_bytes: int = 0
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=2):
@@ -100,8 +105,9 @@ class DecodedChunk(msgspec.Struct, frozen=True):
     states: torch.Tensor  # [L, T, H], header.dtype
 
 
-def decode(frames: list) -> DecodedChunk | WorkerError:
-    """Check and rebuild one message; raises WireError on anything malformed."""
+def decode(frames: list, ring=None) -> DecodedChunk | WorkerError:
+    """Check and rebuild one message; raises WireError on anything malformed. `ring`: the
+    sink's `ring.RingReader`, for states sent in a shared-memory slot."""
     if not frames:
         raise WireError("empty message")
     try:
@@ -127,15 +133,24 @@ def decode(frames: list) -> DecodedChunk | WorkerError:
     ):
         raise WireError(f"segments {[s.num_tokens for s in msg.segments]} do not cover {num_tokens} tokens")
     sizes = [memoryview(f).nbytes for f in frames[1:]]
-    expected = [4 * num_tokens, 4 * num_tokens, num_layers * num_tokens * hidden * dtype.itemsize]
+    states_bytes = num_layers * num_tokens * hidden * dtype.itemsize
+    expected = [4 * num_tokens, 4 * num_tokens, 0 if msg.ring else states_bytes]
     if sizes != expected:
         raise WireError(f"frame sizes {sizes}, expected {expected} for the declared shape and dtype")
     token_ids = np.frombuffer(frames[1], dtype="<i4")
     positions = np.frombuffer(frames[2], dtype="<i4")
-    if expected[2]:
-        with warnings.catch_warnings():  # frames are read-only; readers only read them
+    buffer = frames[3]
+    if msg.ring:
+        if ring is None:
+            raise WireError(f"states in ring {msg.ring!r}, but this receiver has no ring reader")
+        try:
+            buffer = ring.view(msg.ring, msg.slot, msg.slot_bytes, states_bytes)
+        except ValueError as e:
+            raise WireError(str(e)) from None
+    if states_bytes:
+        with warnings.catch_warnings():  # frames and ring slots are read-only; readers only read them
             warnings.simplefilter("ignore", UserWarning)
-            states = torch.frombuffer(frames[3], dtype=torch.uint8).view(dtype)
+            states = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
     else:
         states = torch.empty(0, dtype=dtype)
     return DecodedChunk(msg, token_ids, positions, states.view(num_layers, num_tokens, hidden))

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_kill_anywhere_then_rerun_matches_uninterrupted(inputs, reference):
 class Observation:
     """What the run's processes exposed while it ran, sampled every poll."""
 
-    tcp_listening: set = field(default_factory=set)  # (pid, process, address)
+    tcp_listening: set = field(default_factory=set)  # (pid, process, address, network namespace)
     unix_sockets: dict = field(default_factory=dict)  # path → mode of its directory when seen
     private_dirs: dict = field(default_factory=dict)  # corecap-* directory → (mode, uid)
 
@@ -112,9 +113,9 @@ class Observation:
         for p in run.processes():
             try:
                 name = p.name()
-                for c in p.net_connections(kind="tcp"):
-                    if c.status == psutil.CONN_LISTEN:
-                        self.tcp_listening.add((p.pid, name, f"{c.laddr.ip}:{c.laddr.port}"))
+                netns = os.readlink(f"/proc/{p.pid}/ns/net")
+                for address in _tcp_listeners(p.pid):  # in the process's own network namespace
+                    self.tcp_listening.add((p.pid, name, address, netns))
                 for c in p.net_connections(kind="unix"):
                     if c.laddr and c.laddr not in self.unix_sockets:
                         self.unix_sockets[c.laddr] = _dir_mode(c.laddr)
@@ -124,6 +125,33 @@ class Observation:
             if entry.name.startswith("corecap-") and entry.path not in self.private_dirs:
                 st = os.stat(entry.path)
                 self.private_dirs[entry.path] = (stat.S_IMODE(st.st_mode), st.st_uid)
+
+
+def _tcp_listeners(pid: int) -> list[str]:
+    """The TCP sockets `pid` listens on, read from its own /proc/PID/net/tcp{,6}, which is its
+    network namespace's table (psutil reads the caller's and would miss a private one); the
+    table holds the whole namespace's sockets, so only those among `pid`'s open files count."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                rows = [line.split() for line in f.read().splitlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if row[3] == "0A" and row[9] in inodes:  # TCP_LISTEN, and this process's socket
+                ip, port = row[1].split(":")
+                host = socket.inet_ntoa(bytes.fromhex(ip)[::-1]) if len(ip) == 8 else ip  # IPv4: little-endian hex
+                found.append(f"{host}:{int(port, 16)}")
+    return found
 
 
 def _dir_mode(path: str) -> int | None:
@@ -290,8 +318,17 @@ def test_reruns_after_sigterm_and_worker_death_complete_the_store(interrupted, r
     _assert_matches_reference(reference[0], cmd.store)
 
 
+def _can_unshare_network() -> bool:
+    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0)"
+    return subprocess.run([sys.executable, "-c", probe]).returncode == 0
+
+
 def test_no_network_surface(interrupted):
-    """IPC sockets only inside owner-only directories; no TCP listener but vLLM's loopback gloo."""
+    """IPC sockets only inside owner-only directories; no TCP listener reachable from the host:
+    vLLM's workers (whose torch.distributed listens on TCP even at --tp 1) run in a network
+    namespace of their own, holding only a loopback interface."""
+    if not _can_unshare_network():
+        pytest.skip("this machine does not allow a new network namespace (needs CAP_SYS_ADMIN)")
     _, s, _, _ = interrupted
     seen = s.observation
     problems = [] if seen.private_dirs else ["no corecap-* IPC directory was seen in TMPDIR during the run"]
@@ -301,13 +338,14 @@ def test_no_network_surface(interrupted):
     for path, mode in sorted(seen.unix_sockets.items()):
         if mode is None or mode & 0o077:  # None: abstract (no permissions at all) or already gone
             problems.append(f"unix socket {path!r} in a directory of mode {'None' if mode is None else oct(mode)}, expected 0o700")
-    for pid, name, address in sorted(seen.tcp_listening):
-        # vLLM's own workers start torch.distributed (gloo) even at --tp 1, which listens on
-        # loopback ports; corecap itself adds no TCP listener, and none may face the network.
-        if name.startswith("VLLM::") and address.startswith(("127.", "[::1]", "::1")):
-            print(f"\nvLLM worker pid {pid} ({name}) listens on loopback {address} (torch.distributed)")
-            continue
-        problems.append(f"pid {pid} ({name}) listens on TCP {address}")
+    host = os.readlink("/proc/self/ns/net")
+    for pid, name, address, netns in sorted(seen.tcp_listening):
+        if netns == host:
+            problems.append(f"pid {pid} ({name}) listens on TCP {address} in the host's network namespace")
+        else:
+            print(f"\npid {pid} ({name}) listens on {address} inside its private namespace {netns}")
+    if not any(netns != host for *_, netns in seen.tcp_listening):
+        problems.append("no listener was seen in a private namespace: the check saw nothing (vLLM's gloo always listens)")
     assert not problems, "\n".join(problems)
 
 

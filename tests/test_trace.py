@@ -94,6 +94,18 @@ def test_bottleneck_is_a_saturated_store():
     assert bottleneck(t).startswith("bottleneck: store commit")
 
 
+def test_a_thread_pool_is_saturated_only_when_all_its_threads_are_busy():
+    t = synthetic_trace()
+    start, end = t["start"], t["end"]
+    half = (end - start) / 2
+    # Two encoders, one busy all the time, the other half of it: at least one always busy.
+    t["encodes"] = [{"start": start, "end": end}, {"start": start, "end": start + half}]
+    line = bottleneck(t)
+    assert not line.startswith("bottleneck: codec") and "codec at 75%" in line
+    t["encodes"].append({"start": start + half, "end": end})  # now both, all the time
+    assert bottleneck(t).startswith("bottleneck: codec (checksums and compression), busy 100%")
+
+
 def test_bottleneck_is_the_drain():
     t = synthetic_trace(num_steps=2, drain=2.0)
     t["commits"].append({"start": t["steps"][-1]["end"] + 0.1, "end": t["end"] - 0.1, "num_samples": 5, "nbytes": 1})

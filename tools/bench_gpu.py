@@ -209,7 +209,8 @@ def mode_corecap(args) -> dict:
     capture_end = max(c["t_done"] for c in trace["chunks"])
     durable_end = max(c["end"] for c in trace["commits"])
     tokens = summary.num_tokens
-    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, f"trace_{args.one}_{args.prompts}.json"))
+    name = f"trace_{args.one}_{args.prompts}_{time.strftime('%H%M%S')}.json"  # one per run, repeats too
+    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
     shutil.rmtree(store, ignore_errors=True)
     return {
         "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
@@ -218,7 +219,7 @@ def mode_corecap(args) -> dict:
         "driver_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, "wall_s": wall,
         "raw_bytes_per_token": summary.raw_bytes / tokens,
-        "codec": extra.get("codec", "default"),
+        "codec": extra.get("codec", "default"), "trace": name,
     }
 
 

@@ -2,7 +2,11 @@
 transformers on the same GPU, for a tiny Llama (head_dim 64), in bf16 and float32, on the V2 and
 V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-token sample included.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_exact.py [--tp N] [--out DIR]
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_exact.py [--tp N] [--out DIR] \
+        [--cases bfloat16,float32,bfloat16:v1,float32:highest]
+
+A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0) or `:highest`
+(VLLM_FLOAT32_MATMUL_PRECISION=highest: no TF32 in vLLM's float32 matmuls).
 
 Writes gpu_exact.json (worst relative error per case, per sample/layer and per token) to --out.
 """
@@ -99,6 +103,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--cases", default=None, help="default: bfloat16,float32,bfloat16:v1 at --tp 1, bfloat16,float32 otherwise")
     args = ap.parse_args()
     if args.case:
         model, data, store, dtype = args.case
@@ -112,17 +117,22 @@ def main() -> None:
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in data_rows)
     results = []
-    cases = [("bfloat16", "1"), ("float32", "1"), ("bfloat16", "0")] if args.tp == 1 else [("bfloat16", "1"), ("float32", "1")]
-    for dtype, v2 in cases:
-        store = os.path.join(work, f"store-{dtype}-v2{v2}")
+    cases = args.cases or ("bfloat16,float32,bfloat16:v1" if args.tp == 1 else "bfloat16,float32")
+    for case in cases.split(","):
+        dtype, _, variant = case.partition(":")
+        v2 = "0" if variant == "v1" else "1"
+        store = os.path.join(work, f"store-{dtype}-{variant or 'v2'}")
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}
+        if variant == "highest":
+            env["VLLM_FLOAT32_MATMUL_PRECISION"] = "highest"
         t = time.time()
         proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype],
                               env=env, capture_output=True, text=True, timeout=420)
-        rec = {"dtype": dtype, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+        rec = {"dtype": dtype, "variant": variant, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
         if proc.returncode == 0:
             rec["summary"] = proc.stdout.strip().splitlines()[-1]
-            rec["runner_log"] = [l for l in proc.stderr.splitlines() if "Model Runner" in l or "attention backend" in l.lower()][:4]
+            log = (proc.stdout + proc.stderr).splitlines()
+            rec["runner_log"] = [l[-200:] for l in log if any(w in l.lower() for w in ("model runner", "backend", "shared-memory ring", "matmul"))][:8]
             try:
                 rec["worst"] = compare(model, data_rows, store, dtype)
             except Exception as e:  # report and go on to the next case

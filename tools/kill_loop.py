@@ -11,7 +11,8 @@ each time killing its whole process group (driver, sink, workers) with SIGKILL a
 random moment in one of three phases, cycled so each gets its share:
   load    uniform over the reference's time to its first commit (startup, model load, warm-up);
   step    a uniform delay after this run's first new commit: mid-capture, usually mid-step;
-  commit  as `step`, then at the next write to data.mdb: during an LMDB commit.
+  commit  as `step`, then at the next write to the store's files (a states-*.bin file or
+          data.mdb): while a batch of states is written, or during an LMDB commit.
 Capture-phase delays are drawn from [0, 2 * capture / number of capture kills], so that the
 kills walk through the whole dataset instead of finishing it in the first few; a run that still
 completes the store before its kill ends a round (compared with the reference, then the store
@@ -227,11 +228,19 @@ def num_committed(store: str) -> int:
 
 
 def _data_file_state(store: str):
+    """(name, mtime, size) of the store's data files: a change means a write is under way."""
     try:
-        st = os.stat(os.path.join(store, "data.mdb"))
-        return st.st_mtime_ns, st.st_size
+        names = sorted(n for n in os.listdir(store) if n == "data.mdb" or n.startswith("states-"))
     except FileNotFoundError:
         return None
+    state = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(store, name))
+        except FileNotFoundError:
+            continue
+        state.append((name, st.st_mtime_ns, st.st_size))
+    return tuple(state) or None
 
 
 @dataclass

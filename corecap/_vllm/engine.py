@@ -118,7 +118,11 @@ def _capture_executor_class(spec: EngineSpec):
         """Installs the capture in every worker after load_model, before profiling/compiling."""
 
         def _init_executor(self) -> None:
-            super()._init_executor()
+            from corecap._vllm.network import private_network
+
+            with private_network(spec.model) as status:  # the workers start here
+                super()._init_executor()
+            self.corecap_network = status
             self.corecap_workers = self.collective_rpc(
                 "corecap_install", args=({"layers": spec.layers, "ipc_path": spec.ipc_path},)
             )
@@ -151,6 +155,14 @@ class Engine:
         from corecap.wire import DTYPE_NAMES
 
         return DTYPE_NAMES[vllm_config.model_config.dtype]
+
+    def network_status(self) -> str:
+        """Whether the workers run in a network namespace of their own (corecap/_vllm/network.py)."""
+        return self.executor.corecap_network
+
+    def ring_status(self) -> str:
+        """How the states travel from the workers to the sink (corecap/ring.py)."""
+        return next(w["ring"] for w in self.executor.corecap_workers if w["rank"] == 0)
 
     def worker_pids(self) -> list[tuple[int, int]]:
         """(rank, pid) of every worker process."""

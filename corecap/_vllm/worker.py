@@ -8,13 +8,16 @@ hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` in
 the compiled graph returns them, and we tap the model runner (`_Tap._patch`) to copy them out.
 
 Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
-buffer (cheap, on the compute stream), copies it to host on a side stream, and a sender thread
-pushes one `wire.Chunk` message to the sink process (corecap/sink.py) once the copy is done. The compute thread only
-waits when the sender is `_MAX_IN_FLIGHT` steps behind (backpressure from a slow store).
+buffer (cheap, on the compute stream), copies it on a side stream into a free slot of a
+shared-memory ring (corecap/ring.py; pinned host memory and the message itself where no ring
+can be had), and a sender thread pushes one `wire.Chunk` message to the sink process
+(corecap/sink.py) once the copy is done. The compute thread only waits when the sender is
+`_MAX_IN_FLIGHT` steps behind or the sink holds every slot (backpressure from a slow store).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -25,9 +28,12 @@ import msgspec
 import torch
 import zmq
 
-from corecap import wire
+from corecap import ring, wire
 
 _MAX_IN_FLIGHT = 3
+# Shared-memory slots, each one step's states at most (CORECAP_RING_SLOTS=0: states go
+# through the socket). One more than the steps in flight, so that the sink always has one to read.
+_RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
 
 
 class CaptureExtension:
@@ -35,9 +41,14 @@ class CaptureExtension:
 
     def corecap_install(self, spec: dict) -> dict:
         runner = self.model_runner
-        tap = _Tap(runner, spec, rank=self.rank)
+        config = self.vllm_config
+        itemsize = torch.empty(0, dtype=config.model_config.dtype).element_size()
+        slot_bytes = config.scheduler_config.max_num_batched_tokens * len(spec["layers"]) * config.model_config.get_hidden_size() * itemsize
+        tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes}, rank=self.rank)
         self.corecap_tap = tap
-        return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__}
+        sender = tap.sender
+        return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__,
+                "ring": None if sender is None else sender.ring_status}
 
     def corecap_arm(self) -> None:
         """Start capturing: the engine's own warm-up steps (fake requests) come before this."""
@@ -69,7 +80,7 @@ class _Tap:
         self.scheduler_output = None
         self.num_steps = 0
         self.armed = False
-        self.sender = _Sender(spec["ipc_path"], rank) if rank == 0 else None
+        self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"]) if rank == 0 else None
         self._patch(runner)
 
     def _patch(self, runner) -> None:
@@ -162,10 +173,13 @@ class _Tap:
         self.sender.submit(header, ids, pos, states)
 
 
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
 class _Sender:
     """Copies device tensors to host off the compute stream and pushes them to the driver."""
 
-    def __init__(self, ipc_path: str, rank: int):
+    def __init__(self, ipc_path: str, rank: int, slot_bytes: int = 0):
         self.rank = rank
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
@@ -175,22 +189,53 @@ class _Sender:
         self.queue: queue.Queue = queue.Queue(maxsize=_MAX_IN_FLIGHT)
         self.copy_stream = None
         self.lock = threading.Lock()
+        self.ring = None
+        self.ring_status = "off (CORECAP_RING_SLOTS=0)"
+        if _RING_SLOTS > 0 and slot_bytes > 0:
+            try:
+                self.ring = ring.RingWriter(slot_bytes, _RING_SLOTS, cuda=torch.cuda.is_available())
+            except ring.RingUnavailable as e:
+                self.ring_status = f"off: {e}"  # states go through the socket
+            else:
+                self.ring_status = f"{_RING_SLOTS} slots of {slot_bytes / 2**20:.0f} MiB in {self.ring.path}"
+                atexit.register(self.ring.unlink)
+                free = self.ctx.socket(zmq.PULL)
+                free.setsockopt(zmq.LINGER, 0)
+                free.bind(f"ipc://{os.path.join(os.path.dirname(ipc_path), ring.FREE_SOCKET)}")
+                threading.Thread(target=self._free_loop, args=(free,), daemon=True, name="corecap-ring").start()
         threading.Thread(target=self._loop, daemon=True, name="corecap-sender").start()
 
+    def _free_loop(self, sock) -> None:
+        try:
+            while True:
+                self.ring.release(int.from_bytes(sock.recv(), "little"))
+        except zmq.ContextTerminated:  # the worker is exiting
+            sock.close(linger=0)
+
     def submit(self, header: wire.Chunk, ids, pos, states) -> None:
+        target = None
+        if self.ring is not None and states.nbytes <= self.ring.slot_bytes:
+            slot = self.ring.acquire()
+            target = self.ring.slot(slot, states.nbytes).view(states.dtype).view(states.shape)
+            header = msgspec.structs.replace(header, ring=self.ring.path, slot=slot, slot_bytes=self.ring.slot_bytes)
         if states.device.type == "cuda":
             if self.copy_stream is None:
                 self.copy_stream = torch.cuda.Stream(device=states.device)
             self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
             with torch.cuda.stream(self.copy_stream):
-                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos, states)]
+                host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos)]
+                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if target is None else target)
                 for h, t in zip(host, (ids, pos, states)):
                     h.copy_(t, non_blocking=True)
                     t.record_stream(self.copy_stream)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
         else:
-            host, event = [ids, pos, states], None
+            if target is not None:
+                target.copy_(states)
+            host, event = [ids, pos, states if target is None else target], None
+        if target is not None:
+            host[2] = _EMPTY  # the states are in the slot, not in the message
         self.queue.put((header, host, event))
 
     def _loop(self) -> None:
