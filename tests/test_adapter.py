@@ -90,6 +90,19 @@ def test_engine_config_is_what_we_ask(tmp_path):
     assert config.scheduler_config.async_scheduling is False
     assert config.scheduler_config.max_num_batched_tokens == 64
     assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
+    # What the worker sizes its shared-memory ring slots from (corecap_install)
+    assert config.model_config.get_hidden_size() == 128 and config.model_config.dtype.itemsize > 0
+
+
+def test_executor_spawns_workers_from_init_executor():
+    """corecap starts the workers inside its private network namespace by wrapping
+    `_init_executor` (corecap/_vllm/network.py): that is where MultiprocExecutor spawns them."""
+    import inspect
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    source = inspect.getsource(MultiprocExecutor._init_executor)
+    assert "make_worker_process" in source or "WorkerProc" in source
 
 
 def test_worker_extension_names_do_not_clash():
