@@ -95,6 +95,9 @@ def exactness_rows(rng: np.random.Generator) -> list:
     return rows
 
 
+RUN_LOGS: dict[str, list[str]] = {}  # the log lines of the shared runs, by fixture
+
+
 @pytest.fixture(scope="session")
 def exact_run(tiny_model, tmp_path_factory):
     """float32, batch 4, a 64-token step budget (chunked prefill), compile on (the default)."""
@@ -107,7 +110,7 @@ def exact_run(tiny_model, tmp_path_factory):
         model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 1, 2, 4, 7, 8),
         batch=4, max_len=512, max_batched_tokens=64, dtype="float32",
     )
-    summary = run(cfg)
+    summary = run(cfg, log=RUN_LOGS.setdefault("exact", []).append)
     return cfg, summary
 
 
@@ -133,5 +136,12 @@ def tp2_run(tiny_model, tmp_path_factory):
         model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 2, 5, 8),
         tp=2, batch=3, max_len=512, max_batched_tokens=64, dtype="float32",
     )
-    summary = run(cfg)
-    return cfg, summary
+    # This run sends the states in the messages, not through the shared-memory ring, so that
+    # the fallback path stays tested end to end (the workers read this when they start).
+    os.environ["CORECAP_RING_SLOTS"] = "0"
+    log: list[str] = []
+    try:
+        summary = run(cfg, log=log.append)
+    finally:
+        del os.environ["CORECAP_RING_SLOTS"]
+    return cfg, summary, log

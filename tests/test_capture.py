@@ -1,6 +1,7 @@
 """Every stored sample against HF transformers' output_hidden_states (the independent reference),
 per sample and layer and per token, across batching, chunked prefill, shared prefixes,
-duplicate inputs, a 1-token sample and tensor parallelism."""
+duplicate inputs, a 1-token sample and tensor parallelism; the states through the shared-memory
+ring (the default) and, in the TP=2 run, through the socket (the fallback)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import hf_hidden_states, record_error, relative_errors
+from conftest import RUN_LOGS, hf_hidden_states, record_error, relative_errors
 from corecap.store import Store, input_fingerprint
 
 pytestmark = pytest.mark.engine
@@ -57,6 +58,7 @@ def _case_of(key: str) -> str:
 
 def test_every_sample_matches_hf(exact_run, hf_model):
     cfg, summary = exact_run
+    assert any(line.startswith("states to the store: shared-memory ring 4 slots of") for line in RUN_LOGS["exact"])
     _check_store(cfg, summary, hf_model, "text (tokenized)")
 
 
@@ -82,7 +84,8 @@ def test_duplicates_and_shared_prefix_are_consistent(exact_run):
 
 
 def test_tensor_parallel_matches_hf(tp2_run, hf_model):
-    cfg, summary = tp2_run
+    cfg, summary, log = tp2_run
+    assert "states to the store: shared-memory ring off (CORECAP_RING_SLOTS=0)" in log  # the socket path
     rows = _dataset(cfg)
     with Store.open(cfg.store) as store:
         assert sorted(store.keys()) == sorted(rows)

@@ -190,7 +190,7 @@ class _Sender:
         self.copy_stream = None
         self.lock = threading.Lock()
         self.ring = None
-        self.ring_status = "off (CORECAP_RING_SLOTS=0)"
+        self.ring_status = "off (CORECAP_RING_SLOTS=0)" if _RING_SLOTS <= 0 else "off (no slot size)"
         if _RING_SLOTS > 0 and slot_bytes > 0:
             try:
                 self.ring = ring.RingWriter(slot_bytes, _RING_SLOTS, cuda=torch.cuda.is_available())
@@ -224,7 +224,7 @@ class _Sender:
             self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
             with torch.cuda.stream(self.copy_stream):
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos)]
-                host.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if target is None else target)
+                host.append(torch.empty(states.shape, dtype=states.dtype, pin_memory=True) if target is None else target)
                 for h, t in zip(host, (ids, pos, states)):
                     h.copy_(t, non_blocking=True)
                     t.record_stream(self.copy_stream)
