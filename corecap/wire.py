@@ -4,8 +4,9 @@ Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle); frames 1..3 
 zero-copy tensor bytes: token ids (int32 [T]), positions (int32 [T]) and the captured hidden
 states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). When the
 header names a `ring` slot (corecap/ring.py), frame 3 is empty and the states are in that
-shared-memory slot instead. `segments` say which request owns which run of the T tokens, in order. A worker that fails sends a
-`WorkerError` instead, so the driver can name it rather than wait.
+shared-memory slot instead. `segments` say which request owns which run of the T tokens, in
+order. A worker that fails sends a `WorkerError` instead, so the driver can name it rather than
+wait.
 
 The decoder trusts nothing: a wrong version, frame count, or size for the declared shape is a
 `WireError`, never a stored sample.
