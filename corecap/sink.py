@@ -131,7 +131,7 @@ class Sink:
 
     def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None) -> None:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self.control.send(self.encoder.encode(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask)))
+        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask))
 
     def check(self) -> None:
         """Raise if the sink failed or died (cheap; call once per step)."""
@@ -144,18 +144,30 @@ class Sink:
 
     def finish(self, timeout: float, problem) -> Done:
         """Wait until every expected sample is committed; fail on a dead worker, sink or timeout."""
-        self.control.send(self.encoder.encode(Finish()))
+        self._send(Finish())
         return self._wait(timeout, problem)
 
     def abort(self, timeout: float = 60.0) -> Status | None:
         """Stop now: the sink commits the complete samples and drops the rest."""
         if self.result is None and self.proc.is_alive():
-            self.control.send(self.encoder.encode(Abort()))
             try:
+                self._send(Abort())
                 return self._wait(timeout, lambda: None, raise_failed=False)
             except CorecapError:
-                return None
+                return self.result  # it failed or died meanwhile: its report, or None
         return self.result
+
+    def _send(self, msg: Control) -> None:
+        """Send without ever blocking on a sink that is gone: a PUSH socket without a peer would
+        wait forever, inside C, where the watchdog's interrupt cannot reach the step loop."""
+        data = self.encoder.encode(msg)
+        while True:
+            try:
+                self.control.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:  # no peer, or the sink is this far behind (high-water mark)
+                self.check()
+                self.control.poll(100, zmq.POLLOUT)
 
     def _wait(self, timeout: float, problem, raise_failed: bool = True):
         deadline = time.monotonic() + timeout

@@ -1,0 +1,49 @@
+"""The driver's handle on the sink process: a sink that is gone is an error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from corecap import CorecapError
+from corecap.sink import Sink
+from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
+
+LIVENESS = 60  # seconds: fails a hang, not a slow machine
+
+
+@pytest.fixture
+def sink(tmp_path):
+    path = str(tmp_path / "store")
+    meta = StoreMeta(FORMAT_VERSION, ModelIdentity("/m", "L", "c", "w", 8, 16, 100), (2,), LAYER_MEANING, "float32", 16, "0", "0")
+    Store.create_or_open(path, meta).close()
+    s = Sink(path, "raw", "stop", 1, 1 << 20)
+    yield s
+    s.close()
+
+
+def test_sending_to_a_dead_sink_raises_instead_of_blocking(sink):
+    """A ZeroMQ PUSH socket without a peer blocks forever inside C, where the watchdog's
+    interrupt cannot reach: seen as a run that hung when a full disk stopped the sink."""
+    os.kill(sink.proc.pid, signal.SIGKILL)
+    sink.proc.join(LIVENESS)
+    outcome: list = []
+
+    def feed() -> None:
+        try:
+            for i in range(2000):  # past ZeroMQ's default high-water mark of 1000
+                sink.expect(str(i), f"k{i}", np.arange(3), None)
+            outcome.append("all sent")
+        except CorecapError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    t.join(LIVENESS)
+    assert not t.is_alive(), "expect() blocked on a dead sink"
+    assert isinstance(outcome[0], CorecapError) and "died (exit code -9)" in str(outcome[0])
+    assert sink.abort() is None  # nothing to abort, and no hang either
