@@ -19,7 +19,7 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.sink import Done, Sink
-from corecap.trace import TRACE_FILE, TRACE_VERSION
+from corecap.trace import TRACE_FILE, TRACE_VERSION, worker_line
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0, 0, dataset.outcomes())
 
     engine = None
+    workers: list[dict] = []
     sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
     steps: list | None = None if os.environ.get("CORECAP_NO_TRACE") else []
     start = end = time.time()
@@ -117,6 +118,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         progress = Progress(todo, cfg.progress)
         _capture(engine, sink, data_path, read, committed, cfg, steps, progress)
         progress.close()
+        workers = engine.worker_stats()
+        log("workers: " + "; ".join(worker_line(w) for w in workers))
         done = sink.finish(cfg.stall_timeout, engine.problem)
         sink.unwatch()
         end = time.time()
@@ -141,7 +144,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         sink.close()
         result = sink.result
         if steps is not None and isinstance(result, Done):
-            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes)
+            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes, workers)
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
@@ -180,7 +183,7 @@ class _ResumeCheck:
             )
 
 
-def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=()) -> None:
+def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(), workers=()) -> None:
     """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
     import msgspec
 
@@ -193,6 +196,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
         "commits": commits,
         "encodes": list(encodes),
         "writes": list(writes),
+        "workers": list(workers),
     }
     tmp = os.path.join(store_path, "trace.json.tmp")
     with open(tmp, "wb") as f:
@@ -203,10 +207,15 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
 def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, steps: list | None, progress) -> None:
     samples = (s for s in data.read_samples(data_path, **read) if s.key not in committed)
     queued = 2 * cfg.batch  # keep the scheduler fed without holding the whole dataset
+    # Reading, announcing and adding requests happens between steps, while the batch in flight
+    # runs (Engine._step): a little at a time, enough for the batches the next step schedules,
+    # rather than all `queued` before the first step with the GPU idle.
+    feed_tokens = (engine.steps_in_flight + 1) * engine.token_budget
     last_progress = time.monotonic()
     exhausted = False
     while True:
-        while not exhausted and engine.num_unfinished < queued:
+        added = 0
+        while not exhausted and engine.num_unfinished < queued and added < feed_tokens:
             sample = next(samples, None)
             if sample is None:
                 exhausted = True
@@ -214,6 +223,7 @@ def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, ste
             req_id = str(sample.line)
             sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask)
             engine.add(req_id, sample.token_ids.tolist())
+            added += len(sample.token_ids)
         if engine.num_unfinished == 0:
             return
         timing = engine.step()

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from corecap import CorecapError, ring, wire
-from corecap.collect import Collector
+from corecap.collect import BufferPool, Collector
 
 _CONTROL = "control.sock"
 _STATUS = "status.sock"
@@ -222,7 +222,10 @@ def main(spec: SinkSpec) -> None:
         free.connect(f"ipc://{os.path.join(spec.ipc_dir, ring.FREE_SOCKET)}")
         store = Store.open_for_writing(spec.store)
         writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
-        collector = Collector(store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask))
+        buffers = BufferPool(spec.buffer_bytes // 2)
+        collector = Collector(
+            store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give), buffers
+        )
         decoder = msgspec.msgpack.Decoder(Control)
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)

@@ -4,7 +4,7 @@
     corecap trace --store out.lmdb --chrome t.json --plot t.png
     corecap trace --steps 40 --max-batched-tokens 64        # profile a short demo run directly
 
-trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits"}, all times time.time()
+trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits", "workers"}, all times time.time()
 seconds (one clock: the driver and its workers share a host). Steps are the driver's
 schedule → execute_model → sample_tokens → update_from_output; chunks are one engine step's
 capture on its way worker copy (t_copy → t_ready) → wire (→ t_recv) → reassembly (→ t_done);
@@ -149,6 +149,12 @@ def check_trace(trace, where: str) -> None:
             raise CorecapError(f"{where}: missing number {key!r}")
     trace.setdefault("encodes", [])
     trace.setdefault("writes", [])
+    workers = trace.setdefault("workers", [])  # optional: none before worker stats
+    if not isinstance(workers, list):
+        raise CorecapError(f"{where}: 'workers' is not a list")
+    for i, stats in enumerate(workers):
+        if not isinstance(stats, dict) or not all(isinstance(stats.get(f), int) for f in ("rank", "steps")):
+            raise CorecapError(f"{where}: workers[{i}] lacks integer 'rank' and 'steps'")
     for key, fields in _FIELDS.items():
         records = trace.get(key)
         if not isinstance(records, list):
@@ -311,6 +317,16 @@ def _ms(values: np.ndarray, q: float | None) -> str:
     return f"{(np.percentile(values, q) if q is not None else values.max()) * 1e3:.2f}"
 
 
+def worker_line(stats: dict) -> str:
+    """One worker's `corecap_stats` (corecap/_vllm/worker.py) in words."""
+    parts = [f"rank {stats['rank']}: {stats['steps']} steps captured"]
+    if "ring_wait_s" in stats:
+        parts.append(f"{stats['ring_wait_s']:.1f}s waiting for a free ring slot")
+    if "cuda_alloc_retries" in stats:
+        parts.append(f"{stats['cuda_alloc_retries']} CUDA allocator retries, peak {stats['cuda_peak_gb']} GiB")
+    return ", ".join(parts)
+
+
 def summarize(trace: dict) -> str:
     """The phase table, tokens/s, bytes/s into the store, the bottleneck and the overlap."""
     rows = phases(trace)
@@ -362,6 +378,8 @@ def summarize(trace: dict) -> str:
         f"overlap: {inside / busy if busy else 0.0:.0%} of the data path's busy time ({inside:.3f} of {busy:.3f} s) "
         f"is inside execute_model; {drain:.3f} s of it runs after the last step"
     )
+    if trace.get("workers"):
+        out.append("workers: " + "; ".join(worker_line(w) for w in trace["workers"]))
     return "\n".join(out)
 
 

@@ -81,9 +81,10 @@ class Writer:
         for t in self.threads:
             t.start()
 
-    def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None) -> None:
+    def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None) -> None:
         """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
-        (one sample larger than the buffer still goes through alone)."""
+        (one sample larger than the buffer still goes through alone). `release(states)` is called
+        once the sample is committed: until then its encoded bytes may be views of `states`."""
         size = states.numel() * states.element_size()
         with self.space:
             while self.in_flight and self.in_flight + size > self.buffer_bytes:
@@ -92,7 +93,7 @@ class Writer:
             self.raise_if_failed()
             self.in_flight += size
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask)
-        self.queue.put((future, len(token_ids), size))
+        self.queue.put((future, len(token_ids), size, (release, states) if release else None))
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
         start = time.time()
@@ -118,12 +119,14 @@ class Writer:
         try:
             while not done and self.error is None:
                 item = self.queue.get()
-                records, size, tokens, raw = [], 0, 0, 0
+                records, size, tokens, raw, releases = [], 0, 0, 0, []
                 while True:
                     if item is _DONE:
                         done = True
                         break
-                    future, num_tokens, num_raw = item
+                    future, num_tokens, num_raw, release = item
+                    if release:
+                        releases.append(release)
                     record = future.result()
                     records.append(record)
                     size += record.nbytes
@@ -139,7 +142,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw))
+                    self.written.put((appended, tokens, raw, releases))
         except BaseException as e:
             self._fail(e)
         finally:
@@ -148,7 +151,7 @@ class Writer:
     def _commit_loop(self) -> None:
         try:
             while (item := self.written.get()) is not _DONE:
-                appended, tokens, raw = item  # committed even after a later failure: it is whole
+                appended, tokens, raw, releases = item  # committed even after a later failure: it is whole
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
@@ -156,6 +159,8 @@ class Writer:
                 self.num_tokens += tokens
                 self.nbytes += nbytes
                 self.raw_bytes += raw
+                for release, states in releases:
+                    release(states)
                 with self.space:
                     self.in_flight -= raw
                     self.space.notify_all()

@@ -110,3 +110,18 @@ def test_worker_extension_names_do_not_clash():
 
     names = [n for n in vars(CaptureExtension) if not n.startswith("__")]
     assert names and all(n.startswith("corecap_") for n in names)
+
+
+def test_worker_fetches_async_output_before_replying():
+    """The tap issues the states' copy from the output's `get_output` (corecap/_vllm/worker.py):
+    vLLM's worker process must call it before replying when async scheduling is off."""
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    assert callable(AsyncModelRunnerOutput.get_output)
+    assert ".get_output()" in inspect.getsource(WorkerProc.enqueue_output)
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        pytest.skip("no V1 GPU runner in this vLLM")
+    assert {"grammar_output"} <= _params(GPUModelRunner.sample_tokens)

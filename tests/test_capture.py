@@ -109,3 +109,13 @@ def test_rerun_skips_committed_keys(exact_run):
     with Store.open(cfg.store) as store:
         for k, v in before.items():
             assert np.array_equal(store.get(k).hidden_states.numpy(), v.numpy())
+
+
+def test_steps_were_pipelined(exact_run):
+    """The next batch is scheduled and at the workers while the current one runs (Engine._step),
+    and the exactness above held with it: chunks of one long sample were in flight together."""
+    cfg, _ = exact_run
+    with open(f"{cfg.store}/trace.json") as f:
+        steps = json.load(f)["steps"]
+    assert max(s["in_flight"] for s in steps) == 2
+    assert sum(s["num_tokens"] for s in steps if s["in_flight"] == 2) > 0

@@ -5,8 +5,10 @@ V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-tok
     PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_exact.py [--tp N] [--out DIR] \
         [--cases bfloat16,float32,bfloat16:v1,float32:highest]
 
-A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0) or `:highest`
-(VLLM_FLOAT32_MATMUL_PRECISION=highest: no TF32 in vLLM's float32 matmuls).
+A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0), `:highest`
+(VLLM_FLOAT32_MATMUL_PRECISION=highest: no TF32 in vLLM's float32 matmuls), `:tf32`
+(TRITON_F32_DEFAULT=tf32: Triton's own default, which corecap replaces by ieee for float32) or
+`:socket` (CORECAP_RING_SLOTS=0: states through ZeroMQ, not the shared-memory ring).
 
 Writes gpu_exact.json (worst relative error per case, per sample/layer and per token) to --out.
 """
@@ -25,6 +27,8 @@ import numpy as np
 
 VOCAB = 1024
 LAYERS = (0, 1, 2, 4, 7, 8)
+VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"},
+               "socket": {"CORECAP_RING_SLOTS": "0"}}
 
 
 def build_model(path: str) -> None:
@@ -123,8 +127,7 @@ def main() -> None:
         v2 = "0" if variant == "v1" else "1"
         store = os.path.join(work, f"store-{dtype}-{variant or 'v2'}")
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}
-        if variant == "highest":
-            env["VLLM_FLOAT32_MATMUL_PRECISION"] = "highest"
+        env.update(VARIANT_ENV.get(variant, {}))
         t = time.time()
         proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype],
                               env=env, capture_output=True, text=True, timeout=420)
@@ -132,7 +135,7 @@ def main() -> None:
         if proc.returncode == 0:
             rec["summary"] = proc.stdout.strip().splitlines()[-1]
             log = (proc.stdout + proc.stderr).splitlines()
-            rec["runner_log"] = [l[-200:] for l in log if any(w in l.lower() for w in ("model runner", "backend", "shared-memory ring", "matmul"))][:8]
+            rec["runner_log"] = [l[-200:] for l in log if any(w in l.lower() for w in ("model runner", "backend", "shared-memory ring", "matmul", "workers:"))][:8]
             try:
                 rec["worst"] = compare(model, data_rows, store, dtype)
             except Exception as e:  # report and go on to the next case

