@@ -15,7 +15,7 @@ can be had), and a sender thread pushes one `wire.Chunk` message to the sink pro
 `_MAX_IN_FLIGHT` steps behind or the sink holds every slot (backpressure from a slow store).
 
 The copy is issued only once the step's sampled tokens have reached the host (`_Tap.flush`):
-both are device-to-host copies, and a step's states (537 MB on the H200 benchmark, ~11 ms over
+both are device-to-host copies, and a step's states (537 MB on the H200 benchmark, 10.2 ms over
 PCIe) issued first would hold the engine's few bytes of output, and so the end of every step,
 behind them. Issued after, the copy overlaps the next step's forward. `CORECAP_EARLY_COPY=1`
 issues it as soon as the states exist, for comparison (tools/bench_gpu.py).
