@@ -11,8 +11,8 @@ the sink reads the slot in place while reassembling, then hands the slot back ov
 The worker creates the file (owner-only, its blocks reserved with posix_fallocate so that a full
 /dev/shm is an error now, not a SIGBUS later) and unlinks it when it stops; the sink unlinks it
 as soon as it has mapped it. A run killed between the two leaves it behind: the next ring
-removes rings whose creator (the pid in the name) is gone. Where no slot can be had (no /dev/shm, too small, a step larger
-than a slot), states travel in the message itself, as before.
+removes rings whose creator (the pid in the name) is gone. Where no slot can be had (no
+/dev/shm, too small, a step larger than a slot), states travel in the message itself, as before.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
     corecap trace --store out.lmdb --chrome t.json --plot t.png
     corecap trace --steps 40 --max-batched-tokens 64        # profile a short demo run directly
 
-trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits", "workers"}, all times time.time()
-seconds (one clock: the driver and its workers share a host). Steps are the driver's
-schedule → execute_model → sample_tokens → update_from_output; chunks are one engine step's
+trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits",
+"workers"}, all times time.time() seconds (one clock: the driver and its workers share a host).
+Steps are the driver's schedule → execute_model → sample_tokens → update_from_output (workers:
+each worker's own counts, `corecap_stats`); chunks are one engine step's
 capture on its way worker copy (t_copy → t_ready) → wire (→ t_recv) → reassembly (→ t_done);
 encodes are the samples' checksums and compression; writes put a batch of states into the state
 files; commits make a batch durable (fdatasync, then the LMDB transaction of its headers).
@@ -28,10 +29,11 @@ How to read the table (the definitions `summarize` uses):
 - bottleneck: a data-path stage whose threads are busy >= 90% of the wall time is saturated and
   holds the engine back through backpressure, so it is named. A stage that runs on k threads at
   once (the codec's encoder pool; k = the most of its intervals seen overlapping) counts its
-  work over k x the wall time: one busy encoder of eight is not a saturated codec. Otherwise the critical path is the serial driver
-  loop, then the drain; each drain instant goes to the data-path stage active then (in
-  `DRAIN_ORDER`: store commit, states write, codec, reassembly, worker copy, wire; else
-  "drain: waiting"), and the phase with the largest share of that path is named.
+  work over k x the wall time: one busy encoder of eight is not a saturated codec. Otherwise the
+  critical path is the serial driver loop, then the drain; each drain instant goes to the
+  data-path stage active then (in `DRAIN_ORDER`: store commit, states write, codec, reassembly,
+  worker copy, wire; else "drain: waiting"), and the phase with the largest share of that path
+  is named.
 - overlap: the share of the data path's busy time (the union of its busy stages) that
   falls inside execute_model or sample_tokens intervals.
 """

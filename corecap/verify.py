@@ -4,8 +4,9 @@
 
 A sample is good when it has both its header and its states, its header agrees with the store's
 metadata (layers, dtype, hidden size, codec) and with its own key, its states can be read (the
-state file its pointer names holds them) and decode (sizes and checksum), its input fingerprint matches its stored input ids, and its states hold no NaN/Inf
-and no layer that is exactly zero everywhere (a capture that never happened looks like that).
+state file its pointer names holds them) and decode (sizes and checksum), its input fingerprint
+matches its stored input ids, and its states hold no NaN/Inf and no layer that is exactly zero
+everywhere (a capture that never happened looks like that).
 
 The two databases are walked together in key order, one sample at a time inside one read
 transaction: memory stays at one sample however large the store, and a run that is writing the

