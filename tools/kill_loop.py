@@ -24,8 +24,8 @@ engine is batch-invariant, otherwise within 1e-6 relative (L2 per sample and lay
 measured difference is printed.
 
 tests/test_faults.py runs the same loop with a few kills (CORECAP_KILL_LOOPS); this script is
-the full run. Each run gets its own session, its own TMPDIR (mode 1777, like /tmp, so IPC files
-that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT under --work: a kill in
+the full run. Each run gets its own session, its own short TMPDIR in /tmp (mode 1777, like
+/tmp, so IPC files that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT under --work: a kill in
 the middle of torch.compile then hits this cache, not the user's. A SIGKILLed run leaves the
 shared memory it mapped in /dev/shm (vLLM's ring buffers, ~400 MB per run on the tiny model);
 the harness reports and removes it, or twenty kills would fill the machine's RAM.
@@ -77,8 +77,9 @@ class Run:
 
     def __init__(self, cmd: RunCommand, name: str):
         self.cmd, self.name = cmd, name
-        self.tmpdir = os.path.join(cmd.workdir, f"{name}.tmp")
-        os.makedirs(self.tmpdir)
+        # Short, in /tmp: corecap puts its IPC directories in TMPDIR only where socket paths fit
+        # (corecap/wire.py private_ipc_dir), else in /tmp, out of sight of the checks on this one.
+        self.tmpdir = tempfile.mkdtemp(prefix="cc-run-", dir="/tmp")
         os.chmod(self.tmpdir, 0o1777)  # shared like /tmp: anything the run leaves directly here is exposed
         self.stdout_path = os.path.join(cmd.workdir, f"{name}.stdout")
         self.stderr_path = os.path.join(cmd.workdir, f"{name}.stderr")
@@ -209,6 +210,7 @@ def _kill_started_runs() -> None:
             run.wait(30)
             run.wait_group_gone(10)
         run.remove_leaked_shm()
+        shutil.rmtree(run.tmpdir, ignore_errors=True)
 
 
 def _describe(p: psutil.Process) -> str:
