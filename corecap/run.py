@@ -114,6 +114,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
         log(f"states to the store: shared-memory ring {engine.ring_status()}")
         log(f"vLLM's workers in a private network namespace: {engine.network_status()}")
+        log(f"capturing {todo} samples")
         start = time.time()
         progress = Progress(todo, cfg.progress)
         _capture(engine, sink, data_path, read, committed, cfg, steps, progress)

@@ -193,16 +193,25 @@ class Stopped:
     detail: str = ""  # e.g. which worker was killed
 
 
+CAPTURING = "capturing "  # the run's log line as its step loop starts (corecap/run.py)
+
+
 def _wait_for_capture(run, store: str, before: int, observation: Observation) -> None:
-    """Until this run has committed something (the capture is under way), observing it."""
+    """Until this run's capture is under way: its step loop started and it committed something,
+    or 2 s passed since the loop started. Not on the first commit alone: where commits lag
+    (a slow fsync), the first one can land after the last step. CI once killed a worker at a
+    run's first commit and saw the run exit 0, its store complete: the kill had come too late."""
     deadline = time.monotonic() + 600
+    started = None
     while run.running() and time.monotonic() < deadline:
         observation.sample(run)
-        if kill_loop.num_committed(store) > before:
+        if started is None and any(line.startswith(CAPTURING) for line in run.stderr().splitlines()):
+            started = time.monotonic()
+        if started is not None and (kill_loop.num_committed(store) > before or time.monotonic() - started > 2):
             observation.sample(run)
             return
         time.sleep(0.1)
-    pytest.fail(f"{run.name}: the run ended or stalled before committing anything (rc {run.proc.poll()}):\n{run.stderr()[-3000:]}")
+    pytest.fail(f"{run.name}: the run ended or stalled before its capture was under way (rc {run.proc.poll()}):\n{run.stderr()[-3000:]}")
 
 
 def _stop(cmd, name: str, interrupt) -> Stopped:
@@ -277,6 +286,46 @@ def _stop_problems(s: Stopped, ipc: bool = True) -> list[str]:
     return problems
 
 
+def _engine_whose_step_raises(error: BaseException, problems: list):
+    """An Engine whose step fails with `error`; `problems` are what problem() answers in turn."""
+    from corecap._vllm.engine import Engine
+
+    engine = Engine.__new__(Engine)  # no vLLM: only step()'s error handling runs
+    engine.asked = 0
+
+    def _step():
+        raise error
+
+    def problem():
+        engine.asked += 1
+        return problems.pop(0) if problems else None
+
+    engine._step, engine.problem = _step, problem
+    return engine
+
+
+def test_sigterm_inside_a_step_is_raised_at_once():
+    """SIGTERM raises Interrupted wherever the driver is, often inside a step. The step's error
+    handling waits up to 10 s for vLLM to notice a dead worker; it used to do so for Interrupted
+    too, and a SIGTERM took 13-15 s to end a run here."""
+    from corecap.run import Interrupted
+
+    engine = _engine_whose_step_raises(Interrupted("terminated"), [])
+    with pytest.raises(Interrupted):
+        engine.step()
+    assert engine.asked == 0
+
+
+def test_a_failed_step_names_the_dead_worker():
+    """vLLM reports a dead worker as whatever its RPC saw; the step names the worker instead."""
+    from corecap import CorecapError
+
+    engine = _engine_whose_step_raises(RuntimeError("cancelled"), [None, "worker rank 0 (pid 7) died"])
+    with pytest.raises(CorecapError, match=r"worker rank 0 \(pid 7\) died during an engine step"):
+        engine.step()
+    assert engine.asked == 2
+
+
 def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
     _, s, _, _ = interrupted
     last = s.run.last_stderr_line()
@@ -296,9 +345,14 @@ def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
 def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
     _, _, s, _ = interrupted
     last = s.run.last_stderr_line()
-    print(f"\nworker pid {s.detail} killed at {s.signal_at:.1f}s: exit {s.returncode} after {s.seconds_to_exit:.1f}s; last line: {last}")
+    print(
+        f"\nworker pid {s.detail} killed at {s.signal_at:.1f}s ({s.committed_before_signal} of {NUM_SAMPLES} committed): "
+        f"exit {s.returncode} after {s.seconds_to_exit:.1f}s ({s.committed_after} committed); last line: {last}"
+    )
     if s.leftover_ipc:
         print(f"IPC files left (not required after a worker's death): {s.leftover_ipc}")
+    if s.committed_after >= NUM_SAMPLES:
+        pytest.fail(f"the run finished before its worker was killed ({s.committed_after} of {NUM_SAMPLES} committed): nothing was tested")
     problems = _stop_problems(s, ipc=False)  # a SIGKILLed worker cannot clean up after itself
     # the driver's one-line error; a dead worker's resource-tracker warnings may follow it
     errors = [line for line in s.run.stderr().splitlines() if line.startswith("corecap: error:")]

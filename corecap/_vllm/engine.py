@@ -228,6 +228,8 @@ class Engine:
     def step(self) -> StepTiming:
         try:
             return self._step()
+        except CorecapError:  # ours, or Interrupted (SIGTERM) raised while waiting: at once
+            raise
         except Exception:
             # vLLM reports a dead worker as whatever its RPC saw ("cancelled", a timeout...):
             # name the worker instead, once vLLM's monitor has noticed.
