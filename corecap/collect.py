@@ -47,7 +47,7 @@ class BufferPool:
     A fresh buffer per sample is, above glibc's mmap threshold (32 MiB at most), a fresh mapping:
     every page faults and is zeroed on first touch. Reassembling one 16,384-token step (4 layers
     x 4,096 x bf16, 16 samples of 32 MiB) took 134-148 ms into fresh buffers and 34-35 ms into
-    reused ones (2-core machine, tools/bench_reassembly.py). On the H200 host the copy took
+    reused ones (2-core machine, tools/bench_sink.py). On the H200 host the copy took
     120-220 ms into fresh buffers and still 94-228 ms with this pool (docs/benchmarks.md, calls
     8-11): there something else dominates, not measured further.
     Sizes are rounded up to classes at most 25% apart; at most `max_free_bytes` are kept free.

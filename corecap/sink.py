@@ -203,6 +203,14 @@ def main(spec: SinkSpec) -> None:
     """The sink process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import torch
+
+    # One intra-op thread: the sink's parallelism is its encoder threads. With torch's default
+    # (a thread per core) every thread that calls torch gets an OpenMP team of its own: on a
+    # 16-core host, 8 encoders and the reassembly would ask for 144 threads. On 2 cores the
+    # two settings are within noise of each other (tools/bench_sink.py); the H200 host is
+    # where it should show, not measured yet. CORECAP_SINK_TORCH_THREADS=N for comparisons.
+    torch.set_num_threads(int(os.environ.get("CORECAP_SINK_TORCH_THREADS") or 1))
     from corecap.store import Store
     from corecap.writer import Writer
 

@@ -44,6 +44,16 @@ class NonFiniteError(CorecapError):
     pass
 
 
+def all_finite(states: torch.Tensor) -> bool:
+    """Whether no element is NaN or ±Inf. A sum is non-finite whenever an element is (NaN and Inf
+    propagate through IEEE additions), and a finite sum settles it in one read of the states,
+    without isfinite's mask: 1.3-4.5 ms against 63-74 ms for a 4 x 1,024 x 4,096 sample on one
+    core (docs/benchmarks.md). Only a sum that overflowed is checked element by element."""
+    if not states.is_floating_point():
+        return True
+    return bool(torch.isfinite(states.sum())) or bool(torch.isfinite(states).all())
+
+
 class Writer:
     def __init__(
         self,
@@ -103,7 +113,7 @@ class Writer:
         return record
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
-        finite = bool(torch.isfinite(states).all()) if states.is_floating_point() else True
+        finite = all_finite(states)
         if not finite:
             bad = [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())]
             if self.nonfinite == "stop":

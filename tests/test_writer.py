@@ -11,7 +11,7 @@ import torch
 
 from corecap import CorecapError
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
-from corecap.writer import NonFiniteError, Writer
+from corecap.writer import NonFiniteError, Writer, all_finite
 
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
 
@@ -44,6 +44,25 @@ def test_nan_stops_by_default(store):
     with pytest.raises(NonFiniteError, match=r"sample 'bad': NaN/Inf in the captured states at layers \[8\]"):
         w.close()
     assert "bad" not in store
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_finds_every_nan_and_inf(dtype):
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(3, 50, 64, generator=g).to(dtype)
+    assert all_finite(states)
+    for i, value in enumerate([float("nan"), float("inf"), float("-inf")] * 20):
+        bad = states.clone()
+        bad.view(-1)[int(torch.randint(0, bad.numel(), (1,), generator=g))] = value
+        if i % 4 == 0:  # +Inf and -Inf together sum to NaN; NaN with either stays NaN
+            bad.view(-1)[int(torch.randint(0, bad.numel(), (1,), generator=g))] = -value
+        assert not all_finite(bad), f"missed {value} in {dtype}"
+
+
+def test_all_finite_when_only_the_sum_overflows():
+    big = torch.full((2, 8, 16), torch.finfo(torch.float32).max / 2)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    assert all_finite(torch.arange(12).view(1, 3, 4))  # integer states: nothing to check
 
 
 def test_nan_stored_and_flagged_on_request(store):

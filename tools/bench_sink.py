@@ -1,0 +1,142 @@
+"""The sink process's CPU work, piece by piece, on this machine's CPU:
+
+  check        the writer's NaN/Inf check of one sample (4 layers x 1,024 tokens x 4,096, one
+               torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
+  encode       the writer's whole encode of that sample (check + zstd-planes + checksum)
+  reassembly   one 16,384-token step (4 x 4,096 bf16, 537 MB) copied into 16 samples of 1,024
+               tokens, as the collector does, into fresh vs reused buffers (collect.BufferPool)
+  contention   that copy while K threads encode samples as the writer does, with torch's
+               default intra-op threads vs one (what the sink sets): copy times and the
+               encoders' samples/s
+
+    python tools/bench_sink.py [--repeat 5] [--encoders 0,1,2] [--only check,encode,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import threading
+import time
+
+import numpy as np
+import torch
+
+from corecap.collect import BufferPool
+from corecap.store import encode_sample
+from corecap.writer import all_finite
+
+LAYERS, HIDDEN, SAMPLE, SAMPLES = 4, 4096, 1024, 16
+LAYER_IDS = (2, 16, 29, 32)
+
+
+def timed(fn, repeat: int) -> list[float]:
+    fn()  # warm: allocator, zstd contexts
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return sorted(out)
+
+
+def ms(times: list[float]) -> str:
+    return f"median {times[len(times) // 2] * 1e3:6.1f} ms (min {times[0] * 1e3:.1f}, max {times[-1] * 1e3:.1f})"
+
+
+def encode(sample: torch.Tensor, ids: np.ndarray, check=all_finite) -> None:
+    """What Writer._encode_checked does for a finite sample."""
+    assert check(sample)
+    encode_sample("k", ids, sample, LAYER_IDS, codec="zstd-planes")
+
+
+def bench_check(repeat: int) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(LAYERS, SAMPLE, HIDDEN).to(dtype)
+        mask = timed(lambda: bool(torch.isfinite(x).all()), repeat)
+        fast = timed(lambda: all_finite(x), repeat)
+        print(f"check {str(dtype):15s} isfinite().all() {ms(mask)}   all_finite {ms(fast)}")
+
+
+def bench_encode(repeat: int) -> None:
+    x = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
+    ids = np.arange(SAMPLE, dtype=np.int32)
+    old = timed(lambda: encode(x, ids, lambda s: bool(torch.isfinite(s).all())), repeat)
+    new = timed(lambda: encode(x, ids), repeat)
+    print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
+
+
+def reassemble(step: torch.Tensor, pool: BufferPool | None) -> float:
+    t = time.perf_counter()
+    out = []
+    for i in range(SAMPLES):
+        shape = (LAYERS, SAMPLE, HIDDEN)
+        dest = pool.take(shape, step.dtype) if pool else torch.empty(shape, dtype=step.dtype)
+        dest[:] = step[:, i * SAMPLE : (i + 1) * SAMPLE]
+        out.append(dest)
+    seconds = time.perf_counter() - t
+    if pool:
+        for dest in out:
+            pool.give(dest)
+    return seconds
+
+
+def bench_reassembly(step: torch.Tensor, repeat: int) -> None:
+    pool = BufferPool(2 << 30)
+    reassemble(step, pool)  # fills the pool
+    fresh = sorted(reassemble(step, None) for _ in range(repeat))
+    reused = sorted(reassemble(step, pool) for _ in range(repeat))
+    print(f"reassembly of {step.nbytes / 1e6:.0f} MB, {torch.get_num_threads()} torch threads: fresh buffers {ms(fresh)}   reused {ms(reused)}")
+
+
+def bench_contention(step: torch.Tensor, repeat: int, encoders: list[int], default_threads: int) -> None:
+    sample = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
+    ids = np.arange(SAMPLE, dtype=np.int32)
+    pool = BufferPool(2 << 30)
+    for threads in sorted({default_threads, 1}, reverse=True):
+        torch.set_num_threads(threads)
+        for k in encoders:
+            stop, done = threading.Event(), [0]
+
+            def encoder() -> None:
+                while not stop.is_set():
+                    encode(sample, ids)
+                    done[0] += 1
+
+            pool_threads = [threading.Thread(target=encoder, daemon=True) for _ in range(k)]
+            for t in pool_threads:
+                t.start()
+            time.sleep(0.5)  # every encoder under way
+            start, before = time.perf_counter(), done[0]
+            copies = sorted(reassemble(step, pool) for _ in range(repeat))
+            rate = (done[0] - before) / (time.perf_counter() - start)
+            stop.set()
+            for t in pool_threads:
+                t.join()
+            print(f"contention: {threads} torch thread(s), {k} encoder(s): reassembly {ms(copies)}; encoders {rate:5.1f} samples/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--encoders", default="0,1,2", help="encoder thread counts for the contention runs")
+    ap.add_argument("--only", default="check,encode,reassembly,contention")
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    default_threads = torch.get_num_threads()
+    print(f"{platform.node()}: {platform.processor() or platform.machine()}, torch {torch.__version__}, default intra-op threads {default_threads}")
+    if parts & {"reassembly", "contention"}:
+        step = torch.randn(LAYERS, SAMPLES * SAMPLE, HIDDEN).bfloat16()
+    if "reassembly" in parts:
+        bench_reassembly(step, args.repeat)
+    if "contention" in parts:
+        bench_contention(step, args.repeat, [int(k) for k in args.encoders.split(",")], default_threads)
+    torch.set_num_threads(1)  # as in the sink
+    if "check" in parts:
+        bench_check(args.repeat)
+    if "encode" in parts:
+        bench_encode(args.repeat)
+
+
+if __name__ == "__main__":
+    main()
