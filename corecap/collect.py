@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,10 +47,10 @@ class BufferPool:
 
     A fresh buffer per sample is, above glibc's mmap threshold (32 MiB at most), a fresh mapping:
     every page faults and is zeroed on first touch. Reassembling one 16,384-token step (4 layers
-    x 4,096 x bf16, 16 samples of 32 MiB) took 134-148 ms into fresh buffers and 34-35 ms into
-    reused ones (2-core machine, tools/bench_sink.py). On the H200 host the copy took
+    x 4,096 x bf16, 16 samples of 32 MiB) took 240-249 ms into fresh buffers and 47-50 ms into
+    reused ones on one copy thread (2-core machine, tools/bench_sink.py). On the H200 host it took
     120-220 ms into fresh buffers and still 94-228 ms with this pool (docs/benchmarks.md, calls
-    8-11): there something else dominates, not measured further.
+    8-11), with torch's default threads in the sink: there something else dominated.
     Sizes are rounded up to classes at most 25% apart; at most `max_free_bytes` are kept free.
     `take` runs on the collector thread, `give` on the writer's commit thread."""
 
@@ -92,14 +93,27 @@ class BufferPool:
 
 
 class Collector:
-    """Reassembles samples from decoded chunks (the sink process's main loop feeds it)."""
+    """Reassembles samples from decoded chunks (the sink process's main loop feeds it).
 
-    def __init__(self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None):
+    A chunk's copies (one per segment and layer, each a contiguous run) go to `copy_threads`
+    threads: the sink runs torch single-threaded (sink.py), so this is where the copy of a
+    537 MB step gets more than one core (2-core machine: 47-50 ms on one thread, 37-40 ms on
+    two; tools/bench_sink.py). Samples are handed on once every copy of the chunk is done."""
+
+    def __init__(
+        self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None,
+        copy_threads: int = 1,
+    ):
         self.layers = layers
         self.on_complete = on_complete
         self.buffers = buffers
         self.pending: dict[str, _Pending] = {}
         self.timings: list[ChunkTiming] = []
+        self.copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="corecap-copy") if copy_threads > 1 else None
+
+    def close(self) -> None:
+        if self.copiers:
+            self.copiers.shutdown()
 
     def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
         self.pending[req_id] = _Pending(key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool))
@@ -111,6 +125,7 @@ class Collector:
         h = msg.header
         if h.layers != self.layers:
             raise CorecapError(f"worker sent layers {h.layers}, expected {self.layers}")
+        copies, complete = [], []
         offset = 0
         for seg in h.segments:
             lo, hi = offset, offset + seg.num_tokens
@@ -130,11 +145,23 @@ class Collector:
             if p.states is None:
                 shape = (len(self.layers), len(p.token_ids), h.hidden_size)
                 p.states = self.buffers.take(shape, msg.states.dtype) if self.buffers else torch.empty(shape, dtype=msg.states.dtype)
-            p.states[:, start : start + seg.num_tokens] = msg.states[:, lo:hi]
+            copies.extend((p.states[i, start : start + seg.num_tokens], msg.states[i, lo:hi]) for i in range(len(self.layers)))
             newly = seg.num_tokens - int(p.covered[start : start + seg.num_tokens].sum())
             p.covered[start : start + seg.num_tokens] = True
             p.num_covered += newly
             if p.num_covered == len(p.token_ids):
                 del self.pending[seg.req_id]
-                self.on_complete(p)
+                complete.append(p)
+        if self.copiers and len(copies) > 1:
+            for _ in self.copiers.map(_copy, copies):  # re-raises a copy's error
+                pass
+        else:
+            for pair in copies:
+                _copy(pair)
+        for p in complete:
+            self.on_complete(p)
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
+
+
+def _copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+    pair[0].copy_(pair[1])

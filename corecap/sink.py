@@ -199,17 +199,22 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def copy_threads() -> int:
+    """Threads that copy chunks into samples: a quarter of the cores, 2 to 4."""
+    return int(os.environ.get("CORECAP_SINK_COPY_THREADS") or min(4, max(2, (os.cpu_count() or 2) // 4)))
+
+
 def main(spec: SinkSpec) -> None:
     """The sink process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    # One intra-op thread: the sink's parallelism is its encoder threads. With torch's default
-    # (a thread per core) every thread that calls torch gets an OpenMP team of its own: on a
-    # 16-core host, 8 encoders and the reassembly would ask for 144 threads. On 2 cores the
-    # two settings are within noise of each other (tools/bench_sink.py); the H200 host is
-    # where it should show, not measured yet. CORECAP_SINK_TORCH_THREADS=N for comparisons.
+    # One intra-op thread: the sink's parallelism is its own threads, encoders and copiers.
+    # With torch's default (a thread per core) every thread that calls torch gets an OpenMP
+    # team of its own: on a 16-core host, 8 encoders and the reassembly would ask for 144
+    # threads. Not measured on the H200 host yet; CORECAP_SINK_TORCH_THREADS and
+    # CORECAP_SINK_COPY_THREADS set other counts for comparisons (tools/bench_gpu.py).
     torch.set_num_threads(int(os.environ.get("CORECAP_SINK_TORCH_THREADS") or 1))
     from corecap.store import Store
     from corecap.writer import Writer
@@ -218,7 +223,7 @@ def main(spec: SinkSpec) -> None:
     status = ctx.socket(zmq.PUSH)
     status.connect(f"ipc://{os.path.join(spec.ipc_dir, _STATUS)}")
     encoder = msgspec.msgpack.Encoder()
-    writer = None
+    writer = collector = None
     try:
         control = ctx.socket(zmq.PULL)
         control.connect(f"ipc://{os.path.join(spec.ipc_dir, _CONTROL)}")
@@ -232,7 +237,8 @@ def main(spec: SinkSpec) -> None:
         writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
         buffers = BufferPool(spec.buffer_bytes // 2)
         collector = Collector(
-            store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give), buffers
+            store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give), buffers,
+            copy_threads(),
         )
         decoder = msgspec.msgpack.Decoder(Control)
         poller = zmq.Poller()
@@ -288,5 +294,7 @@ def main(spec: SinkSpec) -> None:
                 pass
         status.send(encoder.encode(Failed(message, writer.num_committed if writer else 0)))
     finally:
+        if collector is not None:
+            collector.close()
         status.close(linger=5000)
         ctx.destroy(linger=0)

@@ -3,11 +3,12 @@
   check        the writer's NaN/Inf check of one sample (4 layers x 1,024 tokens x 4,096, one
                torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
   encode       the writer's whole encode of that sample (check + zstd-planes + checksum)
-  reassembly   one 16,384-token step (4 x 4,096 bf16, 537 MB) copied into 16 samples of 1,024
-               tokens, as the collector does, into fresh vs reused buffers (collect.BufferPool)
-  contention   that copy while K threads encode samples as the writer does, with torch's
-               default intra-op threads vs one (what the sink sets): copy times and the
-               encoders' samples/s
+  reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into
+               16 samples of 1,024 tokens, into fresh vs reused buffers (collect.BufferPool),
+               with one copy thread and with the sink's number (sink.copy_threads)
+  contention   that take() while K threads encode samples as the writer does: as before
+               (torch's default intra-op threads, serial copies) and as the sink runs now
+               (one intra-op thread, the sink's copy threads); copy times, encoders' samples/s
 
     python tools/bench_sink.py [--repeat 5] [--encoders 0,1,2] [--only check,encode,...]
 """
@@ -22,7 +23,9 @@ import time
 import numpy as np
 import torch
 
-from corecap.collect import BufferPool
+from corecap import wire
+from corecap.collect import BufferPool, Collector
+from corecap.sink import copy_threads
 from corecap.store import encode_sample
 from corecap.writer import all_finite
 
@@ -66,54 +69,75 @@ def bench_encode(repeat: int) -> None:
     print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
 
 
-def reassemble(step: torch.Tensor, pool: BufferPool | None) -> float:
+def chunk(step: torch.Tensor) -> wire.DecodedChunk:
+    """One worker chunk holding SAMPLES whole samples of SAMPLE tokens."""
+    segments = tuple(wire.Segment(str(i), SAMPLE) for i in range(SAMPLES))
+    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, SAMPLES * SAMPLE, segments)
+    positions = np.tile(np.arange(SAMPLE, dtype=np.int32), SAMPLES)
+    return wire.DecodedChunk(header, positions.copy(), positions, step)
+
+
+def reassemble(collector: Collector, msg: wire.DecodedChunk, done: list) -> float:
+    """The collector's whole take() of one chunk (checks, copies, hand-over), in seconds."""
+    ids = np.arange(SAMPLE, dtype=np.int32)
+    for seg in msg.header.segments:
+        collector.expect(seg.req_id, seg.req_id, ids)
     t = time.perf_counter()
-    out = []
-    for i in range(SAMPLES):
-        shape = (LAYERS, SAMPLE, HIDDEN)
-        dest = pool.take(shape, step.dtype) if pool else torch.empty(shape, dtype=step.dtype)
-        dest[:] = step[:, i * SAMPLE : (i + 1) * SAMPLE]
-        out.append(dest)
+    collector.take(msg, t)
     seconds = time.perf_counter() - t
-    if pool:
-        for dest in out:
-            pool.give(dest)
+    for states in done:
+        if collector.buffers:
+            collector.buffers.give(states)
+    done.clear()
     return seconds
 
 
-def bench_reassembly(step: torch.Tensor, repeat: int) -> None:
-    pool = BufferPool(2 << 30)
-    reassemble(step, pool)  # fills the pool
-    fresh = sorted(reassemble(step, None) for _ in range(repeat))
-    reused = sorted(reassemble(step, pool) for _ in range(repeat))
-    print(f"reassembly of {step.nbytes / 1e6:.0f} MB, {torch.get_num_threads()} torch threads: fresh buffers {ms(fresh)}   reused {ms(reused)}")
+def collector(pool: bool, threads: int, done: list) -> Collector:
+    return Collector(LAYER_IDS, lambda p: done.append(p.states), BufferPool(2 << 30) if pool else None, copy_threads=threads)
 
 
-def bench_contention(step: torch.Tensor, repeat: int, encoders: list[int], default_threads: int) -> None:
+def bench_reassembly(step: torch.Tensor, repeat: int, threads: int) -> None:
+    msg, done = chunk(step), []
+    for copy_threads in sorted({1, threads}):
+        fresh, reused = collector(False, copy_threads, done), collector(True, copy_threads, done)
+        reassemble(reused, msg, done)  # fills the pool
+        a = sorted(reassemble(fresh, msg, done) for _ in range(repeat))
+        b = sorted(reassemble(reused, msg, done) for _ in range(repeat))
+        print(f"reassembly of {step.nbytes / 1e6:.0f} MB, {copy_threads} copy thread(s): fresh buffers {ms(a)}   reused {ms(b)}")
+        fresh.close(), reused.close()
+
+
+def bench_contention(step: torch.Tensor, repeat: int, encoders: list[int], default_threads: int, threads: int) -> None:
     sample = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
     ids = np.arange(SAMPLE, dtype=np.int32)
-    pool = BufferPool(2 << 30)
-    for threads in sorted({default_threads, 1}, reverse=True):
-        torch.set_num_threads(threads)
+    msg, done = chunk(step), []
+    for torch_threads, copy_threads in ((default_threads, 1), (1, threads)):  # before, and as the sink runs now
+        torch.set_num_threads(torch_threads)
+        reused = collector(True, copy_threads, done)
+        reassemble(reused, msg, done)
         for k in encoders:
-            stop, done = threading.Event(), [0]
+            stop, encoded = threading.Event(), [0]
 
             def encoder() -> None:
                 while not stop.is_set():
                     encode(sample, ids)
-                    done[0] += 1
+                    encoded[0] += 1
 
             pool_threads = [threading.Thread(target=encoder, daemon=True) for _ in range(k)]
             for t in pool_threads:
                 t.start()
             time.sleep(0.5)  # every encoder under way
-            start, before = time.perf_counter(), done[0]
-            copies = sorted(reassemble(step, pool) for _ in range(repeat))
-            rate = (done[0] - before) / (time.perf_counter() - start)
+            start, before = time.perf_counter(), encoded[0]
+            copies = sorted(reassemble(reused, msg, done) for _ in range(repeat))
+            rate = (encoded[0] - before) / (time.perf_counter() - start)
             stop.set()
             for t in pool_threads:
                 t.join()
-            print(f"contention: {threads} torch thread(s), {k} encoder(s): reassembly {ms(copies)}; encoders {rate:5.1f} samples/s")
+            print(
+                f"contention: {torch_threads} torch thread(s), {copy_threads} copy thread(s), {k} encoder(s): "
+                f"reassembly {ms(copies)}; encoders {rate:5.1f} samples/s"
+            )
+        reused.close()
 
 
 def main() -> None:
@@ -127,11 +151,13 @@ def main() -> None:
     print(f"{platform.node()}: {platform.processor() or platform.machine()}, torch {torch.__version__}, default intra-op threads {default_threads}")
     if parts & {"reassembly", "contention"}:
         step = torch.randn(LAYERS, SAMPLES * SAMPLE, HIDDEN).bfloat16()
-    if "reassembly" in parts:
-        bench_reassembly(step, args.repeat)
-    if "contention" in parts:
-        bench_contention(step, args.repeat, [int(k) for k in args.encoders.split(",")], default_threads)
     torch.set_num_threads(1)  # as in the sink
+    threads = copy_threads()
+    if "reassembly" in parts:
+        bench_reassembly(step, args.repeat, threads)
+    if "contention" in parts:
+        bench_contention(step, args.repeat, [int(k) for k in args.encoders.split(",")], default_threads, threads)
+        torch.set_num_threads(1)
     if "check" in parts:
         bench_check(args.repeat)
     if "encode" in parts:
