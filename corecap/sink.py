@@ -211,8 +211,8 @@ def main(spec: SinkSpec) -> None:
     import torch
 
     # One intra-op thread: the sink's parallelism is its own threads, encoders and copiers.
-    # With torch's default (a thread per core) every thread that calls torch gets an OpenMP
-    # team of its own: on a 16-core host, 8 encoders and the reassembly would ask for 144
+    # With torch's default (a thread per core) every thread that calls torch can get an OpenMP
+    # team of its own: on a 16-core host, 8 encoders and the reassembly could ask for 144
     # threads. Not measured on the H200 host yet; CORECAP_SINK_TORCH_THREADS and
     # CORECAP_SINK_COPY_THREADS set other counts for comparisons (tools/bench_gpu.py).
     torch.set_num_threads(int(os.environ.get("CORECAP_SINK_TORCH_THREADS") or 1))
