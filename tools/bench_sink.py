@@ -3,6 +3,7 @@
   check        the writer's NaN/Inf check of one sample (4 layers x 1,024 tokens x 4,096, one
                torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
   encode       the writer's whole encode of that sample (check + zstd-planes + checksum)
+  fp8          that sample's encode as fp8 (quantization + checksum), without the check
   reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into
                16 samples of 1,024 tokens, into fresh vs reused buffers (collect.BufferPool),
                with one copy thread and with the sink's number (sink.copy_threads)
@@ -26,7 +27,7 @@ import torch
 from corecap import wire
 from corecap.collect import BufferPool, Collector
 from corecap.sink import copy_threads
-from corecap.store import encode_sample
+from corecap.store import FP8, encode_sample
 from corecap.writer import all_finite
 
 LAYERS, HIDDEN, SAMPLE, SAMPLES = 4, 4096, 1024, 16
@@ -67,6 +68,13 @@ def bench_encode(repeat: int) -> None:
     old = timed(lambda: encode(x, ids, lambda s: bool(torch.isfinite(s).all())), repeat)
     new = timed(lambda: encode(x, ids), repeat)
     print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
+
+
+def bench_fp8(repeat: int) -> None:
+    x = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
+    ids = np.arange(SAMPLE, dtype=np.int32)
+    fp8 = timed(lambda: encode_sample("k", ids, x, LAYER_IDS, codec=FP8), repeat)
+    print(f"encode one bf16 sample as fp8 (quantize, checksum; the check not included): {ms(fp8)}")
 
 
 def chunk(step: torch.Tensor) -> wire.DecodedChunk:
@@ -144,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--encoders", default="0,1,2", help="encoder thread counts for the contention runs")
-    ap.add_argument("--only", default="check,encode,reassembly,contention")
+    ap.add_argument("--only", default="check,encode,fp8,reassembly,contention")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     default_threads = torch.get_num_threads()
@@ -162,6 +170,8 @@ def main() -> None:
         bench_check(args.repeat)
     if "encode" in parts:
         bench_encode(args.repeat)
+    if "fp8" in parts:
+        bench_fp8(args.repeat)
 
 
 if __name__ == "__main__":
