@@ -19,7 +19,7 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.sink import Done, Sink
-from corecap.trace import TRACE_FILE, TRACE_VERSION, worker_line
+from corecap.trace import TRACE_FILE, TRACE_VERSION, workers_line
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         _capture(engine, sink, data_path, read, committed, cfg, steps, progress)
         progress.close()
         workers = engine.worker_stats()
-        log("workers: " + "; ".join(worker_line(w) for w in workers))
+        log(workers_line(workers))
         done = sink.finish(cfg.stall_timeout, engine.problem)
         sink.unwatch()
         end = time.time()

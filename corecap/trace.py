@@ -326,8 +326,12 @@ def _ms(values: np.ndarray, q: float | None) -> str:
     return f"{(np.percentile(values, q) if q is not None else values.max()) * 1e3:.2f}"
 
 
-def worker_line(stats: dict) -> str:
-    """One worker's `corecap_stats` (corecap/_vllm/worker.py) in words."""
+def workers_line(workers: list[dict]) -> str:
+    """Every worker's `corecap_stats` (corecap/_vllm/worker.py) in words, on one line."""
+    return "workers: " + "; ".join(_worker_words(w) for w in workers)
+
+
+def _worker_words(stats: dict) -> str:
     parts = [f"rank {stats['rank']}: {stats['steps']} steps captured"]
     if "ring_wait_s" in stats:
         parts.append(f"{stats['ring_wait_s']:.1f}s waiting for a free ring slot")
@@ -388,7 +392,7 @@ def summarize(trace: dict) -> str:
         f"runs while the workers compute; {drain:.3f} s of it runs after the last step"
     )
     if trace.get("workers"):
-        out.append("workers: " + "; ".join(worker_line(w) for w in trace["workers"]))
+        out.append(workers_line(trace["workers"]))
     return "\n".join(out)
 
 

@@ -11,9 +11,9 @@ A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-promp
 the states through ZeroMQ instead of the shared-memory ring (CORECAP_RING_SLOTS=0);
 `corecap-earlycopy` starts each step's device-to-host copy before the step's output has reached
 the host (CORECAP_EARLY_COPY=1, the order before it was changed); `corecap-serial` keeps one
-engine step in flight instead of two (CORECAP_STEPS_IN_FLIGHT=1); `corecap-sinkthreads` runs the sink
-as before its thread settings changed: torch's thread per core instead of one, and serial copies
-(CORECAP_SINK_TORCH_THREADS=16, CORECAP_SINK_COPY_THREADS=1).
+engine step in flight instead of two (CORECAP_STEPS_IN_FLIGHT=1); `corecap-sinkthreads` runs
+the sink as before its thread settings changed: torch's thread per core instead of one, and
+serial copies (CORECAP_SINK_TORCH_THREADS=16, CORECAP_SINK_COPY_THREADS=1).
 Each mode runs in its own process (one engine per process); every result is a JSON line in
 DIR/bench_gpu.jsonl. Clocks: "capture" = until the last sample is handed to storage; "durable" =
 until everything is on disk (corecap: the last commit, states fdatasync'd and LMDB fsync'd;

@@ -25,10 +25,11 @@ measured difference is printed.
 
 tests/test_faults.py runs the same loop with a few kills (CORECAP_KILL_LOOPS); this script is
 the full run. Each run gets its own session, its own short TMPDIR in /tmp (mode 1777, like
-/tmp, so IPC files that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT under --work: a kill in
-the middle of torch.compile then hits this cache, not the user's. A SIGKILLed run leaves the
-shared memory it mapped in /dev/shm (vLLM's ring buffers, ~400 MB per run on the tiny model);
-the harness reports and removes it, or twenty kills would fill the machine's RAM.
+/tmp, so IPC files that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT
+under --work: a kill in the middle of torch.compile then hits this cache, not the user's. A
+SIGKILLed run leaves the shared memory it mapped in /dev/shm (vLLM's ring buffers, ~400 MB per
+run on the tiny model); the harness reports and removes it, or twenty kills would fill the
+machine's RAM.
 """
 
 from __future__ import annotations
