@@ -196,31 +196,33 @@ class Stopped:
 CAPTURING = "capturing "  # the run's log line as its step loop starts (corecap/run.py)
 
 
-def _wait_for_capture(run, store: str, before: int, observation: Observation) -> None:
-    """Until this run's capture is under way: its step loop started and it committed something,
-    or 2 s passed since the loop started. Not on the first commit alone: where commits lag
-    (a slow fsync), the first one can land after the last step. CI once killed a worker at a
-    run's first commit and saw the run exit 0, its store complete: the kill had come too late."""
+def _wait_for_capture(run, store: str, before: int, observation: Observation, settle: float) -> None:
+    """Until this run's capture is under way: its step loop started and then it committed
+    something or `settle` seconds passed. Not on the first commit alone: where commits lag (a
+    slow fsync), the first one can land after the last step. CI twice interrupted a worker too
+    late: at a run's first commit, then 2 s into its loop (72 of 200 committed); both times the
+    steps were all done and the run exited 0 with its store complete."""
     deadline = time.monotonic() + 600
     started = None
     while run.running() and time.monotonic() < deadline:
         observation.sample(run)
         if started is None and any(line.startswith(CAPTURING) for line in run.stderr().splitlines()):
             started = time.monotonic()
-        if started is not None and (kill_loop.num_committed(store) > before or time.monotonic() - started > 2):
+        if started is not None and (kill_loop.num_committed(store) > before or time.monotonic() - started >= settle):
             observation.sample(run)
             return
         time.sleep(0.1)
     pytest.fail(f"{run.name}: the run ended or stalled before its capture was under way (rc {run.proc.poll()}):\n{run.stderr()[-3000:]}")
 
 
-def _stop(cmd, name: str, interrupt) -> Stopped:
-    """Start a run, call `interrupt(run)` once it commits, and record how it ends."""
+def _stop(cmd, name: str, interrupt, settle: float) -> Stopped:
+    """Start a run, call `interrupt(run)` once its capture is under way (`_wait_for_capture`),
+    and record how it ends."""
     before = kill_loop.num_committed(cmd.store)
     run = kill_loop.Run(cmd, name)
     observation = Observation()
     try:
-        _wait_for_capture(run, cmd.store, before, observation)
+        _wait_for_capture(run, cmd.store, before, observation, settle)
         detail = interrupt(run)
         signal_at, t0 = run.elapsed(), time.monotonic()
         at_signal = kill_loop.num_committed(cmd.store)
@@ -260,10 +262,12 @@ def _kill_a_worker(run) -> str:
 
 @pytest.fixture(scope="module")
 def interrupted(inputs, reference):
-    """One store: a run stopped by SIGTERM, a rerun that loses a worker, a rerun to the end."""
+    """One store: a run that loses a worker, a rerun stopped by SIGTERM, a rerun to the end.
+    The worker dies first, as its step loop starts, so that nearly all the steps are still to
+    come; SIGTERM comes after a commit (or 1 s), to show that what was committed is kept."""
     cmd = _command(inputs, "interrupted")
-    terminated = _stop(cmd, "sigterm", _sigterm)
-    worker_died = _stop(cmd, "worker-death", _kill_a_worker)
+    worker_died = _stop(cmd, "worker-death", _kill_a_worker, settle=0.0)
+    terminated = _stop(cmd, "sigterm", _sigterm, settle=1.0)
     final, _ = kill_loop.timed_run(cmd, "after-interruptions", timeout=900)
     return cmd, terminated, worker_died, final
 
