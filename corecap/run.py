@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from corecap import CorecapError, __version__, data, demo
+from corecap import CorecapError, __version__, data, demo, shm
 from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
@@ -53,6 +53,9 @@ class Interrupted(CorecapError):
 def run(cfg: RunConfig, log=print) -> RunSummary:
     from corecap._vllm import Engine, EngineSpec, vllm_version
 
+    removed = shm.remove_left_behind()  # a killed run's RAM, before this run needs its own
+    if removed.num_files:
+        log(removed.line())
     model_dir = cfg.model or demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.load_format)
@@ -108,10 +111,13 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
     steps: list | None = None if os.environ.get("CORECAP_NO_TRACE") else []
     start = end = time.time()
+    record = shm.ShmRecord()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         sink.watch()
+        record.watch()
         engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
+        record.stop_watching()
         log(f"states to the store: shared-memory ring {engine.ring_status()}")
         log(f"vLLM's workers in a private network namespace: {engine.network_status()}")
         log(f"capturing {todo} samples")
@@ -143,6 +149,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         if engine is not None:
             engine.shutdown()
         sink.close()
+        record.close()
         result = sink.result
         if steps is not None and isinstance(result, Done):
             write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes, workers)

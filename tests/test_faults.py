@@ -1,6 +1,7 @@
 """Nothing lost: a real `corecap run` on the CPU engine is SIGKILLed, terminated, loses a worker
 or runs out of disk; each time it stops promptly and cleanly, the store stays readable with no
-partial sample, and a rerun completes it exactly as an uninterrupted run does.
+partial sample, and a rerun completes it exactly as an uninterrupted run does (and removes the
+shared memory a SIGKILLed run left in /dev/shm).
 
 Every run is a subprocess in its own session and TMPDIR (tools/kill_loop.py's `Run`), so what
 it leaves behind (processes, IPC files) is visible. The runs use --enforce-eager to keep engine
@@ -92,6 +93,8 @@ def test_kill_anywhere_then_rerun_matches_uninterrupted(inputs, reference):
     for c in loop.rounds:  # stores completed during the loop, before the last kill
         assert c.ok, c.line()
     assert loop.num_killed == KILL_LOOPS, f"only {loop.num_killed} of {len(loop.outcomes)} runs were killed"
+    # each run removes what killed runs left in /dev/shm (an outcome fails otherwise): not vacuously
+    assert any(o.leaked_shm > o.unrecorded_shm for o in loop.outcomes), "no killed run left shared memory to remove"
     final, _ = kill_loop.timed_run(cmd, "killed-final", timeout=900)
     assert final.returncode == 0 and not final.failed, f"{final.line()}\n{final.stderr_tail}"
     _assert_matches_reference(reference_store, cmd.store)

@@ -27,9 +27,10 @@ tests/test_faults.py runs the same loop with a few kills (CORECAP_KILL_LOOPS); t
 the full run. Each run gets its own session, its own short TMPDIR in /tmp (mode 1777, like
 /tmp, so IPC files that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT
 under --work: a kill in the middle of torch.compile then hits this cache, not the user's. A
-SIGKILLed run leaves the shared memory it mapped in /dev/shm (vLLM's ring buffers, ~400 MB per
-run on the tiny model); the harness reports and removes it, or twenty kills would fill the
-machine's RAM.
+SIGKILLed run leaves the shared memory it mapped in /dev/shm (vLLM's message queues, ~400 MB per
+run on the tiny model); the next run must remove it (corecap/shm.py): every run that gets under
+way (commits something, or exits by itself) fails the loop if a file an earlier run left is
+still there after it. What is left at the end is removed by the harness.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ from corecap.verify import verify_store
 PHASES = ("load", "step", "commit")
 TOLERANCE = 1e-6  # relative L2 per sample and layer: float32's band after reordered reductions
 _POLL = 0.05
+# A run records its shared memory within tens of milliseconds of its creation (corecap/shm.py);
+# what a kill catches younger than this is not expected to be recorded, and this harness removes it.
+RECORD_WINDOW = 0.25
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class Run:
     """One started `corecap run` in its own session (process group), with its own TMPDIR and log files."""
 
     started: list["Run"] = []  # every run of this process, ended at exit (own sessions outlive us)
+    left_behind: set[str] = set()  # /dev/shm files that ended runs left, for a later run to remove
+    unrecorded: set[str] = set()  # files made too shortly before a kill to be recorded: ours to remove
 
     def __init__(self, cmd: RunCommand, name: str):
         self.cmd, self.name = cmd, name
@@ -95,10 +101,16 @@ class Run:
         self.pgid = self.proc.pid
         self.shm: set[str] = set()  # /dev/shm files its processes mapped (seen by `watch`)
         self.shm_before = set(os.listdir("/dev/shm"))
+        self.killed_at: float | None = None  # time.time() of the SIGKILL
+        self.shm_seen: dict[str, float] = {}  # /dev/shm path → time.time() `watch` first saw it
         Run.started.append(self)
 
     def watch(self) -> None:
-        """Note the shared memory the run's processes map: a SIGKILL leaves it behind."""
+        """Note the shared memory the run's processes map (a SIGKILL leaves it behind), and when
+        each name in /dev/shm was first seen."""
+        now = time.time()
+        for name in os.listdir("/dev/shm"):
+            self.shm_seen.setdefault(os.path.join("/dev/shm", name), now)
         for p in self.processes():
             try:
                 with open(f"/proc/{p.pid}/maps") as f:
@@ -212,6 +224,11 @@ def _kill_started_runs() -> None:
             run.wait_group_gone(10)
         run.remove_leaked_shm()
         shutil.rmtree(run.tmpdir, ignore_errors=True)
+    for path in Run.left_behind | Run.unrecorded:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _describe(p: psutil.Process) -> str:
@@ -266,14 +283,19 @@ class Outcome:
     leftover_processes: list[str]
     stderr_tail: str = ""
     store_error: str = ""  # the store could not be opened at all (e.g. killed while creating it)
-    leaked_shm: int = 0  # /dev/shm files it left (removed by this harness afterwards)
+    leaked_shm: int = 0  # /dev/shm files it left (for the next run to remove)
     leaked_shm_bytes: int = 0
+    stale_shm: list[str] = field(default_factory=list)  # files earlier runs left, still there after this one got under way
+    unrecorded_shm: int = 0  # of leaked_shm, made within RECORD_WINDOW before the kill: not yet recorded
     landed: str = ""  # where the kill landed: "load" (nothing committed yet) or "capture"
 
     @property
     def failed(self) -> bool:
         """A run that failed on its own, a store with a bad sample, or a process that survived."""
-        return (not self.killed and self.returncode != 0) or self.verify_problems > 0 or bool(self.leftover_processes)
+        return (
+            (not self.killed and self.returncode != 0) or self.verify_problems > 0 or bool(self.leftover_processes)
+            or bool(self.stale_shm)
+        )
 
     def line(self) -> str:
         what = f"killed in {self.phase} at {self.at:5.1f}s" if self.killed else f"exited {self.returncode} at {self.at:5.1f}s"
@@ -285,6 +307,8 @@ class Outcome:
             f"{self.name}: {what}; committed {self.committed_before} -> {self.committed_after}; "
             f"verify problems {self.verify_problems}; leftover processes {len(self.leftover_processes)}"
             + (f"; left {self.leaked_shm} shm files ({self.leaked_shm_bytes / 2**20:.0f} MiB)" if self.leaked_shm else "")
+            + (f" ({self.unrecorded_shm} made within {RECORD_WINDOW}s of the kill, too late to be recorded)" if self.unrecorded_shm else "")
+            + (f"; did not remove what earlier runs left: {self.stale_shm}" if self.stale_shm else "")
             + (f"; store unreadable: {self.store_error}" if self.store_error else "")
         )
 
@@ -328,6 +352,7 @@ def kill_once(cmd: RunCommand, name: str, phase: str, rng: random.Random, timing
     at_kill = num_committed(cmd.store) if phase == "load" else None  # a load kill may land late
     killed = run.running()
     if killed:
+        run.killed_at = time.time()
         run.signal_group(signal.SIGKILL)
     outcome = _finish(run, phase, killed=killed, before=before)
     if killed:
@@ -357,12 +382,21 @@ def _finish(run: Run, phase: str | None, killed: bool, before: int) -> Outcome:
         except CorecapError as e:  # not a failure by itself: the next run must cope with it
             store_error = str(e)
     tail = "" if killed or rc == 0 else "\n".join(run.stderr().splitlines()[-20:])
+    after = num_committed(run.cmd.store)
+    stale = sorted(p for p in Run.left_behind if os.path.exists(p))
+    under_way = not killed or after > before  # past the start of `corecap run`, where it removes them
     leaked = run.leaked_shm()
-    run.remove_leaked_shm()
+    young = {  # not seen, or first seen, within RECORD_WINDOW before the kill
+        path for path, _ in leaked
+        if run.killed_at is not None and run.shm_seen.get(path, run.killed_at) > run.killed_at - RECORD_WINDOW
+    }
+    Run.unrecorded |= young
+    Run.left_behind = set(stale) | {path for path, _ in leaked} - young
     return Outcome(
-        run.name, phase, killed, round(at, 2), rc, before, num_committed(run.cmd.store), problems, leftovers, tail,
-        store_error, len(leaked), sum(size for _, size in leaked),
+        run.name, phase, killed, round(at, 2), rc, before, after, problems, leftovers, tail,
+        store_error, len(leaked), sum(size for _, size in leaked), stale if under_way else [], len(young),
     )
+
 
 
 @dataclass
@@ -550,7 +584,7 @@ def main() -> int:
     by_phase = {p: sum(o.phase == p for o in killed) for p in PHASES}
     late = sum(o.phase == "load" and o.landed == "capture" for o in killed)
     leaked = sum(o.leaked_shm_bytes for o in outcomes)
-    print(f"/dev/shm left by the killed runs (removed): {sum(o.leaked_shm for o in outcomes)} files, {leaked / 2**20:.0f} MiB", flush=True)
+    print(f"/dev/shm left by the killed runs (each removed by a later run): {sum(o.leaked_shm for o in outcomes)} files, {leaked / 2**20:.0f} MiB", flush=True)
     ok = comparison is not None and comparison.ok and not final.failed and not loop.failed and loop.num_killed == args.kills
     print(
         f"{'OK' if ok else 'FAILED'}: {len(killed)} of {len(outcomes)} runs killed in {len(loop.rounds) + 1} rounds "
