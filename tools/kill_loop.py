@@ -291,7 +291,8 @@ class Outcome:
 
     @property
     def failed(self) -> bool:
-        """A run that failed on its own, a store with a bad sample, or a process that survived."""
+        """A run that failed on its own, a store with a bad sample, a process that survived, or
+        shared memory of earlier runs left in place."""
         return (
             (not self.killed and self.returncode != 0) or self.verify_problems > 0 or bool(self.leftover_processes)
             or bool(self.stale_shm)
@@ -396,7 +397,6 @@ def _finish(run: Run, phase: str | None, killed: bool, before: int) -> Outcome:
         run.name, phase, killed, round(at, 2), rc, before, after, problems, leftovers, tail,
         store_error, len(leaked), sum(size for _, size in leaked), stale if under_way else [], len(young),
     )
-
 
 
 @dataclass
@@ -584,7 +584,12 @@ def main() -> int:
     by_phase = {p: sum(o.phase == p for o in killed) for p in PHASES}
     late = sum(o.phase == "load" and o.landed == "capture" for o in killed)
     leaked = sum(o.leaked_shm_bytes for o in outcomes)
-    print(f"/dev/shm left by the killed runs (each removed by a later run): {sum(o.leaked_shm for o in outcomes)} files, {leaked / 2**20:.0f} MiB", flush=True)
+    print(
+        f"/dev/shm left by the killed runs: {sum(o.leaked_shm for o in outcomes)} files, {leaked / 2**20:.0f} MiB, "
+        f"removed by the runs after them but {sum(o.unrecorded_shm for o in outcomes)} made too shortly before a kill "
+        f"to be recorded (removed by this harness)",
+        flush=True,
+    )
     ok = comparison is not None and comparison.ok and not final.failed and not loop.failed and loop.num_killed == args.kills
     print(
         f"{'OK' if ok else 'FAILED'}: {len(killed)} of {len(outcomes)} runs killed in {len(loop.rounds) + 1} rounds "
