@@ -3,7 +3,6 @@ and nothing already stored is touched."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np

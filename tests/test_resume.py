@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
-import torch
 
 from conftest import hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap import CorecapError, data

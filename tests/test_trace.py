@@ -1,4 +1,5 @@
-"""corecap.trace on synthetic timelines with known geometry (no vLLM, no model)."""
+"""corecap.trace, trace_views and profile.samples_for_steps on synthetic timelines with known
+geometry (no vLLM, no model)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,19 @@ import pytest
 from click.testing import CliRunner
 
 from corecap import CorecapError
+from corecap.profile import samples_for_steps
 from corecap.trace import (
     bottleneck,
     critical_path,
     load_trace,
     overlap,
     phases,
-    plot,
-    samples_for_steps,
     summarize,
     throughput,
-    to_chrome,
     trace,
     unaccounted,
 )
+from corecap.trace_views import plot, to_chrome
 
 T0 = 1_000.0
 SCHEDULE, EXECUTE, SAMPLE, UPDATE, GAP = 0.005, 0.060, 0.010, 0.005, 0.020

@@ -26,7 +26,7 @@ import torch
 
 from corecap import wire
 from corecap.collect import BufferPool, Collector
-from corecap.sink import copy_threads
+from corecap import sink
 from corecap.store import FP8, encode_sample
 from corecap.writer import all_finite
 
@@ -160,7 +160,7 @@ def main() -> None:
     if parts & {"reassembly", "contention"}:
         step = torch.randn(LAYERS, SAMPLES * SAMPLE, HIDDEN).bfloat16()
     torch.set_num_threads(1)  # as in the sink
-    threads = copy_threads()
+    threads = sink.copy_threads()
     if "reassembly" in parts:
         bench_reassembly(step, args.repeat, threads)
     if "contention" in parts:
