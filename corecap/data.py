@@ -8,6 +8,7 @@ default: the row's 1-based line, element or row number) and exactly one of
   conversations  ShareGPT style: [{"from": "human"|"gpt"|"system", "value": str}, ...]
 Conversations are rendered with the model's own chat template; their loss mask marks the
 assistant's tokens. docs/datasets.md has literal examples, the mask method and the policies.
+The file formats' readers are in corecap/rows.py, the conversations' in corecap/chat.py.
 
 `validate` reads the whole file once, cheaply and before any model loads, so that a bad row
 400,000 is reported up front; `read_samples` then streams the same samples lazily while the
@@ -17,8 +18,6 @@ engine runs. Both apply the same policies (overflow, invalid rows, shard), so th
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import os
 import re
 from collections import Counter
@@ -28,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from corecap import CorecapError
+from corecap.chat import ChatRenderer, parse_messages
+from corecap.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
 
 OVERFLOW_POLICIES = ("error", "truncate", "skip")
@@ -35,14 +36,7 @@ OVERFLOW_POLICIES = ("error", "truncate", "skip")
 # costs seconds because it runs before the model loads; --overflow truncate|skip is a choice.
 DEFAULT_OVERFLOW = "error"
 INVALID_POLICIES = ("error", "skip")
-INPUT_FIELDS = ("input_ids", "text", "messages", "conversations")
-MESSAGE_ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "assistant": "assistant", "system": "system"}
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _NUM_SKIP_EXAMPLES = 10
-_UNITS = {"jsonl": "line", "json": "element", "parquet": "row"}
-_CHUNK = 1 << 20  # JSON array reader: characters read at a time
 
 
 @dataclass(frozen=True)
@@ -73,14 +67,6 @@ class DatasetSummary:
         if self.num_other_shards:
             parts.append(f"{self.num_other_shards} in other shards")
         return ", ".join(parts)
-
-
-class RowError(CorecapError):
-    """A problem confined to one row: the run stops on it, or skips the row under a skip policy."""
-
-    def __init__(self, where: str, message: str, reason: str):
-        super().__init__(f"{where}: {message}")
-        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,148 +102,6 @@ def _check_policies(overflow: str, invalid: str | None, shard) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rows: (number, where, object) from each file format
-
-
-def _open(path: str):
-    try:
-        return open(path, "rb")
-    except OSError as e:
-        raise CorecapError(f"--data {path}: cannot open ({e.strerror})") from None
-
-
-def _format(path: str, f) -> str:
-    lower = path.lower()
-    if lower.endswith((".parquet", ".pq")):
-        return "parquet"
-    if lower.endswith((".jsonl", ".ndjson")):
-        return "jsonl"
-    head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    f.seek(0)
-    return "json" if head.startswith(b"[") else "jsonl"
-
-
-def _jsonl_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
-    for line_no, raw in enumerate(f, start=1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            obj = RowError(where, f"not valid JSON ({getattr(e, 'msg', e)})", "not valid JSON")
-        yield line_no, where, obj
-
-
-class _ArrayReader:
-    """Streams the elements of one top-level JSON array: a ShareGPT dump of a million
-    conversations is gigabytes of text, and many times that as Python objects if loaded whole."""
-
-    _NON_SPACE = re.compile(r"[^ \t\r\n]")
-
-    def __init__(self, path: str, f):
-        self.path = path
-        self.text = io.TextIOWrapper(f, encoding="utf-8-sig")
-        self.decoder = json.JSONDecoder()
-        self.buf, self.pos, self.eof = "", 0, False
-        self.line = 1  # line number of buf[0]
-
-    def _fill(self, size: int = 0) -> bool:
-        if self.eof:
-            return False
-        try:
-            chunk = self.text.read(max(size, _CHUNK))
-        except UnicodeDecodeError as e:
-            raise CorecapError(f"{self.path}: not UTF-8 text ({e.reason})") from None
-        if not chunk:
-            self.eof = True
-            return False
-        self.line += self.buf.count("\n", 0, self.pos)
-        self.buf, self.pos = self.buf[self.pos :] + chunk, 0
-        return True
-
-    def _line_at(self, pos: int) -> int:
-        return self.line + self.buf.count("\n", 0, pos)
-
-    def _peek(self) -> str | None:
-        """The next non-blank character (not consumed), None at the end of the file."""
-        while True:
-            m = self._NON_SPACE.search(self.buf, self.pos)
-            if m:
-                self.pos = m.start()
-                return self.buf[self.pos]
-            self.pos = len(self.buf)
-            if not self._fill():
-                return None
-
-    def _decode(self, n: int):
-        while True:
-            try:
-                value, end = self.decoder.raw_decode(self.buf, self.pos)
-            except json.JSONDecodeError as e:
-                if self._fill(len(self.buf)):  # the element may go on past the buffer: read more
-                    continue
-                raise CorecapError(
-                    f"{self.path}: element {n}: not valid JSON ({e.msg}, line {self._line_at(e.pos)})"
-                ) from None
-            if end == len(self.buf) and self._fill():  # a number may go on past the buffer
-                continue
-            self.pos = end
-            return value
-
-    def rows(self) -> Iterator[tuple[int, str, object]]:
-        if self._peek() != "[":
-            raise CorecapError(f"{self.path}: expected a JSON array of objects or JSON Lines")
-        self.pos += 1
-        n = 0
-        if self._peek() == "]":
-            self.pos += 1
-        else:
-            while True:
-                n += 1
-                if self._peek() is None:
-                    raise CorecapError(f"{self.path}: element {n}: the file ends inside the array")
-                yield n, f"{self.path}: element {n}", self._decode(n)
-                c = self._peek()
-                self.pos += 1
-                if c == "]":
-                    break
-                if c != ",":
-                    where = f"line {self._line_at(self.pos - 1)}" if c else "end of file"
-                    raise CorecapError(f"{self.path}: element {n}: expected ',' or ']' after it ({where})")
-        if self._peek() is not None:
-            raise CorecapError(f"{self.path}: text after the closing ']' (line {self._line_at(self.pos)})")
-
-
-def _json_array_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
-    return _ArrayReader(path, f).rows()
-
-
-def _parquet_rows(path: str, f) -> Iterator[tuple[int, str, object]]:
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CorecapError(
-            f"--data {path}: reading Parquet needs pyarrow (pip install 'corecap[parquet]' or pip install pyarrow)"
-        ) from None
-    try:
-        pf = pq.ParquetFile(f)
-    except pyarrow.ArrowException as e:
-        raise CorecapError(f"{path}: not a readable Parquet file ({e})") from None
-    names = pf.schema_arrow.names
-    if not any(name in names for name in INPUT_FIELDS):
-        raise CorecapError(f"{path}: no column {', '.join(map(repr, INPUT_FIELDS))} (columns: {', '.join(names)})")
-    columns = [name for name in names if name in ("id", "loss_mask") + INPUT_FIELDS]
-    n = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=columns):
-        for row in batch.to_pylist():
-            n += 1
-            # Columns are shared by all rows, so a field a row does not use is null.
-            yield n, f"{path}: row {n}", {k: v for k, v in row.items() if v is not None}
-
-
-# ---------------------------------------------------------------------------------------------
 # One row → key, token ids, loss mask
 
 
@@ -289,106 +133,6 @@ def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
-def _messages(obj: dict, name: str, where: str) -> list[dict]:
-    """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped."""
-    turns = obj[name]
-    sharegpt = name == "conversations"
-    role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
-    roles = SHAREGPT_ROLES if sharegpt else {r: r for r in MESSAGE_ROLES}
-    if not isinstance(turns, list):
-        raise RowError(where, f"field {name!r} must be a list of objects, got {type(turns).__name__}", "malformed conversation")
-    if not turns:
-        raise RowError(where, f"field {name!r} is empty (no turns)", "empty conversation")
-    messages = []
-    for i, turn in enumerate(turns):
-        at = f"{name}[{i}]"
-        if not isinstance(turn, dict):
-            raise RowError(where, f"{at} must be an object, got {type(turn).__name__}", "malformed conversation")
-        for f in (role_field, content_field):
-            if f not in turn:
-                raise RowError(where, f"{at} has no field {f!r}", "malformed conversation")
-        role, content = turn[role_field], turn[content_field]
-        if not isinstance(role, str) or role not in roles:
-            expected = ", ".join(map(repr, roles))
-            raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})", "unknown role")
-        if not isinstance(content, str):
-            raise RowError(
-                where, f"{at}.{content_field} must be a string, got {type(content).__name__}", "non-string content"
-            )
-        messages.append({"role": roles[role], "content": content})
-    if all(not m["content"].strip() for m in messages):
-        raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
-    return messages
-
-
-class _ChatRenderer:
-    """Renders a conversation with the model's chat template into token ids and an assistant mask.
-
-    With {% generation %} markers in the template, the mask is HF's assistant-token mask.
-    Without, it is found by prefixes: the assistant turn i spans the characters between the
-    rendering of messages[:i] plus the generation prompt, and the rendering of messages[:i+1];
-    a template that renders a prefix differently from the start of the whole conversation
-    (e.g. one that drops earlier turns' reasoning) is refused. docs/datasets.md says more."""
-
-    def __init__(self, tokenizer, where: str, name: str):
-        if tokenizer is None:
-            raise CorecapError(f"{where}: field {name!r} needs a tokenizer, and the model directory has none")
-        if not getattr(tokenizer, "chat_template", None):
-            raise CorecapError(
-                f"{where}: field {name!r} needs the tokenizer's chat template, and the model directory has none"
-            )
-        if not getattr(tokenizer, "is_fast", False):
-            raise CorecapError(f"{where}: field {name!r} needs a fast tokenizer (tokenizer.json) for its loss mask")
-        self.tokenizer = tokenizer
-        template = tokenizer.chat_template
-        self.marked = _GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)) is not None
-
-    def _text(self, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as e:  # jinja2 and the template's own raise_exception raise many types
-            raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
-
-    def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-        if self.marked:
-            try:
-                out = self.tokenizer.apply_chat_template(
-                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                    add_generation_prompt=False,
-                )
-            except Exception as e:  # as in _text
-                raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
-            return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
-        full = self._text(messages, where, False)
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int64)
-        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(ids), dtype=bool)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            if i == 0:
-                raise RowError(
-                    where, "the conversation starts with an assistant turn; without {% generation %} markers "
-                    "in the chat template its mask cannot be found", "assistant turn first",
-                )
-            start = self._text(messages[:i], where, True)
-            end = self._text(messages[: i + 1], where, False)
-            if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
-                # A property of the template, not of this row: skipping would drop data unevenly.
-                raise CorecapError(
-                    f"{where}: the chat template renders the conversation up to turn {i} differently from the "
-                    "start of the whole conversation, so the assistant mask cannot be found by prefixes; add "
-                    "{% generation %} markers to the template, or give input_ids and loss_mask"
-                )
-            mask |= (offsets[:, 0] < len(end)) & (offsets[:, 1] > len(start))
-        return ids, mask.astype(np.uint8)
-
-
 def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tuple[np.ndarray, np.ndarray | None]:
     present = [name for name in INPUT_FIELDS if name in obj]
     if not present:
@@ -412,9 +156,9 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tu
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        messages = _messages(obj, name, where)
+        messages = parse_messages(obj, name, where)
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
-            chat["renderer"] = _ChatRenderer(tokenizer, where, name)
+            chat["renderer"] = ChatRenderer(tokenizer, where, name)
         arr, mask = chat["renderer"].render(messages, where)
     if arr.size == 0:
         raise RowError(where, "empty sample (no tokens)", "empty sample")
@@ -439,11 +183,8 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard)
     Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
     Raise at the first problem the policies refuse."""
     path = os.fspath(path)
-    f = _open(path)
-    with f:
-        fmt = _format(path, f)
-        yield "unit", _UNITS[fmt]
-        rows = {"jsonl": _jsonl_rows, "json": _json_array_rows, "parquet": _parquet_rows}[fmt](path, f)
+    with open_rows(path) as (unit, rows):
+        yield "unit", unit
         chat: dict = {}
         last = 0
         for n, where, obj in rows:

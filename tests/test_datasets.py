@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from corecap import CorecapError, data
+from corecap import CorecapError, data, rows
 from corecap.demo import build_tokenizer
 from corecap.merge import merge, merge_stores
 from corecap.model import load_tokenizer
@@ -311,7 +311,7 @@ ROWS = [
 
 @pytest.mark.parametrize("chunk", [1 << 20, 7])  # 7 characters: elements, strings and numbers span reads
 def test_json_array_reads_like_json_lines(tmp_path, tok, monkeypatch, chunk):
-    monkeypatch.setattr(data, "_CHUNK", chunk)
+    monkeypatch.setattr(rows, "_CHUNK", chunk)
     lines = write_jsonl(tmp_path / "d.jsonl", ROWS)
     array = tmp_path / "d.json"
     array.write_text("\ufeff \n" + json.dumps(ROWS, indent=2, ensure_ascii=False) + "\n")

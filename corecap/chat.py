@@ -1,0 +1,119 @@
+"""Conversations: a row's "messages" (OpenAI style) or "conversations" (ShareGPT style), checked,
+then rendered with the model's chat template into token ids and the assistant-token loss mask.
+docs/datasets.md describes the mask method.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+
+from corecap import CorecapError
+from corecap.rows import RowError
+
+MESSAGE_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "assistant": "assistant", "system": "system"}
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def parse_messages(obj: dict, name: str, where: str) -> list[dict]:
+    """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped."""
+    turns = obj[name]
+    sharegpt = name == "conversations"
+    role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
+    roles = SHAREGPT_ROLES if sharegpt else {r: r for r in MESSAGE_ROLES}
+    if not isinstance(turns, list):
+        raise RowError(where, f"field {name!r} must be a list of objects, got {type(turns).__name__}", "malformed conversation")
+    if not turns:
+        raise RowError(where, f"field {name!r} is empty (no turns)", "empty conversation")
+    messages = []
+    for i, turn in enumerate(turns):
+        at = f"{name}[{i}]"
+        if not isinstance(turn, dict):
+            raise RowError(where, f"{at} must be an object, got {type(turn).__name__}", "malformed conversation")
+        for f in (role_field, content_field):
+            if f not in turn:
+                raise RowError(where, f"{at} has no field {f!r}", "malformed conversation")
+        role, content = turn[role_field], turn[content_field]
+        if not isinstance(role, str) or role not in roles:
+            expected = ", ".join(map(repr, roles))
+            raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})", "unknown role")
+        if not isinstance(content, str):
+            raise RowError(
+                where, f"{at}.{content_field} must be a string, got {type(content).__name__}", "non-string content"
+            )
+        messages.append({"role": roles[role], "content": content})
+    if all(not m["content"].strip() for m in messages):
+        raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
+    return messages
+
+
+class ChatRenderer:
+    """Renders a conversation with the model's chat template into token ids and an assistant mask.
+
+    With {% generation %} markers in the template, the mask is HF's assistant-token mask.
+    Without, it is found by prefixes: the assistant turn i spans the characters between the
+    rendering of messages[:i] plus the generation prompt, and the rendering of messages[:i+1];
+    a template that renders a prefix differently from the start of the whole conversation
+    (e.g. one that drops earlier turns' reasoning) is refused. docs/datasets.md says more."""
+
+    def __init__(self, tokenizer, where: str, name: str):
+        if tokenizer is None:
+            raise CorecapError(f"{where}: field {name!r} needs a tokenizer, and the model directory has none")
+        if not getattr(tokenizer, "chat_template", None):
+            raise CorecapError(
+                f"{where}: field {name!r} needs the tokenizer's chat template, and the model directory has none"
+            )
+        if not getattr(tokenizer, "is_fast", False):
+            raise CorecapError(f"{where}: field {name!r} needs a fast tokenizer (tokenizer.json) for its loss mask")
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template
+        self.marked = _GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)) is not None
+
+    def _text(self, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # jinja2 and the template's own raise_exception raise many types
+            raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+
+    def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.marked:
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                    add_generation_prompt=False,
+                )
+            except Exception as e:  # as in _text
+                raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+            return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
+        full = self._text(messages, where, False)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            if i == 0:
+                raise RowError(
+                    where, "the conversation starts with an assistant turn; without {% generation %} markers "
+                    "in the chat template its mask cannot be found", "assistant turn first",
+                )
+            start = self._text(messages[:i], where, True)
+            end = self._text(messages[: i + 1], where, False)
+            if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
+                # A property of the template, not of this row: skipping would drop data unevenly.
+                raise CorecapError(
+                    f"{where}: the chat template renders the conversation up to turn {i} differently from the "
+                    "start of the whole conversation, so the assistant mask cannot be found by prefixes; add "
+                    "{% generation %} markers to the template, or give input_ids and loss_mask"
+                )
+            mask |= (offsets[:, 0] < len(end)) & (offsets[:, 1] > len(start))
+        return ids, mask.astype(np.uint8)
