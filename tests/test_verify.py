@@ -199,11 +199,14 @@ def test_nan_inf_and_all_zero_layer(tmp_path, codec):
     inf[2, 0, 0] = float("-inf")
     zero[0] = 0.0
     zero_token[1, 2] = 0.0  # one zero token is a value, not a missing layer
+    # finite values whose sum overflows bf16, and values that sum to exactly zero: both fine
+    overflow, cancel = _states(24, 6), _states(25, 6)
+    overflow[0] = torch.finfo(torch.bfloat16).max
+    cancel[2] = 0.0
+    cancel[2, 0, 0], cancel[2, 5, 3] = 1.5, -1.5
+    samples = [("nan", nan), ("inf", inf), ("zero", zero), ("zero-token", zero_token), ("overflow", overflow), ("cancel", cancel)]
     with Store.create_or_open(path, _meta(codec)) as store:
-        store.put_many([
-            encode_sample(k, _ids(i, 6), s, LAYERS, codec=codec)
-            for i, (k, s) in enumerate([("nan", nan), ("inf", inf), ("zero", zero), ("zero-token", zero_token)])
-        ])
+        store.put_many([encode_sample(k, _ids(i, 6), s, LAYERS, codec=codec) for i, (k, s) in enumerate(samples)])
     report = verify_store(path)
     assert sorted(report.problems) == ["inf", "nan", "zero"]
     assert report.problems["nan"] == ["layer 2: 2 NaN and 0 Inf values (first at token 3)"]

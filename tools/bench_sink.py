@@ -24,9 +24,8 @@ import time
 import numpy as np
 import torch
 
-from corecap import wire
+from corecap import sink, wire
 from corecap.collect import BufferPool, Collector
-from corecap import sink
 from corecap.store import FP8, encode_sample
 from corecap.writer import all_finite
 

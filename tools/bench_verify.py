@@ -1,0 +1,80 @@
+"""`corecap verify`'s rate on this machine: a store of EAGLE-3-sized samples (4 layers x 1,024
+tokens x 4,096, bf16, random), written once, then verified; the time per sample split into
+reading + decoding and the states checks (NaN/Inf, all-zero layers).
+
+    python tools/bench_verify.py [--samples 24] [--codec zstd-planes] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from corecap import verify
+from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+
+LAYERS, TOKENS, HIDDEN = (2, 16, 29, 32), 1024, 4096
+
+
+def make_store(path: str, num_samples: int, codec: str) -> None:
+    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 32, HIDDEN, 128256)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=LAYERS, layer_meaning=LAYER_MEANING,
+        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=codec,
+    )
+    g = torch.Generator().manual_seed(0)
+    with Store.create_or_open(path, meta) as store:
+        for i in range(num_samples):
+            states = torch.randn(len(LAYERS), TOKENS, HIDDEN, generator=g).bfloat16()
+            ids = np.arange(TOKENS, dtype=np.int32)
+            store.put_many([encode_sample(f"s{i:06d}", ids, states, LAYERS, codec=codec)])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--codec", default="zstd-planes")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench-verify-")
+    try:
+        path = os.path.join(tmp, "store")
+        make_store(path, args.samples, args.codec)
+        checks = []
+        original = verify._check_states
+
+        def timed_check(states, layers):
+            start = time.perf_counter()
+            try:
+                return original(states, layers)
+            finally:
+                checks.append(time.perf_counter() - start)
+
+        verify._check_states = timed_check
+        for _ in range(args.repeat):
+            checks.clear()
+            start = time.perf_counter()
+            report = verify.verify_store(path)
+            total = time.perf_counter() - start
+            assert report.ok and report.num_samples == args.samples, report.line()
+            per_sample = total / args.samples * 1e3
+            check = sum(checks) / args.samples * 1e3
+            print(
+                f"{args.samples} samples of {len(LAYERS)}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}: "
+                f"{per_sample:.1f} ms per sample ({args.samples / total:.1f} samples/s): "
+                f"read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
