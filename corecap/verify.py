@@ -8,15 +8,21 @@ state file its pointer names holds them) and decode (sizes and checksum), its in
 matches its stored input ids, and its states hold no NaN/Inf and no layer that is exactly zero
 everywhere (a capture that never happened looks like that).
 
-The two databases are walked together in key order, one sample at a time inside one read
-transaction: memory stays at one sample however large the store, and a run that is writing the
-store meanwhile is neither blocked nor seen half-way (LMDB readers see a snapshot).
+The two databases are walked together in key order inside one read transaction, so that a run
+that is writing the store meanwhile is neither blocked nor seen half-way (LMDB readers see a
+snapshot). The walking thread reads each sample's header and states; a pool of threads decodes
+and checks them (decoding is most of the time: tools/bench_verify.py), with at most two samples
+per thread in flight, so memory stays at a few samples however large the store. Problems are
+reported in key order.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import click
@@ -45,8 +51,15 @@ class VerifyReport:
         return f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
 
 
-def verify_store(path: str, on_problem: Callable[[str, list[str]], None] | None = None) -> VerifyReport:
-    """Check every sample of the store at `path`; `on_problem(key, problems)` as each is found.
+def default_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def verify_store(
+    path: str, on_problem: Callable[[str, list[str]], None] | None = None, num_threads: int | None = None,
+) -> VerifyReport:
+    """Check every sample of the store at `path`; `on_problem(key, problems)` as each is found,
+    in key order. `num_threads` decode and check (default: `default_threads()`).
 
     Raises CorecapError when `path` is not a readable corecap store at all."""
     try:
@@ -54,15 +67,29 @@ def verify_store(path: str, on_problem: Callable[[str, list[str]], None] | None 
     except lmdb.Error as e:  # e.g. a corecap meta db but no headers/samples db
         raise CorecapError(f"{path}: not a corecap store ({e})") from None
     report = VerifyReport(store.path)
+    num_threads = num_threads or default_threads()
+    pending: deque = deque()  # (key, its problems or the future of them), in key order
+
+    def collect_oldest() -> None:
+        key, problems = pending.popleft()
+        if isinstance(problems, Future):
+            problems = problems.result()
+        if problems:
+            report.problems[key] = problems
+            if on_problem is not None:
+                on_problem(key, problems)
+
     try:
-        with store, store.env.begin(buffers=True) as txn:
+        with store, store.env.begin(buffers=True) as txn, ThreadPoolExecutor(num_threads) as pool:
             for key, header, value in _walk(txn, store):
                 report.num_samples += 1
-                problems = _check(key, header, value, store, report)
-                if problems:
-                    report.problems[key] = problems
-                    if on_problem is not None:
-                        on_problem(key, problems)
+                read = _read(key, header, value, store, report)
+                found = isinstance(read, list)  # wrong without decoding
+                pending.append((key, read if found else pool.submit(_check_decoded, key, *read, store)))
+                while len(pending) > 2 * num_threads:
+                    collect_oldest()
+            while pending:
+                collect_oldest()
     except lmdb.Error as e:
         raise CorecapError(f"{path}: the LMDB itself is damaged ({e}); checked {report.num_samples} samples before it") from None
     return report
@@ -93,7 +120,9 @@ def _text(key: bytes) -> str:
     return key.decode("utf-8", errors="backslashreplace")
 
 
-def _check(key: str, header_value, value, store: Store, report: VerifyReport) -> list[str]:
+def _read(key: str, header_value, value, store: Store, report: VerifyReport):
+    """In the walking thread: the sample's problems when it is wrong without decoding its states,
+    else (header, header bytes, states bytes) for `_check_decoded`."""
     meta = store.meta
     if header_value is None:
         return ["states but no header (an incomplete sample)"]
@@ -116,7 +145,17 @@ def _check(key: str, header_value, value, store: Store, report: VerifyReport) ->
     if problems:  # decoding against the metadata would only restate these
         return problems
     try:
-        sample = decode_sample(key, header_value, store.states(key, value), len(meta.layers))
+        return header, bytes(header_value), store.states(key, value)
+    except CorecapError as e:
+        return [_strip(e, key)]
+
+
+def _check_decoded(key: str, header, header_value: bytes, states: bytes, store: Store) -> list[str]:
+    """On a pool thread: decode the states and check them against the header."""
+    meta = store.meta
+    problems = []
+    try:
+        sample = decode_sample(key, header_value, states, len(meta.layers))
     except CorecapError as e:
         return [_strip(e, key)]
     if input_fingerprint(sample.input_ids) != header.input_fingerprint:
@@ -161,10 +200,14 @@ def _strip(error: CorecapError, key: str) -> str:
 
 @click.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-def verify(store) -> None:
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help=f"Threads that decode and check samples (default: the cores, at most 8; here {default_threads()}).")
+def verify(store, threads) -> None:
     """Check every stored sample (complete, consistent, checksums, finite, no zero layers)."""
     try:
-        report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"))
+        report = verify_store(
+            store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"), num_threads=threads
+        )
     except CorecapError as e:  # as in cli.py: one line, exit 2 for input that is not usable
         click.echo(f"corecap: error: {e}", err=True)
         sys.exit(2)

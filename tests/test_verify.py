@@ -260,6 +260,24 @@ def test_cli_lists_each_problem_and_exits_1(tmp_path):
     assert len(lines) == 3
 
 
+@pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
+def test_problems_come_in_key_order_whatever_the_threads(tmp_path, codec):
+    path = str(tmp_path / "s")
+    keys = _make_store(path, codec, num_samples=40)
+    damaged = keys[3::7]  # decoded ones (flipped bytes) and ones wrong before decoding (no states)
+    for key in damaged[::2]:
+        _flip_states_byte(path, key)
+    _raw_update(path, lambda txn, headers_db, samples_db: [txn.delete(k.encode(), db=samples_db) for k in damaged[1::2]])
+    seen = {}
+    for threads in (1, 3, 16):
+        seen[threads] = []
+        report = verify_store(path, on_problem=lambda key, problems: seen[threads].append((key, problems)), num_threads=threads)
+        assert report.num_samples == 40 and sorted(report.problems) == damaged
+    assert [k for k, _ in seen[1]] == damaged
+    assert seen[1] == seen[3] == seen[16]
+    assert CliRunner().invoke(verify, ["--store", path, "--threads", "0"]).exit_code == 2
+
+
 def test_not_a_store_is_one_line_exit_2(tmp_path):
     result = _invoke(str(tmp_path / "none"))
     assert result.exit_code == 2

@@ -1,8 +1,9 @@
 """`corecap verify`'s rate on this machine: a store of EAGLE-3-sized samples (4 layers x 1,024
-tokens x 4,096, bf16, random), written once, then verified; the time per sample split into
-reading + decoding and the states checks (NaN/Inf, all-zero layers).
+tokens x 4,096, bf16, random), written once, then verified with 1 thread and with the default
+number (`corecap verify --threads`); on one thread the time per sample is split into reading +
+decoding and the states checks (NaN/Inf, all-zero layers).
 
-    python tools/bench_verify.py [--samples 24] [--codec zstd-planes] [--repeat 3]
+    python tools/bench_verify.py [--samples 24] [--codec zstd-planes] [--repeat 3] [--threads 1,4]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--codec", default="zstd-planes")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", default=f"1,{verify.default_threads()}", help="comma-separated thread counts")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-verify-")
     try:
@@ -58,19 +60,20 @@ def main() -> int:
                 checks.append(time.perf_counter() - start)
 
         verify._check_states = timed_check
-        for _ in range(args.repeat):
-            checks.clear()
-            start = time.perf_counter()
-            report = verify.verify_store(path)
-            total = time.perf_counter() - start
-            assert report.ok and report.num_samples == args.samples, report.line()
-            per_sample = total / args.samples * 1e3
-            check = sum(checks) / args.samples * 1e3
-            print(
-                f"{args.samples} samples of {len(LAYERS)}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}: "
-                f"{per_sample:.1f} ms per sample ({args.samples / total:.1f} samples/s): "
-                f"read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms"
-            )
+        for threads in sorted({int(t) for t in args.threads.split(",")}):
+            for _ in range(args.repeat):
+                checks.clear()
+                start = time.perf_counter()
+                report = verify.verify_store(path, num_threads=threads)
+                total = time.perf_counter() - start
+                assert report.ok and report.num_samples == args.samples, report.line()
+                per_sample = total / args.samples * 1e3
+                check = sum(checks) / args.samples * 1e3
+                split = f": read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms" if threads == 1 else ""
+                print(
+                    f"{args.samples} samples of {len(LAYERS)}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}, "
+                    f"{threads} thread(s): {per_sample:.1f} ms per sample ({args.samples / total:.1f} samples/s){split}"
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
