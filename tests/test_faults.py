@@ -333,6 +333,32 @@ def test_a_failed_step_names_the_dead_worker():
     assert engine.asked == 2
 
 
+def test_a_dead_worker_not_yet_reaped_is_named():
+    """A worker that died is a zombie until reaped, and os.kill(pid, 0) still succeeds on it."""
+    from types import SimpleNamespace
+
+    from corecap._vllm.engine import Engine
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        os.kill(dead.pid, 0)  # the zombie still answers
+        engine = Engine.__new__(Engine)  # no vLLM: only problem() runs
+        workers = [{"rank": 0, "pid": alive.pid}, {"rank": 1, "pid": dead.pid}]
+        engine.executor = SimpleNamespace(corecap_workers=workers, is_failed=False)
+        assert engine.problem() == f"worker rank 1 (pid {dead.pid}) died"
+        engine.executor.corecap_workers = workers[:1]
+        assert engine.problem() is None
+    finally:
+        alive.kill()
+        alive.wait()
+        dead.wait()
+
+
 def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
     _, s, _, _ = interrupted
     last = s.run.last_stderr_line()

@@ -149,6 +149,22 @@ def _capture_executor_class(spec: EngineSpec):
     return CaptureExecutor
 
 
+def _alive(pid: int) -> bool:
+    """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
+    and that nobody reaped yet, which is how a dead worker of ours first looks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state, after the name
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
 class Engine:
     """One in-process EngineCore with capture installed; `add` samples, `step` until idle."""
 
@@ -203,9 +219,7 @@ class Engine:
     def problem(self) -> str | None:
         """A sentence naming a dead worker, or None while all are alive."""
         for rank, pid in self.worker_pids():
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _alive(pid):
                 return f"worker rank {rank} (pid {pid}) died"
         if getattr(self.executor, "is_failed", False):
             return "the vLLM executor failed (a worker died)"
