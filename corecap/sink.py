@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import torch
 import zmq
 
 from corecap import CorecapError, ring, wire
@@ -208,8 +209,6 @@ def main(spec: SinkSpec) -> None:
     """The sink process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import torch
-
     # One intra-op thread: the sink's parallelism is its own threads, encoders and copiers.
     # With torch's default (a thread per core) every thread that calls torch can get an OpenMP
     # team of its own: on a 16-core host, 8 encoders and the reassembly could ask for 144
