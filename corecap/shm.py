@@ -136,7 +136,7 @@ class ShmRecord:
         temporary = self.path + ".tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"pid": self.pid, "files": self.files}, f)
+            json.dump({"files": self.files}, f)  # whose: the name says
         os.replace(temporary, self.path)  # a kill mid-write leaves the previous record whole
 
     def watch(self) -> None:
@@ -196,12 +196,13 @@ class ShmRecord:
                 pass
 
 
-def _same_file(directory: str, name: str, inode: int) -> bool:
+def _same_file(directory: str, name: str, inode: int) -> os.stat_result | None:
+    """The file's stat while it is still the recorded one (a regular file, that inode, ours)."""
     try:
         st = os.lstat(os.path.join(directory, name))
     except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_ino == inode and st.st_uid == os.getuid()
+        return None
+    return st if stat.S_ISREG(st.st_mode) and st.st_ino == inode and st.st_uid == os.getuid() else None
 
 
 @dataclass(frozen=True)
@@ -242,16 +243,16 @@ def remove_left_behind(directory: str = DIRECTORY) -> Removed:
             except (OSError, ValueError, KeyError, TypeError):  # not ours to read, or not a record
                 continue
         for file, inode in files.items() if isinstance(files, dict) else ():
-            if "/" in file or not isinstance(inode, int) or not _same_file(directory, file, inode):
+            st = None if "/" in file or not isinstance(inode, int) else _same_file(directory, file, inode)
+            if st is None:
                 continue
             try:
-                size = os.stat(os.path.join(directory, file)).st_size
                 os.unlink(os.path.join(directory, file))
             except OSError:
                 continue
             pids.add(pid)
             num_files += 1
-            num_bytes += size
+            num_bytes += st.st_size
         try:
             os.unlink(path)
         except OSError:
