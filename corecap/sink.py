@@ -205,12 +205,6 @@ def copy_threads() -> int:
     return int(os.environ.get("CORECAP_SINK_COPY_THREADS") or min(4, max(2, (os.cpu_count() or 2) // 4)))
 
 
-def drain_threads(num_threads: int) -> int:
-    """Encode threads once the engine has finished: every core this process may use (at most
-    32), never fewer than during the run."""
-    return max(num_threads, min(32, len(os.sched_getaffinity(0))))
-
-
 def main(spec: SinkSpec) -> None:
     """The sink process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -257,9 +251,8 @@ def main(spec: SinkSpec) -> None:
             if isinstance(msg, Expect):
                 mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
                 collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask)
-            elif isinstance(msg, Finish):  # the engine has finished: its cores are free
+            elif isinstance(msg, Finish):
                 finishing = True
-                writer.grow(drain_threads(spec.num_threads))
             else:
                 aborting = True
 

@@ -3,8 +3,7 @@
 Each commit is whole samples only: their states fdatasync'd, then their headers and pointers in
 one fsync'd LMDB transaction, so a kill at any moment leaves every committed sample intact and
 no partial one. Encoding (checksum, NaN/Inf check, compression) runs on `num_threads` threads,
-since zstd, crc32 and torch release the GIL; `grow` adds threads once the engine is done and its
-cores are free, for the last samples' encodes. A write thread takes the encoded records in arrival
+since zstd, crc32 and torch release the GIL. A write thread takes the encoded records in arrival
 order, batches them (up to `batch_bytes`, or whatever is ready) and writes their states; a commit
 thread makes each batch durable meanwhile, so the disk streams while the next batch is written.
 At most `buffer_bytes` of states wait for their commit: that bound is the backpressure that keeps
@@ -20,7 +19,7 @@ import queue
 import shutil
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,9 +70,7 @@ class Writer:
         self.codec = codec
         self.nonfinite = nonfinite
         self.batch_bytes = batch_bytes
-        self.todo: queue.SimpleQueue = queue.SimpleQueue()  # (future, arguments of _encode)
-        self.encoders: list[threading.Thread] = []
-        self.grow(num_threads)
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-encode")
         self.queue: queue.Queue = queue.Queue()
         self.buffer_bytes = buffer_bytes
         self.in_flight = 0  # raw bytes handed to put() and not yet committed
@@ -107,27 +104,8 @@ class Writer:
                 self.space.wait(0.1)
             self.raise_if_failed()
             self.in_flight += size
-        future: Future = Future()
-        self.todo.put((future, (key, token_ids, states, loss_mask)))
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask)
         self.queue.put((future, len(token_ids), size, functools.partial(release, states) if release else None))
-
-    def grow(self, num_threads: int) -> None:
-        """Encode on `num_threads` threads from now on (never fewer than now). The sink grows the
-        pool once the engine has finished: the encodes of the last step's samples are then most of
-        what stands between the last step and the last commit (on the H200 benchmark, 16 samples of
-        110-160 ms each on 8 threads: two rounds), and the cores the engine used are free."""
-        while len(self.encoders) < num_threads:
-            t = threading.Thread(target=self._encode_loop, daemon=True, name=f"corecap-encode-{len(self.encoders)}")
-            t.start()
-            self.encoders.append(t)
-
-    def _encode_loop(self) -> None:
-        while (item := self.todo.get()) is not _DONE:
-            future, args = item
-            try:
-                future.set_result(self._encode(*args))
-            except BaseException as e:
-                future.set_exception(e)
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
         start = time.time()
@@ -214,10 +192,7 @@ class Writer:
         self.queue.put(_DONE)
         for t in self.threads:
             t.join()
-        for _ in self.encoders:  # after every queued encode, as a pool's shutdown would
-            self.todo.put(_DONE)
-        for t in self.encoders:
-            t.join()
+        self.pool.shutdown(wait=True)
         self.raise_if_failed()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import threading
 
 import lmdb
 import numpy as np
@@ -34,44 +33,6 @@ def test_commits_everything_put_before_close(store):
     assert w.num_committed == 20 and len(w.commits) > 1
     for key, s in states.items():
         assert torch.equal(store.get(key).hidden_states, s)
-
-
-def test_grow_encodes_on_more_threads_and_commits_in_order(store):
-    """Each encode waits at a barrier for two more: on the pool's one thread that can only time
-    out; after grow(3), every group of three meets."""
-    w = Writer(store, codec="zstd-planes", num_threads=1, batch_bytes=1000)
-    barrier = threading.Barrier(3, timeout=10)
-    encode = w._encode_checked
-
-    def encode_in_threes(*args):
-        barrier.wait()
-        return encode(*args)
-
-    w._encode_checked = encode_in_threes
-    w.grow(3)
-    w.grow(2)  # never fewer
-    assert len(w.encoders) == 3
-    states = {f"k{i}": torch.randn(2, 4 + i, 16) for i in range(9)}
-    for key, s in states.items():
-        w.put(key, np.arange(s.shape[1]), s)
-    w.close()
-    assert w.num_committed == 9 and not any(t.is_alive() for t in w.encoders)
-    assert list(store.keys()) == sorted(states)
-    for key, s in states.items():
-        assert torch.equal(store.get(key).hidden_states, s)
-
-
-def test_an_encode_error_reaches_close(store):
-    w = Writer(store, num_threads=2)
-
-    def fail(*args):
-        raise RuntimeError("encoder broke")
-
-    w._encode_checked = fail
-    w.put("a", np.arange(4), torch.randn(2, 4, 16))
-    with pytest.raises(CorecapError, match="encoder broke"):
-        w.close()
-    assert "a" not in store and not any(t.is_alive() for t in w.encoders)
 
 
 def test_nan_stops_by_default(store):
