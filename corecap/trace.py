@@ -37,6 +37,8 @@ How to read the table (the definitions `summarize` uses):
   is named.
 - overlap: the share of the data path's busy time (the union of its busy stages) that
   falls inside execute_model or sample_tokens intervals.
+- after the last step: when each stage finished its last piece of work, counted from the last
+  step's end: what the durable clock waits for once the engine is done.
 """
 
 from __future__ import annotations
@@ -364,9 +366,26 @@ def summarize(trace: dict) -> str:
         f"overlap: {inside / busy if busy else 0.0:.0%} of the data path's busy time ({inside:.3f} of {busy:.3f} s) "
         f"runs while the workers compute; {drain:.3f} s of it runs after the last step"
     )
+    out.append(drain_line(trace))
     if trace.get("workers"):
         out.append(workers_line(trace["workers"]))
     return "\n".join(out)
+
+
+def drain_line(trace: dict) -> str:
+    """When, after the last step, each stage finished its last piece of work: what the durable
+    clock waited for once the engine was done."""
+    steps = trace["steps"]
+    if not steps:
+        return "after the last step: no step"
+    last = steps[-1]["end"]
+    parts = [
+        f"last {what} {max(r[field] for r in trace[key]) - last:+.3f}"
+        for what, key, field in (("reassembly", "chunks", "t_done"), ("encode", "encodes", "end"),
+                                 ("write", "writes", "end"), ("commit", "commits", "end"))
+        if trace.get(key)
+    ]
+    return f"after the last step: {trace['end'] - last:.3f} s to the end; {', '.join(parts) or 'no data path'} s"
 
 
 # Pictures: Chrome trace events and a matplotlib timeline.

@@ -14,6 +14,7 @@ from corecap.profile import samples_for_steps
 from corecap.trace import (
     bottleneck,
     critical_path,
+    drain_line,
     load_trace,
     overlap,
     phases,
@@ -264,3 +265,18 @@ def test_codec_time_is_a_data_path_row():
     assert "codec" in summarize(trace)
     names = {e["name"] for e in to_chrome(trace)["traceEvents"]}
     assert "encode" in names
+
+
+def test_drain_line_times_each_stage_from_the_last_step():
+    t = synthetic_trace(num_steps=3, drain=0.5)
+    last = t["steps"][-1]["end"]
+    t["encodes"] = [{"start": last, "end": last + 0.25}]
+    t["writes"] = [{"start": last + 0.25, "end": last + 0.3, "num_samples": 1, "nbytes": 1}]
+    t["commits"].append({"start": last + 0.3, "end": last + 0.45, "num_samples": 1, "nbytes": 1})
+    # the last chunk's reassembly ended 5 ms after its step's execute_model, 20 ms before the end
+    assert drain_line(t) == (
+        "after the last step: 0.500 s to the end; last reassembly -0.010, last encode +0.250, "
+        "last write +0.300, last commit +0.450 s"
+    )
+    assert drain_line(t) in summarize(t).splitlines()
+    assert drain_line(synthetic_trace(num_steps=0)) == "after the last step: no step"
