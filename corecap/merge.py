@@ -111,7 +111,7 @@ def _copy(src: Store, out: Store) -> tuple[int, int]:
             value = txn.get(key, db=src.samples_db)
             if value is None:
                 raise CorecapError(f"{src.path}: sample {text!r} has a header but no states")
-            record = Record(text, txn.get(key, db=src.headers_db), src.states(text, value))
+            record = Record(text, txn.get(key, db=src.headers_db), (src.states(text, value),))
             batch.append(record)
             batch_bytes += record.nbytes
             if len(batch) >= _BATCH_RECORDS or batch_bytes >= _BATCH_BYTES:

@@ -75,18 +75,23 @@ class SegmentWriter:
         return self.segment, self.offset
 
     def append(self, payloads) -> list[bytes]:
-        """Write the payloads (any buffers) after the end; return one `POINTER` each. The bytes
-        reach the page cache, not yet the disk: `sync` before committing the pointers."""
+        """Write the payloads after the end, each given as a sequence of buffers that are its
+        parts in order; return one `POINTER` each. The bytes reach the page cache, not yet the
+        disk: `sync` before committing the pointers."""
         pointers = []
-        for payload in payloads:
-            view = memoryview(payload).cast("B")
-            if self.offset and self.offset + view.nbytes > SEGMENT_BYTES:
+        for parts in payloads:
+            views = [memoryview(part).cast("B") for part in parts]
+            nbytes = sum(v.nbytes for v in views)
+            if self.offset and self.offset + nbytes > SEGMENT_BYTES:
                 self._roll()
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self.fd, view[done : done + _MAX_WRITE], self.offset + done)
-            pointers.append(POINTER.pack(self.segment, self.offset, view.nbytes))
-            self.offset += view.nbytes
+            offset = self.offset
+            for view in views:
+                done = 0
+                while done < view.nbytes:
+                    done += os.pwrite(self.fd, view[done : done + _MAX_WRITE], offset + done)
+                offset += view.nbytes
+            pointers.append(POINTER.pack(self.segment, self.offset, nbytes))
+            self.offset = offset
         return pointers
 
     def _roll(self) -> None:

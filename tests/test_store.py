@@ -176,6 +176,33 @@ def test_uncommitted_states_are_cut_off_by_the_next_writer(tmp_path, monkeypatch
             assert torch.equal(store.get(key).hidden_states, states)
 
 
+def test_a_payload_in_parts_goes_whole_into_one_state_file(tmp_path, monkeypatch):
+    """zstd-planes payloads are written as the codec's parts, one after another, never split
+    across state files, and read back whole."""
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", 2500)
+    path = str(tmp_path / "s")
+    originals, sizes = {}, []
+    with Store.create_or_open(path, _meta()) as store:
+        for i in range(5):
+            states = torch.randn(2, 30, 16, generator=torch.Generator().manual_seed(i)).bfloat16()
+            record = encode_sample(f"k{i}", np.arange(30), states, (2, 8), codec="zstd-planes")
+            assert len(record.parts) > 1
+            originals[f"k{i}"] = states
+            sizes.append(len(record.payload))
+            store.put_many([record])
+    files = _state_files(path)
+    expected, current = [], 0
+    for size in sizes:  # a payload that does not fit starts the next file
+        if current and current + size > 2500:
+            expected.append(current)
+            current = 0
+        current += size
+    assert list(files.values()) == expected + [current] and len(files) > 1
+    with Store.open(path) as store:
+        for key, states in originals.items():
+            assert torch.equal(store.get(key).hidden_states, states)
+
+
 def test_one_writer_at_a_time(tmp_path):
     path = str(tmp_path / "s")
     with Store.create_or_open(path, _meta()) as store:

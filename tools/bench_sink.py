@@ -4,6 +4,10 @@
                torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
   encode       the writer's whole encode of that sample (check + zstd-planes + checksum)
   fp8          that sample's encode as fp8 (quantization + checksum), without the check
+  parts        the pieces of that zstd-planes encode: check, checksum of the states, byte-plane
+               split, each plane's compression, the codec's own checksum
+  scaling      K threads encoding samples at once (`--encoders`): samples/s and ms per sample,
+               to see how many encode threads this machine's cores and memory carry
   reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into
                16 samples of 1,024 tokens, into fresh vs reused buffers (collect.BufferPool),
                with one copy thread and with the sink's number (sink.copy_threads)
@@ -11,7 +15,7 @@
                (torch's default intra-op threads, serial copies) and as the sink runs now
                (one intra-op thread, the sink's copy threads); copy times, encoders' samples/s
 
-    python tools/bench_sink.py [--repeat 5] [--encoders 0,1,2] [--only check,encode,...]
+    python tools/bench_sink.py [--repeat 5] [--encoders 0,1,2] [--only check,encode,parts,scaling,...]
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import argparse
 import platform
 import threading
 import time
+import zlib
 
 import numpy as np
 import torch
 
-from corecap import sink, wire
+from corecap import codec, sink, wire
 from corecap.collect import BufferPool, Collector
 from corecap.store import FP8, encode_sample
 from corecap.writer import all_finite
@@ -67,6 +72,45 @@ def bench_encode(repeat: int) -> None:
     old = timed(lambda: encode(x, ids, lambda s: bool(torch.isfinite(s).all())), repeat)
     new = timed(lambda: encode(x, ids), repeat)
     print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
+
+
+def bench_parts(repeat: int) -> None:
+    x = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
+    raw = x.view(torch.uint8).numpy().reshape(-1)
+    planes = np.ascontiguousarray(raw.reshape(-1, 2).T)  # as codec.encode_parts splits them
+    parts = [("check (all_finite)", lambda: all_finite(x)), ("checksum of the states", lambda: zlib.crc32(raw)),
+             ("byte-plane split", lambda: np.ascontiguousarray(raw.reshape(-1, 2).T))]
+    parts += [(f"plane {k} compression", lambda k=k: codec._compress_plane(planes[k])) for k in range(2)]
+    payloads = [codec._compress_plane(p)[1] for p in planes]
+    parts.append(("codec checksum", lambda: [zlib.crc32(p) for p in payloads]))
+    parts.append(("whole encode", lambda: encode(x, np.arange(SAMPLE, dtype=np.int32))))
+    for name, fn in parts:
+        print(f"encode part, one bf16 sample ({x.nbytes / 1e6:.0f} MB): {name:<24} {ms(timed(fn, repeat))}")
+
+
+def bench_scaling(encoders: list[int], seconds: float = 2.0) -> None:
+    sample = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
+    ids = np.arange(SAMPLE, dtype=np.int32)
+    for k in encoders:
+        if k < 1:
+            continue
+        stop, times = threading.Event(), [[] for _ in range(k)]
+
+        def encoder(mine: list) -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                encode(sample, ids)
+                mine.append(time.perf_counter() - t)
+
+        threads = [threading.Thread(target=encoder, args=(times[i],), daemon=True) for i in range(k)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        every = sorted(x for mine in times for x in mine)
+        print(f"scaling: {k:2d} encoder thread(s): {len(every) / seconds:6.1f} samples/s, per sample {ms(every)}")
 
 
 def bench_fp8(repeat: int) -> None:
@@ -151,7 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--encoders", default="0,1,2", help="encoder thread counts for the contention runs")
-    ap.add_argument("--only", default="check,encode,fp8,reassembly,contention")
+    ap.add_argument("--only", default="check,encode,fp8,parts,reassembly,contention,scaling")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     default_threads = torch.get_num_threads()
@@ -171,6 +215,10 @@ def main() -> None:
         bench_encode(args.repeat)
     if "fp8" in parts:
         bench_fp8(args.repeat)
+    if "parts" in parts:
+        bench_parts(args.repeat)
+    if "scaling" in parts:
+        bench_scaling([int(k) for k in args.encoders.split(",")])
 
 
 if __name__ == "__main__":
