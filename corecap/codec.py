@@ -33,7 +33,7 @@ Rows must be finite; all-zero rows come back as zeros.
 
 Thread safety: all functions may be called from several threads at once. zstd contexts are not
 thread-safe, so each thread keeps its own compressor and decompressor (threading.local);
-zstandard, zlib.crc32 and the numpy plane copies release the GIL, so a thread pool over samples
+zstandard, crc32 and the numpy plane copies release the GIL, so a thread pool over samples
 scales with free cores (1.6-1.9x on 2 threads of a shared 2-core machine, docs/codec.md).
 """
 
@@ -41,11 +41,15 @@ from __future__ import annotations
 
 import struct
 import threading
-import zlib
 
 import numpy as np
 import torch
 import zstandard
+
+try:  # the same CRC-32 as zlib's, with SIMD: 0.9 ms for 32 MiB against zlib's 8.0 here
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
+    from zlib import crc32
 
 CODECS = ("raw", "zstd-planes")
 DEFAULT_CODEC = "zstd-planes"
@@ -120,8 +124,7 @@ def encode_parts(raw, dtype: str, codec: str) -> list:
         raise ValueError(f"codec {codec!r}: {data.nbytes} bytes is not a whole number of {dtype} values")
     if codec == "raw":
         return [data]
-    # [itemsize, n] with row k = byte k of every element; one strided copy
-    planes = np.ascontiguousarray(data.reshape(-1, itemsize).T)
+    planes = _split_planes(data, itemsize)
     table, payloads = [], []
     for plane in planes:
         method, payload = _compress_plane(plane)
@@ -129,8 +132,22 @@ def encode_parts(raw, dtype: str, codec: str) -> list:
         payloads.append(payload)
     crc = 0
     for part in (*table, *payloads):
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return [_HEAD.pack(_MAGIC, itemsize, itemsize, 0, data.nbytes, crc), *table, *payloads]
+
+
+def _split_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """[itemsize, n]: row k is byte k of every (little-endian) element. For 2-byte elements, a
+    narrowing cast and a shift of the elements as words: 8.0 ms for a 32 MiB bf16 sample here,
+    against 13.1 for the strided copy of a transpose, which stays for 4-byte elements (25.7 ms,
+    the shifts 29.8)."""
+    if itemsize != 2:
+        return np.ascontiguousarray(data.reshape(-1, itemsize).T)
+    words = data.view("<u2")
+    planes = np.empty((2, words.size), np.uint8)
+    np.copyto(planes[0], words, casting="unsafe")  # keeps the low byte
+    np.right_shift(words, 8, out=planes[1], casting="unsafe")
+    return planes
 
 
 def _compress_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
@@ -173,7 +190,7 @@ def _decode_planes(mv: memoryview, itemsize: int, nbytes: int) -> bytearray:
         raise fail(f"{num_planes} planes of itemsize {size}, expected {itemsize}")
     if declared != nbytes:
         raise fail(f"buffer holds {declared} bytes")
-    if zlib.crc32(mv[_HEAD.size :]) != crc:
+    if crc32(mv[_HEAD.size :]) != crc:
         raise fail("checksum mismatch (corrupt data)")
     plane_bytes = nbytes // itemsize
     out = bytearray(nbytes)

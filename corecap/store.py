@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from dataclasses import dataclass
 
 import lmdb
@@ -164,12 +163,12 @@ def encode_sample(
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
         payload = codecs.quantize_fp8(states)
-        checksum = zlib.crc32(payload)
+        checksum = codecs.crc32(payload)
         parts = (payload,)
     else:
         if codec not in codecs.CODECS:
             raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
-        checksum = zlib.crc32(raw)
+        checksum = codecs.crc32(raw)
         parts = tuple(codecs.encode_parts(raw, dtype, codec))
     if loss_mask is not None and len(loss_mask) != len(ids):
         raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
@@ -212,7 +211,7 @@ def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
         rows = shape[0] * shape[1]
         if stored.nbytes != rows * shape[2] + 4 * rows:
             raise CorecapError(f"sample {key!r}: fp8 payload is {stored.nbytes} bytes, expected {rows * (shape[2] + 4)}")
-        if zlib.crc32(stored) != header.checksum:
+        if codecs.crc32(stored) != header.checksum:
             raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
         states = codecs.dequantize_fp8(stored, shape, dtype)
         return Sample(header, ids, states)
@@ -227,7 +226,7 @@ def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
             raw = codecs.decode(payload, header.dtype, expected, header.codec)
         except ValueError as e:
             raise CorecapError(f"sample {key!r}: {e}") from None
-    if zlib.crc32(raw) != header.checksum:
+    if codecs.crc32(raw) != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
     states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
     return Sample(header, ids, states.view(shape))

@@ -306,3 +306,30 @@ def test_property_fp8_bound(values, dtype):
         states = states.clamp(-limit, limit).to(dtype)
     restored, scales = _fp8_round_trip(states)
     _assert_fp8_bound(states, restored, scales)
+
+
+def test_crc32_is_zlibs_checksum_from_zlib_ng():
+    """Stored checksums are zlib's CRC-32; zlib-ng (a dependency) computes the same, faster."""
+    import zlib
+
+    from zlib_ng import zlib_ng
+
+    from corecap.codec import crc32
+
+    assert crc32 is zlib_ng.crc32
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    for buf in (b"", data, memoryview(data)[7:], data.tobytes()):
+        assert crc32(buf) == zlib.crc32(buf)
+    assert crc32(data[5000:], crc32(data[:5000])) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_planes_are_byte_k_of_every_element(itemsize):
+    from corecap.codec import _split_planes
+
+    buf = np.random.default_rng(itemsize).integers(0, 256, 1 + 999 * itemsize, dtype=np.uint8)
+    data = buf[1:]  # unaligned for the word view
+    planes = _split_planes(data, itemsize)
+    assert planes.shape == (itemsize, 999)
+    for k in range(itemsize):
+        assert np.array_equal(planes[k], data[k::itemsize])

@@ -24,7 +24,6 @@ import argparse
 import platform
 import threading
 import time
-import zlib
 
 import numpy as np
 import torch
@@ -77,12 +76,12 @@ def bench_encode(repeat: int) -> None:
 def bench_parts(repeat: int) -> None:
     x = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
     raw = x.view(torch.uint8).numpy().reshape(-1)
-    planes = np.ascontiguousarray(raw.reshape(-1, 2).T)  # as codec.encode_parts splits them
-    parts = [("check (all_finite)", lambda: all_finite(x)), ("checksum of the states", lambda: zlib.crc32(raw)),
-             ("byte-plane split", lambda: np.ascontiguousarray(raw.reshape(-1, 2).T))]
+    planes = codec._split_planes(raw, 2)
+    parts = [("check (all_finite)", lambda: all_finite(x)), ("checksum of the states", lambda: codec.crc32(raw)),
+             ("byte-plane split", lambda: codec._split_planes(raw, 2))]
     parts += [(f"plane {k} compression", lambda k=k: codec._compress_plane(planes[k])) for k in range(2)]
     payloads = [codec._compress_plane(p)[1] for p in planes]
-    parts.append(("codec checksum", lambda: [zlib.crc32(p) for p in payloads]))
+    parts.append(("codec checksum", lambda: [codec.crc32(p) for p in payloads]))
     parts.append(("whole encode", lambda: encode(x, np.arange(SAMPLE, dtype=np.int32))))
     for name, fn in parts:
         print(f"encode part, one bf16 sample ({x.nbytes / 1e6:.0f} MB): {name:<24} {ms(timed(fn, repeat))}")
