@@ -273,7 +273,7 @@ def test_drain_line_times_each_stage_from_the_last_step():
     t["encodes"] = [{"start": last, "end": last + 0.25}]
     t["writes"] = [{"start": last + 0.25, "end": last + 0.3, "num_samples": 1, "nbytes": 1}]
     t["commits"].append({"start": last + 0.3, "end": last + 0.45, "num_samples": 1, "nbytes": 1})
-    # the last chunk's reassembly ended 5 ms after its step's execute_model, 20 ms before the end
+    # the last chunk's reassembly ended 5 ms after its step's execute_model: 10 ms before the step's end
     assert drain_line(t) == (
         "after the last step: 0.500 s to the end; last reassembly -0.010, last encode +0.250, "
         "last write +0.300, last commit +0.450 s"
