@@ -185,6 +185,7 @@ def mode_extract(args) -> dict:
 
 
 def mode_corecap(args) -> dict:
+    from corecap.codec import crc32
     from corecap.config import RunConfig
     from corecap.run import run
 
@@ -233,6 +234,7 @@ def mode_corecap(args) -> dict:
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, "wall_s": wall,
         "raw_bytes_per_token": summary.raw_bytes / tokens,
         "codec": extra.get("codec", "default"), "trace": name, "workers": trace.get("workers", []),
+        "crc32": crc32.__module__,  # zlib_ng.zlib_ng, or zlib where zlib-ng's wheel did not come along
     }
 
 
