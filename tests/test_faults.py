@@ -21,7 +21,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -38,6 +38,7 @@ SEED = 1234
 NUM_SAMPLES = 200  # ~40k tokens: the capture lasts several seconds, long enough to be hit
 MAX_TOKENS = 400
 LIVENESS = 120  # seconds from a signal to the run's exit
+PAUSE_AT_STEP = 100  # of ~1,300: where the worker of a run that a test interrupts stops itself
 KILL_LOOPS = int(os.environ.get("CORECAP_KILL_LOOPS", "3"))
 
 
@@ -196,37 +197,39 @@ class Stopped:
     detail: str = ""  # e.g. which worker was killed
 
 
-CAPTURING = "capturing "  # the run's log line as its step loop starts (corecap/run.py)
-
-
-def _wait_for_capture(run, store: str, before: int, observation: Observation, settle: float) -> None:
-    """Until this run's capture is under way: its step loop started and then it committed
-    something or `settle` seconds passed. Not on the first commit alone: where commits lag (a
-    slow fsync), the first one can land after the last step. CI twice interrupted a worker too
-    late: at a run's first commit, then 2 s into its loop (72 of 200 committed); both times the
-    steps were all done and the run exited 0 with its store complete."""
+def _wait_for_pause(run, store: str, before: int, observation: Observation) -> psutil.Process:
+    """The run's vLLM worker once it has stopped itself at step PAUSE_AT_STEP of its capture
+    (CORECAP_TEST_PAUSE_AT_STEP, corecap/_vllm/worker.py) and the run has committed something:
+    mid-capture on any machine. Interrupted at the log line that starts the step loop instead,
+    runs on CI were hit too late three times: their steps were all done and they exited 0."""
     deadline = time.monotonic() + 600
-    started = None
     while run.running() and time.monotonic() < deadline:
         observation.sample(run)
-        if started is None and any(line.startswith(CAPTURING) for line in run.stderr().splitlines()):
-            started = time.monotonic()
-        if started is not None and (kill_loop.num_committed(store) > before or time.monotonic() - started >= settle):
-            observation.sample(run)
-            return
+        for p in run.processes()[1:]:
+            try:
+                title = " ".join(p.cmdline()) + " " + p.name()
+                stopped = p.status() == psutil.STATUS_STOPPED
+            except psutil.Error:
+                continue
+            if stopped and re.search(r"VLLM::Worker|VllmWorker", title) and kill_loop.num_committed(store) > before:
+                return p
         time.sleep(0.1)
-    pytest.fail(f"{run.name}: the run ended or stalled before its capture was under way (rc {run.proc.poll()}):\n{run.stderr()[-3000:]}")
+    processes = "\n".join(map(kill_loop._describe, run.processes()))
+    pytest.fail(
+        f"{run.name}: no vLLM worker stopped at step {PAUSE_AT_STEP} with a commit after it (rc {run.proc.poll()}):\n"
+        f"{processes}\n{run.stderr()[-3000:]}"
+    )
 
 
-def _stop(cmd, name: str, interrupt, settle: float) -> Stopped:
-    """Start a run, call `interrupt(run)` once its capture is under way (`_wait_for_capture`),
-    and record how it ends."""
+def _stop(cmd, name: str, interrupt) -> Stopped:
+    """Start a run, call `interrupt(run, worker)` once its worker has paused mid-capture
+    (`_wait_for_pause`), and record how it ends."""
     before = kill_loop.num_committed(cmd.store)
-    run = kill_loop.Run(cmd, name)
+    run = kill_loop.Run(replace(cmd, env={**cmd.env, "CORECAP_TEST_PAUSE_AT_STEP": str(PAUSE_AT_STEP)}), name)
     observation = Observation()
     try:
-        _wait_for_capture(run, cmd.store, before, observation, settle)
-        detail = interrupt(run)
+        worker = _wait_for_pause(run, cmd.store, before, observation)
+        detail = interrupt(run, worker)
         signal_at, t0 = run.elapsed(), time.monotonic()
         at_signal = kill_loop.num_committed(cmd.store)
         returncode = run.wait(LIVENESS)
@@ -240,37 +243,30 @@ def _stop(cmd, name: str, interrupt, settle: float) -> Stopped:
         run.remove_leaked_shm()
     return Stopped(
         run, signal_at, returncode, seconds, before, at_signal, kill_loop.num_committed(cmd.store), leftovers,
-        leftover_ipc, _verify(cmd.store), observation, detail or "",
+        leftover_ipc, _verify(cmd.store), observation, detail,
     )
 
 
-def _sigterm(run) -> str:
+def _sigterm(run, worker: psutil.Process) -> str:
+    """The paused worker goes on, and SIGTERM comes with ~1,200 of its steps still to run."""
+    os.kill(worker.pid, signal.SIGCONT)
     run.proc.send_signal(signal.SIGTERM)  # the driver only, as `kill PID` or a job scheduler does
     return ""
 
 
-def _kill_a_worker(run) -> str:
-    workers = []
-    for p in run.processes()[1:]:
-        try:
-            title = " ".join(p.cmdline()) + " " + p.name()
-        except psutil.Error:
-            continue
-        if re.search(r"VLLM::Worker|VllmWorker", title):
-            workers.append(p)
-    assert workers, "no vLLM worker process found among the run's children:\n" + "\n".join(map(kill_loop._describe, run.processes()))
-    os.kill(workers[0].pid, signal.SIGKILL)
-    return str(workers[0].pid)
+def _kill_a_worker(run, worker: psutil.Process) -> str:
+    os.kill(worker.pid, signal.SIGKILL)
+    return str(worker.pid)
 
 
 @pytest.fixture(scope="module")
 def interrupted(inputs, reference):
     """One store: a run that loses a worker, a rerun stopped by SIGTERM, a rerun to the end.
-    The worker dies first, as its step loop starts, so that nearly all the steps are still to
-    come; SIGTERM comes after a commit (or 1 s), to show that what was committed is kept."""
+    Each is interrupted at step PAUSE_AT_STEP of its own capture, after a commit (to show that
+    what was committed is kept), with nearly all its steps still to come."""
     cmd = _command(inputs, "interrupted")
-    worker_died = _stop(cmd, "worker-death", _kill_a_worker, settle=0.0)
-    terminated = _stop(cmd, "sigterm", _sigterm, settle=1.0)
+    worker_died = _stop(cmd, "worker-death", _kill_a_worker)
+    terminated = _stop(cmd, "sigterm", _sigterm)
     final, _ = kill_loop.timed_run(cmd, "after-interruptions", timeout=900)
     return cmd, terminated, worker_died, final
 

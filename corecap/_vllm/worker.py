@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -41,6 +42,9 @@ _MAX_IN_FLIGHT = 3
 # through the socket). One more than the steps in flight, so that the sink always has one to read.
 _RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
 _EARLY_COPY = os.environ.get("CORECAP_EARLY_COPY") == "1"
+# For the fault tests: each worker stops itself (SIGSTOP) as it captures this step, so that a test
+# can kill it mid-capture however fast the machine steps (tests/test_faults.py).
+_PAUSE_AT_STEP = int(os.environ.get("CORECAP_TEST_PAUSE_AT_STEP") or 0)
 
 
 class CaptureExtension:
@@ -206,6 +210,8 @@ class _Tap:
         if not self.armed:
             return
         self.num_steps += 1
+        if self.num_steps == _PAUSE_AT_STEP:
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.sender is None:
             return
         self.flush()  # never two steps pending
