@@ -43,7 +43,7 @@ _MAX_IN_FLIGHT = 3
 _RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
 _EARLY_COPY = os.environ.get("CORECAP_EARLY_COPY") == "1"
 # For the fault tests: each worker stops itself (SIGSTOP) as it captures this step, so that a test
-# can kill it mid-capture however fast the machine steps (tests/test_faults.py).
+# can interrupt the run mid-capture however fast the machine steps (tests/test_faults.py).
 _PAUSE_AT_STEP = int(os.environ.get("CORECAP_TEST_PAUSE_AT_STEP") or 0)
 
 
