@@ -388,7 +388,8 @@ def drain_line(trace: dict) -> str:
     return f"after the last step: {trace['end'] - last:.3f} s to the end; {', '.join(parts) or 'no data path'} s"
 
 
-# Pictures: Chrome trace events and a matplotlib timeline.
+# Lanes of overlapping intervals: a pool's busy threads (saturation above; the rows of
+# trace_views' pictures).
 
 
 def _lanes(intervals: list[tuple[float, float]]) -> list[int]:

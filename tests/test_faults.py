@@ -248,7 +248,8 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
 
 
 def _sigterm(run, worker: psutil.Process) -> str:
-    """The paused worker goes on, and SIGTERM comes with ~1,200 of its steps still to run."""
+    """The paused worker goes on, and SIGTERM comes at once: with ~1,100 of the rerun's ~1,200
+    steps still to run (~180 samples of ~210 tokens, 32 a step)."""
     os.kill(worker.pid, signal.SIGCONT)
     run.proc.send_signal(signal.SIGTERM)  # the driver only, as `kill PID` or a job scheduler does
     return ""
