@@ -112,7 +112,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     steps: list | None = None if os.environ.get("CORECAP_NO_TRACE") else []
     start = end = time.time()
     record = shm.ShmRecord()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
+    termination = _Termination()
+    previous_sigterm = signal.signal(signal.SIGTERM, termination)
     try:
         sink.watch()
         record.watch()
@@ -131,6 +132,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         sink.unwatch()
         end = time.time()
     except (KeyboardInterrupt, Interrupted):
+        termination.winding_down = True
         sink.unwatch()
         if sink.died:
             raise CorecapError(f"{sink.failure()} (committed samples are kept; rerun to resume)") from None
@@ -138,6 +140,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         kept = result.num_committed if result is not None else "an unknown number of"
         raise Interrupted(f"interrupted: kept {kept} complete samples committed to {cfg.store} this run; rerun the same command to resume") from None
     except BaseException as e:
+        termination.winding_down = True
         sink.unwatch()
         result = sink.abort()  # whatever went wrong, keep every complete sample
         if not isinstance(e, CorecapError):
@@ -145,14 +148,17 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         kept = result.num_committed if result is not None else 0
         raise CorecapError(f"{e} (kept {kept} complete samples committed this run; rerun to resume)") from None
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        termination.winding_down = True
         if engine is not None:
             engine.shutdown()
         sink.close()
         record.close()
+        signal.signal(signal.SIGTERM, previous_sigterm)
         result = sink.result
         if steps is not None and isinstance(result, Done):
             write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes, workers)
+    if termination.ignored:
+        log("SIGTERM came after the capture had finished: every sample is committed")
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
@@ -161,8 +167,22 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     )
 
 
-def _raise_interrupted(signum, frame):
-    raise Interrupted("terminated")
+class _Termination:
+    """A run's SIGTERM handler. While the run captures, SIGTERM raises Interrupted: the run stops
+    and keeps every complete sample. Once it winds down (finished, failed or interrupted), a
+    SIGTERM is only counted: raised there, it would cut the cleanup short and leave the engine's
+    processes, IPC files and shared memory behind (a SIGTERM during the shutdown used to)."""
+
+    def __init__(self):
+        self.winding_down = False
+        self.ignored = 0
+
+    def __call__(self, signum, frame):
+        if self.winding_down:
+            self.ignored += 1
+            return
+        self.winding_down = True
+        raise Interrupted("terminated")
 
 
 def _committed_fingerprints(store_path: str) -> dict[str, str]:

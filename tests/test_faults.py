@@ -12,6 +12,7 @@ LIVENESS seconds, never a slow machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -38,7 +39,7 @@ SEED = 1234
 NUM_SAMPLES = 200  # ~40k tokens: the capture lasts several seconds, long enough to be hit
 MAX_TOKENS = 400
 LIVENESS = 120  # seconds from a signal to the run's exit
-PAUSE_AT_STEP = 100  # of ~1,300: where the worker of a run that a test interrupts stops itself
+PAUSE_AT_STEP = 100  # of ~1,300: where the worker of a run that a test interrupts waits for it
 KILL_LOOPS = int(os.environ.get("CORECAP_KILL_LOOPS", "3"))
 
 
@@ -197,39 +198,41 @@ class Stopped:
     detail: str = ""  # e.g. which worker was killed
 
 
-def _wait_for_pause(run, store: str, before: int, observation: Observation) -> psutil.Process:
-    """The run's vLLM worker once it has stopped itself at step PAUSE_AT_STEP of its capture
+def _wait_for_pause(run, store: str, before: int, pause_file: str, observation: Observation) -> psutil.Process:
+    """The run's rank-0 vLLM worker once it waits at step PAUSE_AT_STEP of its capture
     (CORECAP_TEST_PAUSE_AT_STEP, corecap/_vllm/worker.py) and the run has committed something:
-    mid-capture on any machine. Interrupted at the log line that starts the step loop instead,
-    runs on CI were hit too late three times: their steps were all done and they exited 0."""
+    mid-capture on any machine. Interrupted at the log line that starts the step loop, runs on
+    CI were hit too late three times; paused by SIGSTOP instead, a run on CI finished anyway
+    (cause unknown), so the worker now waits on a file that only the test removes."""
     deadline = time.monotonic() + 600
     while run.running() and time.monotonic() < deadline:
         observation.sample(run)
-        for p in run.processes()[1:]:
-            try:
-                title = " ".join(p.cmdline()) + " " + p.name()
-                stopped = p.status() == psutil.STATUS_STOPPED
-            except psutil.Error:
-                continue
-            if stopped and re.search(r"VLLM::Worker|VllmWorker", title) and kill_loop.num_committed(store) > before:
-                return p
+        if os.path.exists(pause_file) and kill_loop.num_committed(store) > before:
+            with open(pause_file) as f:
+                pid, step = map(int, f.read().split())
+            worker = next((p for p in run.processes() if p.pid == pid), None)
+            assert worker is not None, f"{run.name}: the paused worker {pid} is not one of the run's processes"
+            assert step == PAUSE_AT_STEP, f"{run.name}: paused at step {step}, not {PAUSE_AT_STEP}"
+            return worker
         time.sleep(0.1)
     processes = "\n".join(map(kill_loop._describe, run.processes()))
     pytest.fail(
-        f"{run.name}: no vLLM worker stopped at step {PAUSE_AT_STEP} with a commit after it (rc {run.proc.poll()}):\n"
+        f"{run.name}: no vLLM worker paused at step {PAUSE_AT_STEP} with a commit after it (rc {run.proc.poll()}):\n"
         f"{processes}\n{run.stderr()[-3000:]}"
     )
 
 
 def _stop(cmd, name: str, interrupt) -> Stopped:
-    """Start a run, call `interrupt(run, worker)` once its worker has paused mid-capture
-    (`_wait_for_pause`), and record how it ends."""
+    """Start a run, call `interrupt(run, worker, pause_file)` once its worker has paused
+    mid-capture (`_wait_for_pause`), and record how it ends."""
     before = kill_loop.num_committed(cmd.store)
-    run = kill_loop.Run(replace(cmd, env={**cmd.env, "CORECAP_TEST_PAUSE_AT_STEP": str(PAUSE_AT_STEP)}), name)
+    pause_file = os.path.join(cmd.workdir, f"{name}.paused")
+    env = {**cmd.env, "CORECAP_TEST_PAUSE_AT_STEP": str(PAUSE_AT_STEP), "CORECAP_TEST_PAUSE_FILE": pause_file}
+    run = kill_loop.Run(replace(cmd, env=env), name)
     observation = Observation()
     try:
-        worker = _wait_for_pause(run, cmd.store, before, observation)
-        detail = interrupt(run, worker)
+        worker = _wait_for_pause(run, cmd.store, before, pause_file, observation)
+        detail = interrupt(run, worker, pause_file)
         signal_at, t0 = run.elapsed(), time.monotonic()
         at_signal = kill_loop.num_committed(cmd.store)
         returncode = run.wait(LIVENESS)
@@ -238,6 +241,8 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
         leftovers = run.wait_group_gone(5)
         leftover_ipc = _leftover_ipc(run)
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pause_file)
         run.signal_group(signal.SIGKILL)
         run.wait(30)
         run.remove_leaked_shm()
@@ -247,15 +252,15 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
     )
 
 
-def _sigterm(run, worker: psutil.Process) -> str:
+def _sigterm(run, worker: psutil.Process, pause_file: str) -> str:
     """The paused worker goes on, and SIGTERM comes at once: with ~1,100 of the rerun's ~1,200
     steps still to run (~180 samples of ~210 tokens, 32 a step)."""
-    os.kill(worker.pid, signal.SIGCONT)
+    os.unlink(pause_file)
     run.proc.send_signal(signal.SIGTERM)  # the driver only, as `kill PID` or a job scheduler does
     return ""
 
 
-def _kill_a_worker(run, worker: psutil.Process) -> str:
+def _kill_a_worker(run, worker: psutil.Process, pause_file: str) -> str:
     os.kill(worker.pid, signal.SIGKILL)
     return str(worker.pid)
 
@@ -320,6 +325,30 @@ def test_sigterm_inside_a_step_is_raised_at_once():
     assert engine.asked == 0
 
 
+def test_sigterm_while_winding_down_is_counted_not_raised():
+    """The first SIGTERM stops the capture. One that comes while the run winds down (engine
+    shutdown, IPC files, shared memory) is only counted: raised there, it killed a finished run
+    on CI mid-shutdown (exit -15, its IPC files left behind)."""
+    from corecap.run import Interrupted, _Termination
+
+    termination = _Termination()
+    previous = signal.signal(signal.SIGTERM, termination)
+    try:
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode; never reached
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        finished = _Termination()
+        finished.winding_down = True  # as run() sets it once the capture is over
+        signal.signal(signal.SIGTERM, finished)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (termination.ignored, finished.ignored) == (1, 1)
+
+
 def test_a_failed_step_names_the_dead_worker():
     """vLLM reports a dead worker as whatever its RPC saw; the step names the worker instead."""
     from corecap import CorecapError
@@ -369,7 +398,7 @@ def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
     kept = {str(s.committed_after - s.committed_before_run), str(s.committed_after)}
     if not kept & set(re.findall(r"\d+", last)):
         problems.append(f"the last line {last!r} does not say how many samples were kept ({' or '.join(sorted(kept))})")
-    assert not problems, "\n".join(problems)
+    assert not problems, "\n".join(problems) + f"\nstderr:\n{s.run.stderr()[-3000:]}"
 
 
 def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):

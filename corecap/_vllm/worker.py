@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -42,9 +41,11 @@ _MAX_IN_FLIGHT = 3
 # through the socket). One more than the steps in flight, so that the sink always has one to read.
 _RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
 _EARLY_COPY = os.environ.get("CORECAP_EARLY_COPY") == "1"
-# For the fault tests: each worker stops itself (SIGSTOP) as it captures this step, so that a test
-# can interrupt the run mid-capture however fast the machine steps (tests/test_faults.py).
+# For the fault tests (tests/test_faults.py): as it captures this step, the rank-0 worker writes
+# "PID STEP" to CORECAP_TEST_PAUSE_FILE and waits until the test removes that file, so that the
+# test can interrupt the run mid-capture however fast the machine steps.
 _PAUSE_AT_STEP = int(os.environ.get("CORECAP_TEST_PAUSE_AT_STEP") or 0)
+_PAUSE_FILE = os.environ.get("CORECAP_TEST_PAUSE_FILE", "")
 
 
 class CaptureExtension:
@@ -77,6 +78,16 @@ class CaptureExtension:
             stats["cuda_alloc_retries"] = memory.get("num_alloc_retries", 0)
             stats["cuda_peak_gb"] = round(memory.get("allocated_bytes.all.peak", 0) / 2**30, 2)
         return stats
+
+
+def _pause(step: int) -> None:
+    """The fault tests' hook (_PAUSE_AT_STEP): say where we are, then wait to be let go."""
+    announced = f"{_PAUSE_FILE}.{os.getpid()}"
+    with open(announced, "w") as f:
+        f.write(f"{os.getpid()} {step}\n")
+    os.replace(announced, _PAUSE_FILE)  # whole, or not there
+    while os.path.exists(_PAUSE_FILE):
+        time.sleep(0.01)
 
 
 def model_num_layers(model) -> int:
@@ -210,8 +221,8 @@ class _Tap:
         if not self.armed:
             return
         self.num_steps += 1
-        if self.num_steps == _PAUSE_AT_STEP:
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.num_steps == _PAUSE_AT_STEP and _PAUSE_FILE and self.rank == 0:
+            _pause(self.num_steps)
         if self.sender is None:
             return
         self.flush()  # never two steps pending
