@@ -349,6 +349,55 @@ def test_sigterm_while_winding_down_is_counted_not_raised():
     assert (termination.ignored, finished.ignored) == (1, 1)
 
 
+_SIGTERM_AT_SHUTDOWN = """
+import os, signal
+from corecap._vllm.engine import Engine
+from corecap.cli import main
+
+shutdown = Engine.shutdown
+
+
+def sigterm_then_shutdown(self):
+    os.kill(os.getpid(), signal.SIGTERM)
+    shutdown(self)
+
+
+if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
+    Engine.shutdown = sigterm_then_shutdown
+    main(prog_name="corecap")
+"""
+
+
+def test_sigterm_during_the_shutdown_of_a_finished_run(inputs, tmp_path):
+    """A run whose capture has finished gets SIGTERM as its engine shutdown begins (it sends
+    the signal to itself): it finishes the cleanup, says so, and exits 0 with every sample
+    committed and nothing left behind. On CI such a SIGTERM killed a run mid-shutdown."""
+    workdir, model, data = inputs
+    few = tmp_path / "few.jsonl"
+    with open(data) as f:
+        few.write_text("".join(f.readlines()[:5]))
+    script = tmp_path / "sigterm_at_shutdown.py"
+    script.write_text(_SIGTERM_AT_SHUTDOWN)
+    cmd = kill_loop.run_command(
+        workdir, model, str(few), str(tmp_path / "store"),
+        layers="0,2,4,8", max_batched_tokens=32, max_len=MAX_TOKENS + 16, enforce_eager=True,
+    )
+    run = kill_loop.Run(replace(cmd, argv=(sys.executable, str(script), *cmd.argv[3:])), "sigterm-at-shutdown")
+    try:
+        returncode = run.wait(600)
+        leftovers = run.wait_group_gone(5)
+        leftover_ipc = _leftover_ipc(run)
+    finally:
+        run.signal_group(signal.SIGKILL)
+        run.wait(30)
+        run.remove_leaked_shm()
+    stderr = run.stderr()
+    assert returncode == 0, f"exit {returncode}:\n{stderr[-3000:]}"
+    assert "SIGTERM came after the capture had finished" in stderr, stderr[-3000:]
+    assert kill_loop.num_committed(cmd.store) == 5
+    assert not leftovers and not leftover_ipc, (leftovers, leftover_ipc)
+
+
 def test_a_failed_step_names_the_dead_worker():
     """vLLM reports a dead worker as whatever its RPC saw; the step names the worker instead."""
     from corecap import CorecapError
