@@ -198,6 +198,19 @@ class Stopped:
     detail: str = ""  # e.g. which worker was killed
 
 
+@contextlib.contextmanager
+def _started(cmd, name: str):
+    """A `corecap run` in its own process group. On the way out, whatever happened, the group is
+    SIGKILLed and the shared memory it left is removed (repeated kills would fill RAM)."""
+    run = kill_loop.Run(cmd, name)
+    try:
+        yield run
+    finally:
+        run.signal_group(signal.SIGKILL)
+        run.wait(30)
+        run.remove_leaked_shm()
+
+
 def _wait_for_pause(run, store: str, before: int, pause_file: str, observation: Observation) -> psutil.Process:
     """The run's rank-0 vLLM worker once it waits at step PAUSE_AT_STEP of its capture
     (CORECAP_TEST_PAUSE_AT_STEP, corecap/_vllm/worker.py) and the run has committed something:
@@ -228,9 +241,8 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
     before = kill_loop.num_committed(cmd.store)
     pause_file = os.path.join(cmd.workdir, f"{name}.paused")
     env = {**cmd.env, "CORECAP_TEST_PAUSE_AT_STEP": str(PAUSE_AT_STEP), "CORECAP_TEST_PAUSE_FILE": pause_file}
-    run = kill_loop.Run(replace(cmd, env=env), name)
     observation = Observation()
-    try:
+    with _started(replace(cmd, env=env), name) as run:
         worker = _wait_for_pause(run, cmd.store, before, pause_file, observation)
         detail = interrupt(run, worker, pause_file)
         signal_at, t0 = run.elapsed(), time.monotonic()
@@ -240,12 +252,8 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
         # the run has exited: its processes must be gone already (5 s for the kernel to reap)
         leftovers = run.wait_group_gone(5)
         leftover_ipc = _leftover_ipc(run)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(pause_file)
-        run.signal_group(signal.SIGKILL)
-        run.wait(30)
-        run.remove_leaked_shm()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pause_file)  # a killed worker's
     return Stopped(
         run, signal_at, returncode, seconds, before, at_signal, kill_loop.num_committed(cmd.store), leftovers,
         leftover_ipc, _verify(cmd.store), observation, detail,
@@ -382,15 +390,10 @@ def test_sigterm_during_the_shutdown_of_a_finished_run(inputs, tmp_path):
         workdir, model, str(few), str(tmp_path / "store"),
         layers="0,2,4,8", max_batched_tokens=32, max_len=MAX_TOKENS + 16, enforce_eager=True,
     )
-    run = kill_loop.Run(replace(cmd, argv=(sys.executable, str(script), *cmd.argv[3:])), "sigterm-at-shutdown")
-    try:
+    with _started(replace(cmd, argv=(sys.executable, str(script), *cmd.argv[3:])), "sigterm-at-shutdown") as run:
         returncode = run.wait(600)
         leftovers = run.wait_group_gone(5)
         leftover_ipc = _leftover_ipc(run)
-    finally:
-        run.signal_group(signal.SIGKILL)
-        run.wait(30)
-        run.remove_leaked_shm()
     stderr = run.stderr()
     assert returncode == 0, f"exit {returncode}:\n{stderr[-3000:]}"
     assert "SIGTERM came after the capture had finished" in stderr, stderr[-3000:]
@@ -530,17 +533,12 @@ def small_filesystem(tmp_path):
 
 def test_disk_full_stops_with_a_clear_message_and_a_readable_store(inputs, small_filesystem):
     cmd = _command(inputs, os.path.join(small_filesystem, "store"))
-    run = kill_loop.Run(cmd, "disk-full")
-    try:
+    with _started(cmd, "disk-full") as run:
         while run.running() and run.elapsed() < 300:
             run.watch()
             time.sleep(0.2)
         returncode = run.proc.poll()
         leftovers = run.wait_group_gone(5)
-    finally:
-        run.signal_group(signal.SIGKILL)
-        run.wait(30)
-        run.remove_leaked_shm()
     errors = [line for line in run.stderr().splitlines() if line.startswith("corecap: error:")]
     message = errors[-1] if errors else run.last_stderr_line()
     print(f"\ndisk full: exit {returncode} after {run.elapsed():.1f}s; message: {message}")
