@@ -1,11 +1,21 @@
-"""corecap: capture an LLM's hidden states at chosen layers, at serving speed, into LMDB.
+"""corecap: capture an LLM's hidden states at chosen layers, at serving speed, into a store.
 
-    corecap run --model DIR --data FILE.jsonl --store out.lmdb --layers 2,16,29,32
+    corecap run --model DIR --data FILE.jsonl --store out.lmdb --layers 2,16,29,32,prenorm
     corecap get KEY --store out.lmdb --out sample.safetensors
+
+From Python: `corecap.capture(...)` (corecap/api.py).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
-class CorecapError(Exception):
-    """An error the user can cause and fix; the CLI prints it as one line and exits non-zero."""
+from corecap.errors import CorecapError  # noqa: E402  (re-exported: `corecap.CorecapError`)
+
+
+def __getattr__(name: str):
+    # The heavy parts (vLLM, torch) load only when asked for: `import corecap` stays cheap.
+    if name == "capture":
+        from corecap.api import capture
+
+        return capture
+    raise AttributeError(f"module 'corecap' has no attribute {name!r}")

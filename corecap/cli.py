@@ -1,18 +1,21 @@
-"""The `corecap` command line: run, get, ls, info.
+"""The `corecap` command line: every command, and the only module that knows click.
 
+Each command builds what it needs (a frozen RunConfig for `run`) and calls a library function.
 Every user-caused error is a `CorecapError`, printed as one line `corecap: error: ...` with exit
-status 2; nothing already in the store is touched by a failed command.
+status 2; nothing already in a store is touched by a failed command.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 
 import click
 
-from corecap import CorecapError, __version__
+from corecap import __version__
+from corecap.errors import CorecapError
 
 
 def _one_line_errors(fn):
@@ -27,67 +30,136 @@ def _one_line_errors(fn):
     return wrapper
 
 
+def _log(message: str) -> None:
+    click.echo(message, err=True)
+
+
 @click.group()
 @click.version_option(__version__, prog_name="corecap")
 def main() -> None:
-    """Capture an LLM's hidden states at chosen layers into an LMDB store (for EAGLE-3)."""
+    """Capture an LLM's hidden states at chosen layers into a store (for EAGLE-3 draft heads)."""
 
 
-@main.command()
-@click.option("--model", type=str, default=None, help="HF model directory (default: the built-in demo model).")
-@click.option("--data", type=str, default=None, help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations (default: the built-in demo dataset).")
-@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--layers", type=str, default=None, help="Comma-separated HF hidden_states indices (default: 2,N//2,N-3,N).")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
-@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True, help="Most sequences in flight.")
-@click.option("--max-len", type=click.IntRange(min=1), default=2048, show_default=True, help="Max sequence length.")
-@click.option("--max-batched-tokens", type=click.IntRange(min=1), default=None, help="Token budget per step (longer samples are chunked).")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True)
-@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True)
-@click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs.")
-@click.option("--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None, help="Share of device memory (RAM on CPU) for vLLM (default: 0.9 GPU, 0.2 CPU).")
-@click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None, help="Lossless codec for stored states (default: zstd-planes).")
-@click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True, help="fp8: lossy e4m3 with a per-row scale (half the bytes).")
-@click.option("--nonfinite", type=click.Choice(["stop", "store"]), default="stop", show_default=True, help="NaN/Inf in captured states: stop the run, or store and flag the sample.")
-@click.option("--overflow", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="Samples longer than --max-len: stop, cut, or leave out.")
-@click.option("--invalid", type=click.Choice(["error", "skip"]), default=None, help="Invalid rows: stop, or skip and count (default: skip under --overflow skip).")
-@click.option("--shard", type=str, default=None, help="K/N: capture only shard K of N (by a stable hash of the key).")
-@click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
-@click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit.")
-@_one_line_errors
-def run(model, data, store, layers, tp, batch, max_len, max_batched_tokens, dtype, load_format, enforce_eager, memory_utilization, codec, store_dtype, nonfinite, overflow, invalid, shard, progress, buffer_gb) -> None:
-    """Capture hidden states for every sample of --data into --store."""
-    from corecap.codec import DEFAULT_CODEC
-    from corecap.config import RunConfig, parse_layers
+# --- the options of a capture, shared by `run` and `trace --steps` -------------------------------
+
+_Min1 = click.IntRange(min=1)
+# vLLM's engine arguments, spelled as vLLM spells them (short forms users already type after).
+_ENGINE_OPTIONS = (
+    click.option("--model", type=str, default=None, help="HF model directory or a model id in the local HF cache (default: the built-in demo model)."),
+    click.option("--tokenizer", type=str, default=None, help="Tokenizer directory (default: the model's)."),
+    click.option("--tensor-parallel-size", "-tp", "--tp", type=_Min1, default=1, show_default=True),
+    click.option("--pipeline-parallel-size", "-pp", "--pp", type=_Min1, default=1, show_default=True),
+    click.option("--data-parallel-size", "-dp", "--dp", type=_Min1, default=1, show_default=True,
+                 help="Engine replicas feeding one store, each with its own TP x PP ranks."),
+    click.option("--max-num-seqs", "--batch", type=_Min1, default=None, help="Most sequences in flight (default: vLLM's for offline work on this device)."),
+    click.option("--max-num-batched-tokens", "--max-batched-tokens", type=_Min1, default=None,
+                 help="Token budget per engine step; longer samples are chunked (default: vLLM's for offline work)."),
+    click.option("--max-model-len", "--max-len", type=_Min1, default=None, help="The longest sample, in tokens (default: the model's limit)."),
+    click.option("--gpu-memory-utilization", "--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None,
+                 help="Share of device memory for vLLM (RAM on a CPU; default 0.9 GPU, 0.2 CPU)."),
+    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True),
+    click.option("--quantization", "-q", type=str, default=None, help="vLLM's quantization method (e.g. fp8)."),
+    click.option("--kv-cache-dtype", type=str, default="auto", show_default=True),
+    click.option("--trust-remote-code", is_flag=True),
+    click.option("--load-format", type=str, default="auto", show_default=True, help="auto, safetensors, dummy, ..."),
+    click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs."),
+    click.option("--model-impl", type=click.Choice(["auto", "vllm", "transformers"]), default="auto", show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=False, show_default=True),
+)
+_CAPTURE_OPTIONS = (
+    click.option("--data", type=str, default=None, help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations (default: the built-in demo dataset)."),
+    click.option("--layers", type=str, default=None, help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N)."),
+    click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None, help="Lossless codec for stored states (default: zstd-planes)."),
+    click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True, help="fp8: lossy e4m3 with a per-row scale (half the bytes)."),
+    click.option("--nonfinite", type=click.Choice(["stop", "store"]), default="stop", show_default=True, help="NaN/Inf in captured states: stop the run, or store and flag the sample."),
+    click.option("--overflow", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="Samples longer than --max-len: stop, cut, or leave out."),
+    click.option("--invalid", type=click.Choice(["error", "skip"]), default=None, help="Invalid rows: stop, or skip and count (default: skip under --overflow skip)."),
+    click.option("--shard", type=str, default=None, help="K/N: capture only shard K of N (by a stable hash of the key)."),
+    click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal)."),
+    click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit."),
+    click.option("--private-network/--no-private-network", default=True, show_default=True,
+                 help="Run vLLM's workers in a network namespace with only loopback (where the machine allows it)."),
+)
+_ENGINE_NAMES = {
+    "model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "dtype", "quantization", "kv_cache_dtype",
+    "trust_remote_code", "load_format", "enforce_eager", "model_impl", "seed", "enable_prefix_caching",
+}
+_PASS_THROUGH = dict(ignore_unknown_options=True, allow_extra_args=True)
+
+
+def _with(options):
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def _run_config(store: str | None, extra_args: list[str], options: dict):
+    """The frozen RunConfig of `corecap run`'s (or `trace --steps`') options."""
+    from corecap.config import DEFAULT_CODEC, EngineOptions, RunConfig, parse_layers
     from corecap.data import parse_shard
-    from corecap.run import run as run_capture
     from corecap.store import FP8
 
-    if store_dtype == "fp8" and codec is not None:
+    engine = EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE_NAMES}, extra_args=tuple(extra_args))
+    rest = {k: v for k, v in options.items() if k not in _ENGINE_NAMES}
+    if rest["store_dtype"] == "fp8" and rest["codec"] is not None:
         raise CorecapError("--store-dtype fp8 and --codec exclude each other (fp8 is its own encoding)")
-
-    cfg = RunConfig(
-        model=model,
-        data=data,
+    return RunConfig(
+        data=rest["data"],
         store=store,
-        layers=parse_layers(layers) if layers is not None else None,
-        tp=tp,
-        batch=batch,
-        max_len=max_len,
-        max_batched_tokens=max_batched_tokens,
-        dtype=dtype,
-        load_format=load_format,
-        enforce_eager=enforce_eager,
-        memory_utilization=memory_utilization,
-        codec=FP8 if store_dtype == "fp8" else codec or DEFAULT_CODEC,
-        nonfinite=nonfinite,
-        overflow=overflow,
-        invalid=invalid,
-        shard=parse_shard(shard) if shard else None,
-        progress=progress,
-        buffer_bytes=int(buffer_gb * 2**30),
+        layers=parse_layers(rest["layers"]) if rest["layers"] is not None else None,
+        engine=engine,
+        codec=FP8 if rest["store_dtype"] == "fp8" else rest["codec"] or DEFAULT_CODEC,
+        nonfinite=rest["nonfinite"],
+        overflow=rest["overflow"],
+        invalid=rest["invalid"],
+        shard=parse_shard(rest["shard"]) if rest["shard"] else None,
+        progress=rest["progress"],
+        buffer_bytes=int(rest["buffer_gb"] * 2**30),
+        private_network=rest["private_network"],
     )
-    summary = run_capture(cfg, log=lambda m: click.echo(m, err=True))
+
+
+def capture(cfg, log):
+    """`corecap.api.capture` with SIGTERM and the first Ctrl-C turned into a request to stop: the
+    run then commits every complete sample and exits non-zero saying how many it kept (a
+    second Ctrl-C interrupts at once). A test may wrap this function."""
+    from corecap.api import capture as api_capture
+    from corecap.run import Stop
+
+    stop = Stop()
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop.request("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return api_capture(cfg, log=log, stop=stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+@main.command(context_settings=_PASS_THROUGH)
+@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
+@_with(_ENGINE_OPTIONS)
+@_with(_CAPTURE_OPTIONS)
+@click.pass_context
+@_one_line_errors
+def run(ctx, store, **options) -> None:
+    """Capture hidden states for every sample of --data into --store.
+
+    Any other vLLM engine argument may follow, spelled as vLLM spells it (e.g. --block-size 32)."""
+    summary = capture(_run_config(store, ctx.args, options), log=_log)
     click.echo(summary.line())
 
 
@@ -148,14 +220,76 @@ def info(store) -> None:
     click.echo(json.dumps(meta, indent=2))
 
 
-# Commands defined in their own modules.
-from corecap.merge import merge  # noqa: E402
-from corecap.trace import trace  # noqa: E402
-from corecap.verify import verify  # noqa: E402
+@main.command()
+@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
+@click.option("--threads", type=_Min1, default=None, help="Threads that decode and check samples (default: the cores, at most 8).")
+@_one_line_errors
+def verify(store, threads) -> None:
+    """Check every stored sample (complete, consistent, checksums, finite, no zero layers).
+    Exit 0: all good; 1: problems (listed); 2: not a store."""
+    from corecap.store.verify import verify_store
 
-main.add_command(merge)
-main.add_command(trace)
-main.add_command(verify)
+    report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"), num_threads=threads)
+    click.echo(report.line())
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.argument("out", type=str)
+@click.argument("inputs", nargs=-1, required=True, type=str)
+@_one_line_errors
+def merge(out, inputs) -> None:
+    """Merge the stores INPUTS into OUT (created if missing): e.g. the shards of one run."""
+    from corecap.store.merge import merge_stores
+
+    click.echo(merge_stores(out, inputs).line())
+
+
+@main.command(context_settings=_PASS_THROUGH)
+@click.option("--store", type=str, default=None, help="Store whose trace.json to read (default: corecap.lmdb).")
+@click.option("--chrome", type=click.Path(dir_okay=False), default=None, help="Write Chrome trace events (Perfetto).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a timeline PNG.")
+@click.option("--steps", type=_Min1, default=None,
+              help="Instead of reading --store, capture about N engine steps into a temporary store and profile them "
+              "(the options below are corecap run's, for this).")
+@_with(_ENGINE_OPTIONS)
+@_with(_CAPTURE_OPTIONS)
+@click.pass_context
+@_one_line_errors
+def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
+    """Where a run's time went: phase table, tokens/s, bottleneck; optionally a Chrome trace and a PNG."""
+    from corecap.trace.analysis import summarize
+    from corecap.trace.timeline import load_trace
+
+    given = [p for p in ctx.command.params if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+    if steps is None:
+        if given or ctx.args:
+            first = "/".join(o for o in given[0].opts if o.startswith("--")) if given else ctx.args[0]
+            raise CorecapError(f"{first} applies only with --steps (profile a short run)")
+        store = store or "corecap.lmdb"
+        record, title = load_trace(store), store
+    else:
+        if store is not None:
+            raise CorecapError("--store and --steps exclude each other: --steps captures into a temporary store")
+        from corecap.profile import profile_run
+
+        record, title = profile_run(steps, _run_config("", ctx.args, options), log=_log), f"--steps {steps}"
+    click.echo(summarize(record))
+    if chrome:
+        from corecap.trace.views import to_chrome
+
+        try:
+            with open(chrome, "w") as f:
+                json.dump(to_chrome(record), f, separators=(",", ":"))
+        except OSError as e:
+            raise CorecapError(f"--chrome {chrome}: cannot write ({e.strerror})") from None
+        click.echo(f"wrote {chrome} (open it in ui.perfetto.dev or chrome://tracing)")
+    if plot_path:
+        from corecap.trace.views import plot
+
+        plot(record, plot_path, title=title)
+        click.echo(f"wrote {plot_path}")
+
 
 if __name__ == "__main__":
     main()

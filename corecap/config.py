@@ -1,57 +1,172 @@
-"""Run configuration: built once from the CLI options, frozen, passed down."""
+"""A run's configuration: plain frozen data, built once (by the CLI or `corecap.capture`),
+passed down, never mutated. Every module may import this one; it imports nothing of corecap's
+but the error type.
+
+`EngineOptions` owns every engine argument, spelled as vLLM's `EngineArgs` spells it; the
+few that corecap must control are refused here (`REFUSED`), any other vLLM argument travels in
+`extra` and is checked against vLLM's own definitions by the adapter (corecap/_vllm/options.py).
+`RunConfig` holds the rest: input, store, layers, data-path settings.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Union
 
-from corecap import CorecapError
-from corecap.codec import DEFAULT_CODEC
+from corecap.errors import CorecapError
+
+PRENORM = "prenorm"  # the residual stream after the last decoder layer, before the final norm
+Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
+DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
+
+# Engine arguments corecap sets itself: (vLLM's name, why).
+REFUSED = {
+    "async_scheduling": "corecap steps the engine synchronously, so that each step's states belong to that step",
+    "speculative_config": "a capture runs the target model alone",
+    "worker_extension_cls": "corecap installs its own capture in the workers",
+    "distributed_executor_backend": "corecap runs vLLM's multiproc executor",
+    "skip_tokenizer_init": "corecap tokenizes the input itself",
+    "enable_chunked_prefill": "corecap keeps it on (samples longer than a step are chunked)",
+}
+# Short forms users already type, and vLLM's own short flags.
+ALIASES = {
+    "tp": "tensor_parallel_size",
+    "pp": "pipeline_parallel_size",
+    "dp": "data_parallel_size",
+    "batch": "max_num_seqs",
+    "max_len": "max_model_len",
+    "max_batched_tokens": "max_num_batched_tokens",
+    "memory_utilization": "gpu_memory_utilization",
+}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """vLLM engine arguments. None: what vLLM's own `LLM` class would use on this device."""
+
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # corecap's replicas, each an engine of TP x PP ranks
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # the longest sample; None: the model's own limit
+    gpu_memory_utilization: float | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    model_impl: str = "auto"
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    extra: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field: (name, value)
+    extra_args: tuple[str, ...] = ()  # any other engine argument as vLLM's CLI spells it
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise CorecapError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected 1 or more")
+        for name, _ in self.extra:
+            check_engine_arg(name)
+
+    def given(self) -> dict:
+        """The arguments that differ from the defaults, by vLLM's names (for the log)."""
+        defaults = EngineOptions()
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("extra")}
+        out = {k: v for k, v in out.items() if v != getattr(defaults, k)}
+        out.update(dict(self.extra))
+        if self.extra_args:
+            out["extra_args"] = " ".join(self.extra_args)
+        return out
+
+
+def check_engine_arg(name: str) -> None:
+    if name in REFUSED:
+        raise CorecapError(f"--{name.replace('_', '-')}: corecap controls this engine argument ({REFUSED[name]})")
+
+
+@dataclass(frozen=True)
+class TestHooks:
+    """For the fault tests only (tests/test_faults.py): never set by the CLI. At this capture step
+    the rank-0 worker writes "PID STEP" to `pause_file` and waits until the file is removed."""
+
+    pause_at_step: int = 0
+    pause_file: str = ""
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: str | None = None  # None: the built-in demo model
     data: str | None = None  # None: the built-in demo dataset
     store: str = "corecap.lmdb"
-    layers: tuple[int, ...] | None = None  # None: default_layers(N)
-    tp: int = 1
-    batch: int = 4
-    max_len: int = 2048
-    max_batched_tokens: int | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    enforce_eager: bool = False
-    memory_utilization: float | None = None
+    layers: tuple[Layer, ...] | None = None  # None: default_layers(N)
+    engine: EngineOptions = field(default_factory=EngineOptions)
     stall_timeout: float = 600.0  # seconds without progress before a run is declared hung
-    codec: str = DEFAULT_CODEC  # see corecap/codec.py; store.FP8 for lossy fp8
+    codec: str = DEFAULT_CODEC  # see corecap/store/codec.py; store.FP8 for lossy fp8
     nonfinite: str = "stop"  # NaN/Inf in captured states: "stop" the run, or "store" and flag
-    overflow: str = "error"  # samples longer than max_len: error, truncate or skip (corecap/data.py)
+    overflow: str = "error"  # samples longer than max_len: error, truncate or skip (corecap/data)
     invalid: str | None = None  # invalid rows: error or skip (default: skip under overflow=skip)
     shard: tuple[int, int] | None = None  # (K, N): only the keys whose stable hash mod N is K
     progress: bool | None = None  # None: a progress line when stderr is a terminal
     buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
     encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
+    trace: bool = True  # record the run's timeline in STORE/trace.json
+    ring: bool = True  # states through a shared-memory ring (False: inside the messages)
+    private_network: bool = True  # vLLM's workers in a network namespace of their own
+    test_hooks: TestHooks | None = None
+
+    @property
+    def model(self) -> str | None:
+        return self.engine.model
 
 
-def parse_layers(text: str) -> tuple[int, ...]:
+def build(**options) -> RunConfig:
+    """A RunConfig from flat keyword options: RunConfig's fields, EngineOptions' (vLLM's names)
+    and the short forms in `ALIASES` (tp, batch, max_len, ...). Any other name is an engine
+    argument for vLLM, checked by the adapter when the engine is configured."""
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
+    engine_fields = {f.name for f in dataclasses.fields(EngineOptions)} - {"extra"}
+    run_args, engine_args, extra = {}, {}, []
+    for name, value in options.items():
+        name = ALIASES.get(name, name)
+        if name in run_fields:
+            run_args[name] = value
+        elif name in engine_fields:
+            engine_args[name] = value
+        else:
+            extra.append((name, value))
+    return RunConfig(**run_args, engine=EngineOptions(**engine_args, extra=tuple(extra)))
+
+
+def parse_layers(text: str) -> tuple[Layer, ...]:
     try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
+        return tuple(PRENORM if part.strip() == PRENORM else int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise CorecapError(f"--layers {text!r}: expected comma-separated integers, e.g. 2,16,29,32") from None
+        raise CorecapError(
+            f"--layers {text!r}: expected comma-separated integers or {PRENORM!r}, e.g. 2,16,29,32,{PRENORM}"
+        ) from None
 
 
-def default_layers(num_layers: int) -> tuple[int, ...]:
+def default_layers(num_layers: int) -> tuple[Layer, ...]:
     """EAGLE-3's three (2, N//2, N-3) plus the final hidden state, clipped and de-duplicated."""
     return tuple(sorted({min(max(k, 0), num_layers) for k in (2, num_layers // 2, num_layers - 3, num_layers)}))
 
 
-def resolve_layers(layers: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+def layer_order(layer: Layer) -> tuple[int, int]:
+    """Stored order: integer layers ascending, then PRENORM."""
+    return (1, 0) if layer == PRENORM else (0, int(layer))
+
+
+def resolve_layers(layers: tuple[Layer, ...] | None, num_layers: int) -> tuple[Layer, ...]:
     if layers is None:
         return default_layers(num_layers)
     if not layers:
         raise CorecapError("--layers: no layer given")
-    bad = [k for k in layers if not 0 <= k <= num_layers]
+    bad = [k for k in layers if k != PRENORM and not (isinstance(k, int) and 0 <= k <= num_layers)]
     if bad:
         raise CorecapError(f"--layers: index {bad[0]} is outside 0..{num_layers} (the model has {num_layers} layers)")
-    return tuple(sorted(set(layers)))
+    return tuple(sorted(set(layers), key=layer_order))

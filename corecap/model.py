@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import ModelIdentity
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

@@ -10,10 +10,11 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 
-from corecap import CorecapError, data, demo
+from corecap import data, demo
+from corecap.errors import CorecapError
 from corecap.model import load_tokenizer, read_config
 from corecap.run import run
-from corecap.trace import load_trace
+from corecap.trace.timeline import load_trace
 
 
 def samples_for_steps(lengths: Iterable[int], num_steps: int, max_num_seqs: int, token_budget: int | None) -> int:
@@ -71,18 +72,20 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
     """Capture about `num_steps` engine steps of `cfg`'s data into a temporary store (deleted
     afterwards) and return its trace. run() has no step limit, so the data is cut to the samples
     that `samples_for_steps` expects to finish in that many steps."""
+    from corecap._vllm import build_vllm_config, environment
+
     model_dir = cfg.model or demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
-    lengths = ()
-    if cfg.max_batched_tokens is not None:
-        config = read_config(model_dir)
-        read = dict(
-            tokenizer=load_tokenizer(model_dir),
-            vocab_size=config.get("text_config", config)["vocab_size"],
-            max_len=cfg.max_len,
-        )
-        lengths = (len(s.token_ids) for s in data.read_samples(data_path, **read))
-    num_samples = samples_for_steps(lengths, num_steps, cfg.batch, cfg.max_batched_tokens)
+    with environment():
+        vllm_config = build_vllm_config(cfg.engine, model_dir)  # the effective budget and lengths
+    scheduler = vllm_config.scheduler_config
+    config = read_config(model_dir)
+    read = dict(
+        tokenizer=load_tokenizer(model_dir), vocab_size=config.get("text_config", config)["vocab_size"],
+        max_len=vllm_config.model_config.max_model_len - 1,
+    )
+    lengths = (len(s.token_ids) for s in data.read_samples(data_path, **read))
+    num_samples = samples_for_steps(lengths, num_steps, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
     tmp = tempfile.mkdtemp(prefix="corecap-trace-")
     head = os.path.join(tmp, "data.jsonl")
     try:
@@ -90,7 +93,7 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
         log(f"--steps {num_steps}: profiling the first {num_samples} samples of {data_path}"
             + ("" if truncated else " (all of them)"))
         store = os.path.join(tmp, "store.lmdb")
-        short = dataclasses.replace(cfg, model=model_dir, data=head, store=store)
+        short = dataclasses.replace(cfg, data=head, store=store)
         try:
             log(run(short, log=log).line())
         except CorecapError as e:  # name the user's file, not our temporary copy

@@ -1,25 +1,32 @@
-"""`corecap run`: validate the input, open the store, start the engine, capture, commit.
+"""A capture run: validate the input → open the store → start the sink and the engine → step →
+finish. `run(cfg)` is the library entry (corecap/api.py and the CLI call it).
 
-The step loop keeps the engine fed (about twice --batch requests queued), steps it, and leaves
-the data path to the sink process (corecap/sink.py: ZeroMQ → reassembled samples → encoded,
-durable LMDB commits). Keys already in the store are skipped (after checking that
-their inputs did not change), so rerunning after any interruption completes the store.
+The step loop keeps the engine fed (about twice the sequences in flight queued), steps it, and
+leaves the data path to the sink process (corecap/sink/: ZeroMQ → reassembled samples →
+encoded, durable commits). Keys already in the store are skipped (after checking that their
+inputs did not change), so rerunning after any interruption completes the store.
+
+`run` changes no process-wide state for good: it installs no signal handler (a caller asks it
+to stop through `Stop`, which the CLI sets from SIGTERM and Ctrl-C) and runs from any thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
-from corecap import CorecapError, __version__, data, demo, shm
+from corecap import __version__, data, demo
+from corecap.errors import CorecapError
 from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity
+from corecap.sink import Done, Failed, Sink
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
-from corecap.sink import Done, Sink
-from corecap.trace import TRACE_FILE, TRACE_VERSION, workers_line
+from corecap.trace.analysis import workers_line
+from corecap.trace.timeline import write_trace
+from corecap.transport import shm
 
 
 @dataclass(frozen=True)
@@ -47,22 +54,77 @@ class RunSummary:
 
 
 class Interrupted(CorecapError):
-    """Ctrl-C or SIGTERM: the run stopped early after committing every complete sample."""
+    """A stop was requested (SIGTERM, Ctrl-C): the run stopped early after committing every
+    complete sample."""
 
 
-def run(cfg: RunConfig, log=print) -> RunSummary:
-    from corecap._vllm import Engine, EngineSpec, vllm_version
+class Stop:
+    """A request to stop a run, from any thread or a signal handler: `request("SIGTERM")`."""
 
+    def __init__(self):
+        self.reason: str | None = None
+        self.num_late = 0  # requests that came once the capture was over
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        else:
+            self.num_late += 1
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a run knows before its engine starts."""
+
+    cfg: RunConfig
+    model_dir: str
+    data_path: str
+    read: dict  # data.read_samples' options
+    committed: dict  # key → input fingerprint, already in the store
+    dataset: data.DatasetSummary
+    todo: int
+    vllm_config: object
+    layers: tuple
+
+
+def run(cfg: RunConfig, log=print, stop: Stop | None = None) -> RunSummary:
+    from corecap._vllm import environment, vllm_version
+
+    stop = stop or Stop()
     removed = shm.remove_left_behind()  # a killed run's RAM, before this run needs its own
     if removed.num_files:
         log(removed.line())
+    with environment():
+        plan = _prepare(cfg, log, vllm_version())
+        if plan.todo == 0:
+            n = plan.dataset.num_samples
+            return RunSummary(cfg.store, n, 0, n, 0, 0, 0.0, 0, plan.dataset.outcomes())
+        capture = _Capture(plan, log, stop)
+        done = capture.run()
+    if stop.reason is not None:
+        log(f"{stop.reason} came after the capture had finished: every sample is committed")
+    if done.flagged:
+        log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
+    return RunSummary(
+        cfg.store, plan.dataset.num_samples, done.num_committed, plan.dataset.num_samples - plan.todo,
+        done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
+    )
+
+
+def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
+    """Everything that can fail before the engine starts: the model's identity, the layers, the
+    engine configuration (no weights), the whole dataset, the store's metadata."""
+    from corecap._vllm import Engine, build_vllm_config, effective_settings
+
     model_dir = cfg.model or demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
-    identity = model_identity(model_dir, cfg.load_format)
+    identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    tokenizer = load_tokenizer(model_dir)
+    vllm_config = build_vllm_config(cfg.engine, model_dir)
+    log(effective_settings(vllm_config))
+    max_len = vllm_config.model_config.max_model_len - 1  # one slot is the sampled token's
     read = dict(
-        tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=cfg.max_len,
+        tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size, max_len=max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
     )
     # Keys already committed, read before validating so that the same pass checks their inputs;
@@ -70,119 +132,140 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     committed = _committed_fingerprints(cfg.store)
     resume = _ResumeCheck(committed)
     dataset = data.validate(data_path, **read, on_sample=resume)
-    todo = resume.todo
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
-
-    spec_args = dict(
-        model=model_dir,
-        layers=layers,
-        tensor_parallel_size=cfg.tp,
-        max_num_seqs=cfg.batch,
-        max_model_len=cfg.max_len,
-        max_num_batched_tokens=cfg.max_batched_tokens,
-        dtype=cfg.dtype,
-        load_format=cfg.load_format,
-        enforce_eager=cfg.enforce_eager,
-        memory_utilization=cfg.memory_utilization,
-    )
-    vllm_config = Engine.configure(EngineSpec(ipc_path="", **spec_args))
     meta = StoreMeta(
-        format_version=FORMAT_VERSION,
-        model=identity,
-        layers=layers,
-        layer_meaning=LAYER_MEANING,
-        dtype=Engine.dtype_of(vllm_config),
-        hidden_size=identity.hidden_size,
-        corecap_version=__version__,
-        vllm_version=vllm_version(),
-        codec=cfg.codec,
+        format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
+        dtype=Engine.dtype_of(vllm_config), hidden_size=identity.hidden_size,
+        corecap_version=__version__, vllm_version=vllm_version, codec=cfg.codec,
     )
     Store.create_or_open(cfg.store, meta).close()
     log(
         f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
-        f"{dataset.num_samples - todo} already in {cfg.store}; layers {list(layers)}"
+        f"{dataset.num_samples - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
-    if todo == 0:
-        return RunSummary(cfg.store, dataset.num_samples, 0, dataset.num_samples, 0, 0, 0.0, 0, dataset.outcomes())
+    return _Plan(cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers)
 
-    engine = None
-    workers: list[dict] = []
-    sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
-    steps: list | None = None if os.environ.get("CORECAP_NO_TRACE") else []
-    start = end = time.time()
-    record = shm.ShmRecord()
-    termination = _Termination()
-    previous_sigterm = signal.signal(signal.SIGTERM, termination)
-    try:
-        sink.watch()
+
+class _Capture:
+    """The engine, the sink and the shared-memory record of one run, and the step loop."""
+
+    def __init__(self, plan: _Plan, log, stop: Stop):
+        self.plan, self.cfg, self.log, self.stop = plan, plan.cfg, log, stop
+        self.steps: list | None = [] if self.cfg.trace else None
+        self.workers: list[dict] = []
+        self.start = self.end = time.time()
+        self.engine = None
+
+    def run(self) -> Done:
+        """Capture every sample still to do; on any failure or stop, commit what is complete,
+        shut everything down and raise one CorecapError saying how many samples were kept."""
+        cfg = self.cfg
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
+        record = shm.ShmRecord()
+        try:
+            with contextlib.ExitStack() as cleanup:
+                cleanup.callback(record.close)
+                cleanup.callback(sink.close)
+                cleanup.callback(self._shutdown_engine)
+                try:
+                    return self._run(sink, record)
+                except BaseException as e:
+                    raise self._failed(e, sink) from None
+        finally:
+            result = sink.result
+            if self.steps is not None and isinstance(result, Done):
+                write_trace(cfg.store, self.start, self.end, self.steps, result.chunks, result.commits,
+                            result.encodes, result.writes, self.workers)
+
+    def _run(self, sink: Sink, record: shm.ShmRecord) -> Done:
+        from corecap._vllm import CaptureSpec, Engine
+
+        plan, cfg = self.plan, self.cfg
+        hooks = cfg.test_hooks
+        capture = CaptureSpec(
+            layers=plan.layers, ipc_path=sink.capture_path, ring=cfg.ring, private_network=cfg.private_network,
+            pause_at_step=hooks.pause_at_step if hooks else 0, pause_file=hooks.pause_file if hooks else "",
+        )
         record.watch()
-        engine = Engine(EngineSpec(ipc_path=sink.capture_path, **spec_args), vllm_config)
+        self.engine = Engine(plan.vllm_config, plan.model_dir, capture)
         record.stop_watching()
-        log(f"states to the store: shared-memory ring {engine.ring_status()}")
-        log(f"vLLM's workers in a private network namespace: {engine.network_status()}")
-        log(f"capturing {todo} samples")
-        start = time.time()
-        progress = Progress(todo, cfg.progress)
-        _capture(engine, sink, data_path, read, committed, cfg, steps, progress)
+        sink.watch(on_death=self.engine.interrupt)
+        self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")
+        self.log(f"vLLM's workers in a private network namespace: {self.engine.network_status()}")
+        self.log(f"capturing {plan.todo} samples")
+        self.start = time.time()
+        progress = Progress(plan.todo, cfg.progress)
+        self._loop(sink, progress)
         progress.close()
-        workers = engine.worker_stats()
-        log(workers_line(workers))
-        done = sink.finish(cfg.stall_timeout, engine.problem)
+        self.workers = self.engine.worker_stats()
+        self.log(workers_line(self.workers))
+        done = sink.finish(cfg.stall_timeout, self._problem)
         sink.unwatch()
-        end = time.time()
-    except (KeyboardInterrupt, Interrupted):
-        termination.winding_down = True
-        sink.unwatch()
-        if sink.died:
-            raise CorecapError(f"{sink.failure()} (committed samples are kept; rerun to resume)") from None
-        result = sink.abort()
-        kept = result.num_committed if result is not None else "an unknown number of"
-        raise Interrupted(f"interrupted: kept {kept} complete samples committed to {cfg.store} this run; rerun the same command to resume") from None
-    except BaseException as e:
-        termination.winding_down = True
+        self.end = time.time()
+        return done
+
+    def _loop(self, sink: Sink, progress: "Progress") -> None:
+        """Feed and step the engine until every sample still to do has been captured."""
+        plan, engine = self.plan, self.engine
+        samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.key not in plan.committed)
+        queued = 2 * engine.vllm_config.scheduler_config.max_num_seqs  # fed, without holding the whole dataset
+        # Reading, announcing and adding requests happens between steps, while the batch in flight
+        # runs: a little at a time, enough for the batches the next step schedules.
+        feed_tokens = (engine.steps_in_flight + 1) * engine.token_budget
+        last_progress = time.monotonic()
+        exhausted = False
+        while True:
+            added = 0
+            while not exhausted and engine.num_unfinished < queued and added < feed_tokens:
+                sample = next(samples, None)
+                if sample is None:
+                    exhausted = True
+                    break
+                req_id = str(sample.line)
+                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask)
+                engine.add(req_id, sample.token_ids.tolist())
+                added += len(sample.token_ids)
+            if engine.num_unfinished == 0:
+                return
+            timing = engine.step()
+            if self.steps is not None:
+                self.steps.append(timing)
+            progress.update(len(timing.finished), timing.num_tokens)
+            sink.check()
+            problem = self._problem()
+            if problem:
+                raise CorecapError(problem)
+            if timing.num_tokens:
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.cfg.stall_timeout:
+                raise CorecapError(f"no progress for {self.cfg.stall_timeout:.0f}s: the engine schedules nothing")
+
+    def _problem(self) -> str | None:
+        if self.stop.reason is not None:
+            raise Interrupted(self.stop.reason)
+        return self.engine.problem()
+
+    def _failed(self, e: BaseException, sink: Sink) -> BaseException:
+        """The one error a failed run raises, once the sink has committed what is complete."""
         sink.unwatch()
         result = sink.abort()  # whatever went wrong, keep every complete sample
+        if isinstance(e, (KeyboardInterrupt, Interrupted)):
+            kept = result.num_committed if result is not None else "an unknown number of"
+            return Interrupted(
+                f"interrupted: kept {kept} complete samples committed to {self.cfg.store} this run; "
+                "rerun the same command to resume"
+            )
         if not isinstance(e, CorecapError):
-            raise
+            return e
+        # The sink's own report names the cause best (a worker's error reaches it first).
+        reason = result.message if isinstance(result, Failed) else str(e)
         kept = result.num_committed if result is not None else 0
-        raise CorecapError(f"{e} (kept {kept} complete samples committed this run; rerun to resume)") from None
-    finally:
-        termination.winding_down = True
-        if engine is not None:
-            engine.shutdown()
-        sink.close()
-        record.close()
-        signal.signal(signal.SIGTERM, previous_sigterm)
-        result = sink.result
-        if steps is not None and isinstance(result, Done):
-            write_trace(cfg.store, start, end, steps, result.chunks, result.commits, result.encodes, result.writes, workers)
-    if termination.ignored:
-        log("SIGTERM came after the capture had finished: every sample is committed")
-    if done.flagged:
-        log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
-    return RunSummary(
-        cfg.store, dataset.num_samples, done.num_committed, dataset.num_samples - todo,
-        done.num_tokens, done.nbytes, end - start, done.raw_bytes, dataset.outcomes(),
-    )
+        return CorecapError(f"{reason} (kept {kept} complete samples committed this run; rerun to resume)")
 
-
-class _Termination:
-    """A run's SIGTERM handler. While the run captures, SIGTERM raises Interrupted: the run stops
-    and keeps every complete sample. Once it winds down (finished, failed or interrupted), a
-    SIGTERM is only counted: raised there, it would cut the cleanup short and leave the engine's
-    processes, IPC files and shared memory behind (a SIGTERM during the shutdown used to)."""
-
-    def __init__(self):
-        self.winding_down = False
-        self.ignored = 0
-
-    def __call__(self, signum, frame):
-        if self.winding_down:
-            self.ignored += 1
-            return
-        self.winding_down = True
-        raise Interrupted("terminated")
+    def _shutdown_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 def _committed_fingerprints(store_path: str) -> dict[str, str]:
@@ -209,63 +292,6 @@ class _ResumeCheck:
                 f"{sample.where}: sample {sample.key!r} is already stored with input "
                 f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
             )
-
-
-def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(), workers=()) -> None:
-    """The run's timeline, next to the data: <store>/trace.json (read by `corecap trace`)."""
-    import msgspec
-
-    record = {
-        "version": TRACE_VERSION,
-        "start": start,
-        "end": end,
-        "steps": steps,
-        "chunks": chunks,
-        "commits": commits,
-        "encodes": list(encodes),
-        "writes": list(writes),
-        "workers": list(workers),
-    }
-    tmp = os.path.join(store_path, "trace.json.tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.json.encode(record))
-    os.replace(tmp, os.path.join(store_path, TRACE_FILE))
-
-
-def _capture(engine, sink: Sink, data_path: str, read: dict, committed, cfg, steps: list | None, progress) -> None:
-    samples = (s for s in data.read_samples(data_path, **read) if s.key not in committed)
-    queued = 2 * cfg.batch  # keep the scheduler fed without holding the whole dataset
-    # Reading, announcing and adding requests happens between steps, while the batch in flight
-    # runs (Engine._step): a little at a time, enough for the batches the next step schedules,
-    # rather than all `queued` before the first step with the GPU idle.
-    feed_tokens = (engine.steps_in_flight + 1) * engine.token_budget
-    last_progress = time.monotonic()
-    exhausted = False
-    while True:
-        added = 0
-        while not exhausted and engine.num_unfinished < queued and added < feed_tokens:
-            sample = next(samples, None)
-            if sample is None:
-                exhausted = True
-                break
-            req_id = str(sample.line)
-            sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask)
-            engine.add(req_id, sample.token_ids.tolist())
-            added += len(sample.token_ids)
-        if engine.num_unfinished == 0:
-            return
-        timing = engine.step()
-        if steps is not None:
-            steps.append(timing)
-        progress.update(len(timing.finished), timing.num_tokens)
-        sink.check()
-        if timing.num_tokens:
-            last_progress = time.monotonic()
-        elif time.monotonic() - last_progress > cfg.stall_timeout:
-            raise CorecapError(f"no progress for {cfg.stall_timeout:.0f}s: the engine schedules nothing")
-        problem = engine.problem()
-        if problem:
-            raise CorecapError(problem)
 
 
 class Progress:

@@ -81,11 +81,13 @@ def test_llama_supports_eagle3_aux_outputs():
 def test_engine_config_is_what_we_ask(tmp_path):
     """Prefix caching off (see docs/design.md), async scheduling off, our worker extension on."""
     from conftest import VOCAB
-    from corecap._vllm.engine import WORKER_EXTENSION, EngineSpec, build_vllm_config
+    from corecap._vllm.options import WORKER_EXTENSION, build_vllm_config, environment
+    from corecap.config import EngineOptions
     from corecap.demo import build_tiny_llama
 
     build_tiny_llama(str(tmp_path), seed=0, num_layers=2, vocab_size=VOCAB)
-    config = build_vllm_config(EngineSpec(model=str(tmp_path), layers=(1, 2), ipc_path="", max_num_batched_tokens=64))
+    with environment():
+        config = build_vllm_config(EngineOptions(max_num_batched_tokens=64), str(tmp_path))
     assert config.cache_config.enable_prefix_caching is False
     assert config.scheduler_config.async_scheduling is False
     assert config.scheduler_config.max_num_batched_tokens == 64

@@ -85,7 +85,7 @@ def test_duplicates_and_shared_prefix_are_consistent(exact_run):
 
 def test_tensor_parallel_matches_hf(tp2_run, hf_model):
     cfg, summary, log = tp2_run
-    assert "states to the store: shared-memory ring off (CORECAP_RING_SLOTS=0)" in log  # the socket path
+    assert "states to the store: shared-memory ring off (RunConfig.ring=False)" in log  # the socket path
     rows = _dataset(cfg)
     with Store.open(cfg.store) as store:
         assert sorted(store.keys()) == sorted(rows)

@@ -43,7 +43,7 @@ def test_demo_run_then_get(demo_store):
         ids, hs = f.get_tensor("input_ids"), f.get_tensor("hidden_states")
     assert ids.dtype == torch.int64 and hs.shape == (4, len(ids), 128)
     info = json.loads(corecap("info", cwd=cwd).stdout)
-    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 2
+    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 3
     assert info["model"]["weights_fingerprint"] and info["vllm_version"]
 
 
@@ -53,7 +53,9 @@ def test_errors_are_one_line(demo_store):
     r = corecap("get", "no-such-key", cwd=cwd, check=False)
     assert r.returncode == 2 and r.stderr.strip() == "corecap: error: corecap.lmdb: no sample with key 'no-such-key'"
     r = corecap("run", "--layers", "2,x", cwd=cwd, env_extra=env, check=False)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "corecap: error: --layers '2,x': expected comma-separated integers, e.g. 2,16,29,32"
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "corecap: error: --layers '2,x': expected comma-separated integers or 'prenorm', e.g. 2,16,29,32,prenorm"
+    )
 
 
 def test_get_on_a_missing_store(tmp_path):

@@ -1,4 +1,4 @@
-"""Tests for corecap.codec: lossless round trips are bit-exact, damage is a ValueError, fp8 keeps
+"""Tests for corecap.store.codec: lossless round trips are bit-exact, damage is a ValueError, fp8 keeps
 its stated error bound. The reference is the input itself (bytes) or the bound derived from
 e4m3's 3 mantissa bits, never the codec's own output."""
 
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from corecap import codec
-from corecap.codec import CODECS, decode, dequantize_fp8, encode, encode_parts, quantize_fp8
+from corecap.store import codec
+from corecap.store.codec import CODECS, decode, dequantize_fp8, encode, encode_parts, quantize_fp8
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LOSSLESS = [c for c in CODECS]
@@ -41,7 +41,9 @@ def _round_trip(raw: np.ndarray, dtype: str, name: str) -> None:
 
 
 def test_default_codec_is_lossless_and_listed():
-    assert codec.DEFAULT_CODEC in CODECS and "raw" in CODECS
+    from corecap.config import DEFAULT_CODEC
+
+    assert DEFAULT_CODEC in CODECS and "raw" in CODECS
 
 
 @pytest.mark.parametrize("name", LOSSLESS)
@@ -314,7 +316,7 @@ def test_crc32_is_zlibs_checksum_from_zlib_ng():
 
     from zlib_ng import zlib_ng
 
-    from corecap.codec import crc32
+    from corecap.store.codec import crc32
 
     assert crc32 is zlib_ng.crc32
     data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
@@ -325,7 +327,7 @@ def test_crc32_is_zlibs_checksum_from_zlib_ng():
 
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_planes_are_byte_k_of_every_element(itemsize):
-    from corecap.codec import _split_planes
+    from corecap.store.codec import _split_planes
 
     buf = np.random.default_rng(itemsize).integers(0, 256, 1 + 999 * itemsize, dtype=np.uint8)
     data = buf[1:]  # unaligned for the word view

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from corecap import CorecapError, wire
-from corecap.collect import BufferPool, Collector
+from corecap.errors import CorecapError
+from corecap.transport import wire
+from corecap.sink.collect import BufferPool, Collector
 
 LAYERS = (1, 3, 5)
 HIDDEN = 8
@@ -22,7 +23,8 @@ def _chunk(step: int, parts: list[tuple[str, np.ndarray, int]], states: torch.Te
     positions = np.concatenate([np.arange(start, start + len(ids)) for _, ids, start in parts]).astype(np.int32)
     if states is None:
         states = torch.randn(len(LAYERS), len(token_ids), HIDDEN)
-    header = wire.Chunk(wire.WIRE_VERSION, 0, step, "float32", LAYERS, HIDDEN, len(token_ids), segments)
+    header = wire.Chunk(wire.WIRE_VERSION, 0, step, "float32", LAYERS, HIDDEN, len(token_ids), segments,
+                        crcs=wire.checksums(segments, token_ids, positions, states))
     return wire.DecodedChunk(header, token_ids, positions, states)
 
 
@@ -102,3 +104,20 @@ def test_other_layers_than_expected_are_an_error():
     msg = _chunk(0, [("a", ids, 0)])
     header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "float32", (1, 3), HIDDEN, 4, msg.header.segments)
     assert "worker sent layers (1, 3), expected (1, 3, 5)" in _error(wire.DecodedChunk(header, msg.token_ids, msg.positions, msg.states), ids)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_a_damaged_states_run_is_an_error_not_a_sample(copy_threads):
+    """The worker's CRC-32 of every (layer, segment) run is checked as the run is copied."""
+    ids = {"a": np.arange(6, dtype=np.int32), "b": np.arange(3, dtype=np.int32)}
+    msg = _chunk(0, [("a", ids["a"], 0), ("b", ids["b"], 0)])
+    damaged = msg.states.clone()
+    damaged[2, 7, 5] += 1.0  # the last layer, sample b's second token
+    done = []
+    c = Collector(LAYERS, done.append, copy_threads=copy_threads)
+    for req, token_ids in ids.items():
+        c.expect(req, req, token_ids)
+    with pytest.raises(CorecapError, match=r"states of request 'b' \(layer 5, step 0\) arrived damaged"):
+        c.take(wire.DecodedChunk(msg.header, msg.token_ids, msg.positions, damaged), 0.0)
+    assert done == []  # nothing handed on to be stored
+    c.close()

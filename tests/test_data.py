@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from corecap import CorecapError
-from corecap.config import RunConfig
+from corecap.errors import CorecapError
+from corecap.config import build
 from corecap.run import run
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
 
 def _run_error(tmp_path, tiny_model, rows=None, **overrides) -> str:
     data = write_jsonl(tmp_path / "data.jsonl", rows or [{"input_ids": [1, 2, 3]}]) if rows is not False else None
-    cfg = RunConfig(**{"model": tiny_model, "data": data, "store": str(tmp_path / "store"), "max_len": 64, **overrides})
+    cfg = build(**{"model": tiny_model, "data": data, "store": str(tmp_path / "store"), "max_len": 64, **overrides})
     with pytest.raises(CorecapError) as e:
         run(cfg)
     message = str(e.value)

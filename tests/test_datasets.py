@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from conftest import write_jsonl
-from corecap import CorecapError, data, rows
+from corecap import data
+from corecap.data import rows
+from corecap.errors import CorecapError
 from corecap.demo import build_tokenizer
-from corecap.merge import merge, merge_stores
+from corecap.cli import merge
+from corecap.store.merge import merge_stores
 from corecap.model import load_tokenizer
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
@@ -459,9 +462,9 @@ def _contents(path) -> dict:
 
 
 def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
-    import corecap.merge
+    import corecap.store.merge
 
-    monkeypatch.setattr(corecap.merge, "_BATCH_RECORDS", 3)  # several transactions per input
+    monkeypatch.setattr(corecap.store.merge, "_BATCH_RECORDS", 3)  # several transactions per input
     keys = [f"k{i}" for i in range(40)] + ["ключ", "x" * 300]
     whole = _store(tmp_path / "whole", keys)
     shards = [_store(tmp_path / f"shard{k}", [key for key in keys if data.shard_of(key, 3) == k]) for k in range(3)]

@@ -213,7 +213,7 @@ def _started(cmd, name: str):
 
 def _wait_for_pause(run, store: str, before: int, pause_file: str, observation: Observation) -> psutil.Process:
     """The run's rank-0 vLLM worker once it waits at step PAUSE_AT_STEP of its capture
-    (CORECAP_TEST_PAUSE_AT_STEP, corecap/_vllm/worker.py) and the run has committed something:
+    (config.TestHooks, corecap/_vllm/worker.py) and the run has committed something:
     mid-capture on any machine. Interrupted at the log line that starts the step loop, runs on
     CI were hit too late three times; paused by SIGSTOP instead, a run on CI finished anyway
     (cause unknown), so the worker now waits on a file that only the test removes."""
@@ -235,14 +235,36 @@ def _wait_for_pause(run, store: str, before: int, pause_file: str, observation: 
     )
 
 
+_PAUSED_RUN = """
+import dataclasses, sys
+from corecap import cli
+from corecap.config import TestHooks
+
+capture = cli.capture
+
+
+def paused(cfg, log):
+    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log)
+
+
+if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
+    cli.capture = paused
+    cli.main(sys.argv[3:], prog_name="corecap")
+"""
+
+
 def _stop(cmd, name: str, interrupt) -> Stopped:
     """Start a run, call `interrupt(run, worker, pause_file)` once its worker has paused
-    mid-capture (`_wait_for_pause`), and record how it ends."""
+    mid-capture (`_wait_for_pause`), and record how it ends. The run is `corecap run` through
+    a script that hands it the test hook (config.TestHooks), as no user can."""
     before = kill_loop.num_committed(cmd.store)
     pause_file = os.path.join(cmd.workdir, f"{name}.paused")
-    env = {**cmd.env, "CORECAP_TEST_PAUSE_AT_STEP": str(PAUSE_AT_STEP), "CORECAP_TEST_PAUSE_FILE": pause_file}
+    script = os.path.join(cmd.workdir, "paused_run.py")
+    with open(script, "w") as f:
+        f.write(_PAUSED_RUN)
+    argv = (sys.executable, script, str(PAUSE_AT_STEP), pause_file, *cmd.argv[3:])
     observation = Observation()
-    with _started(replace(cmd, env=env), name) as run:
+    with _started(replace(cmd, argv=argv), name) as run:
         worker = _wait_for_pause(run, cmd.store, before, pause_file, observation)
         detail = interrupt(run, worker, pause_file)
         signal_at, t0 = run.elapsed(), time.monotonic()
@@ -309,6 +331,7 @@ def _engine_whose_step_raises(error: BaseException, problems: list):
 
     engine = Engine.__new__(Engine)  # no vLLM: only step()'s error handling runs
     engine.asked = 0
+    engine._interrupted = None
 
     def _step():
         raise error
@@ -333,28 +356,30 @@ def test_sigterm_inside_a_step_is_raised_at_once():
     assert engine.asked == 0
 
 
-def test_sigterm_while_winding_down_is_counted_not_raised():
-    """The first SIGTERM stops the capture. One that comes while the run winds down (engine
-    shutdown, IPC files, shared memory) is only counted: raised there, it killed a finished run
-    on CI mid-shutdown (exit -15, its IPC files left behind)."""
-    from corecap.run import Interrupted, _Termination
+def test_sigterm_is_a_request_never_an_exception(monkeypatch):
+    """SIGTERM (and the first Ctrl-C) only asks the run to stop: the step loop raises Interrupted
+    at its next check, between steps. Raised from the signal handler itself, a SIGTERM that
+    came while the run wound down (engine shutdown, IPC files, shared memory) killed a finished
+    run on CI mid-shutdown (exit -15, its IPC files left behind); now one that comes then is
+    only counted."""
+    from corecap import api, cli
 
-    termination = _Termination()
-    previous = signal.signal(signal.SIGTERM, termination)
-    try:
-        with pytest.raises(Interrupted):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)  # the handler runs at the next bytecode; never reached
+    seen = {}
+
+    def fake_capture(cfg, log, stop):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs here, and raises nothing
+        seen["first"] = stop.reason
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
-        finished = _Termination()
-        finished.winding_down = True  # as run() sets it once the capture is over
-        signal.signal(signal.SIGTERM, finished)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.01)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert (termination.ignored, finished.ignored) == (1, 1)
+        seen["late"] = stop.num_late
+        return "summary"
+
+    monkeypatch.setattr(api, "capture", fake_capture)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert cli.capture(None, log=print) == "summary"
+    assert seen == {"first": "SIGTERM", "late": 1}
+    assert signal.getsignal(signal.SIGTERM) is previous  # restored
 
 
 _SIGTERM_AT_SHUTDOWN = """
@@ -403,7 +428,7 @@ def test_sigterm_during_the_shutdown_of_a_finished_run(inputs, tmp_path):
 
 def test_a_failed_step_names_the_dead_worker():
     """vLLM reports a dead worker as whatever its RPC saw; the step names the worker instead."""
-    from corecap import CorecapError
+    from corecap.errors import CorecapError
 
     engine = _engine_whose_step_raises(RuntimeError("cancelled"), [None, "worker rank 0 (pid 7) died"])
     with pytest.raises(CorecapError, match=r"worker rank 0 \(pid 7\) died during an engine step"):
@@ -492,8 +517,8 @@ def test_no_network_surface(interrupted):
     """IPC sockets only inside owner-only directories; no TCP listener reachable from the host:
     vLLM's workers (whose torch.distributed listens on TCP even at --tp 1) run in a network
     namespace of their own, holding only a loopback interface."""
-    if not _can_unshare_network():
-        pytest.skip("this machine does not allow a new network namespace (needs CAP_SYS_ADMIN)")
+    # CI runs as root: a machine where this cannot run is a failure here, not a silent skip.
+    assert _can_unshare_network(), "this machine does not allow a new network namespace (needs CAP_SYS_ADMIN, as root in CI)"
     _, s, _, _ = interrupted
     seen = s.observation
     problems = [] if seen.private_dirs else ["no corecap-* IPC directory was seen in TMPDIR during the run"]
@@ -519,12 +544,11 @@ def test_no_network_surface(interrupted):
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 3 MB tmpfs (needs root); skipped where it cannot be mounted."""
+    """A 3 MB tmpfs (needs root, as CI has: not mounting one is a failure, not a skip)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a 3 MB tmpfs here ({result.stderr.strip() or result.returncode}); ENOSPC injection covers disk-full instead")
+    assert result.returncode == 0, f"cannot mount a 3 MB tmpfs here ({result.stderr.strip() or result.returncode})"
     try:
         yield str(mnt)
     finally:

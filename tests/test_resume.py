@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from conftest import hf_hidden_states, record_error, relative_errors, write_jsonl
-from corecap import CorecapError, data
+from corecap import data
+from corecap.errors import CorecapError
 from corecap.store import Store
 
 pytestmark = pytest.mark.engine
@@ -60,7 +61,7 @@ def test_run_interrupted_by_an_exception_then_rerun(exact_run, tmp_path, monkeyp
 
 
 def test_shards_merge_to_the_unsharded_run(exact_run, tmp_path):
-    from corecap.merge import merge_stores
+    from corecap.store.merge import merge_stores
     from corecap.run import run
 
     cfg, _ = exact_run
@@ -78,7 +79,7 @@ def test_shards_merge_to_the_unsharded_run(exact_run, tmp_path):
 
 def test_conversations_end_to_end(tiny_model, hf_model, tmp_path):
     """A chat dataset: token ids from the model's chat template, loss masks on assistant turns."""
-    from corecap.config import RunConfig
+    from corecap.config import build
     from corecap.model import load_tokenizer
     from corecap.run import run
 
@@ -97,7 +98,7 @@ def test_conversations_end_to_end(tiny_model, hf_model, tmp_path):
         {"id": "ids", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    cfg = RunConfig(model=tiny_model, data=path, store=str(tmp_path / "store"), layers=(0, 4, 8), max_len=512, dtype="float32")
+    cfg = build(model=tiny_model, data=path, store=str(tmp_path / "store"), layers=(0, 4, 8), max_len=512, dtype="float32")
     assert run(cfg).num_committed == 3
     expected = {
         s.key: s for s in data.read_samples(path, tokenizer=load_tokenizer(tiny_model), vocab_size=512, max_len=512)

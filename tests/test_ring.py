@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from corecap import ring, wire
+from corecap.transport import ring, wire
 
 
 @pytest.fixture
@@ -32,8 +32,8 @@ def _chunk(writer, slot: int, states: torch.Tensor, changes: dict | None = None)
         version=wire.WIRE_VERSION, rank=0, step=1, dtype="bfloat16", layers=(1, 2), hidden_size=states.shape[2],
         num_tokens=n, segments=(wire.Segment("r", n),), ring=writer.path, slot=slot, slot_bytes=writer.slot_bytes,
     )
-    header = wire.msgspec.structs.replace(header, **(changes or {}))
     ids = np.arange(n, dtype=np.int32)
+    header = wire.msgspec.structs.replace(header, crcs=wire.checksums(header.segments, ids, ids, states), **(changes or {}))
     return wire.encode_chunk(header, ids, ids, torch.empty(0, dtype=torch.uint8))
 
 

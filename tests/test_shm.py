@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from corecap import shm
+from corecap.transport import shm
 
 # A stand-in for a run: maps two files, starts a "worker" that maps a third, says ready, then `finish`.
 RUN = r"""
 import mmap, os, subprocess, sys, time
-from corecap import shm
+from corecap.transport import shm
 
 def mapped_file(path, fill):
     with open(path, "wb") as f:

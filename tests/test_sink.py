@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.sink import Sink
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from corecap import CorecapError, segments
+from corecap.errors import CorecapError
+from corecap.store import segments
 from corecap.store import (
     FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_sample, encode_sample,
 )
@@ -76,12 +77,12 @@ def test_reopen_with_different_meta_is_refused(tmp_path):
 
 
 def test_map_grows_as_needed(tmp_path, monkeypatch):
-    import corecap.store as store_mod
+    import corecap.store.store as store_mod
 
-    monkeypatch.setattr(store_mod, "_INITIAL_MAP_SIZE", 1 << 20)
-    # Format 1 keeps the states in LMDB itself (format 2 puts only headers and pointers there).
-    with Store.create_or_open(str(tmp_path / "s"), _meta(format_version=1)) as store:
-        big = torch.randn(2, 4096, 16).bfloat16()  # 256 KiB each; 12 of them overflow 1 MiB
+    monkeypatch.setattr(store_mod, "_INITIAL_MAP_SIZE", 1 << 17)
+    # Only headers and pointers are in LMDB: 16 KiB of input ids per header; 12 overflow 128 KiB.
+    with Store.create_or_open(str(tmp_path / "s"), _meta()) as store:
+        big = torch.randn(2, 4096, 16).bfloat16()
         for i in range(12):
             store.put_many([encode_sample(f"k{i}", np.arange(4096), big, (2, 8))])
         assert len(store) == 12
@@ -209,7 +210,7 @@ def test_one_writer_at_a_time(tmp_path):
         store.put_many([_sample("a", 3)[0]])
     # Another process writing the store (LMDB allows one environment per process, hence a child).
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from corecap.segments import _take_lock; _take_lock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()", path],
+        [sys.executable, "-c", "import sys; from corecap.store.segments import _take_lock; _take_lock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()", path],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -225,23 +226,25 @@ def test_one_writer_at_a_time(tmp_path):
         assert len(store) == 2
 
 
-def test_format_1_store_is_read_and_resumed_inline(tmp_path):
+def test_format_2_store_is_read_and_resumed(tmp_path):
+    """Format 2 (integer layers only) is format 3's layout: read, verified and resumed as it is."""
     path = str(tmp_path / "s")
     record, states = _sample("old", 5)
-    with Store.create_or_open(path, _meta(format_version=1)) as store:
+    with Store.create_or_open(path, _meta(format_version=2)) as store:
         store.put_many([record])
     with Store.create_or_open(path, _meta()) as store:  # a run of this corecap resumes it
-        assert store.meta.format_version == 1
+        assert store.meta.format_version == 2
         record2, states2 = _sample("new", 6, seed=1)
         store.put_many([record2])
-    assert _state_files(path) == {}
     with Store.open(path) as store:
         assert torch.equal(store.get("old").hidden_states, states)
         assert torch.equal(store.get("new").hidden_states, states2)
 
 
-def test_unknown_format_version_is_refused(tmp_path):
+@pytest.mark.parametrize("version", [1, 4])
+def test_unreadable_format_version_is_refused(tmp_path, version):
+    """Format 1 (states inline in LMDB) was replaced before any release; 4 is from the future."""
     path = str(tmp_path / "s")
-    Store.create_or_open(path, _meta(format_version=3)).close()
-    with pytest.raises(CorecapError, match=r"store format version 3, this corecap reads \(1, 2\)"):
+    Store.create_or_open(path, _meta(format_version=version)).close()
+    with pytest.raises(CorecapError, match=rf"store format version {version}, this corecap reads \[2, 3\]"):
         Store.open(path)

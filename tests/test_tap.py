@@ -146,12 +146,23 @@ def test_unfetched_output_still_flushes_before_the_next_forward():
     assert tap.pending is not None  # step 2's, until its output
 
 
-def test_early_copy_switch(monkeypatch):
-    """CORECAP_EARLY_COPY=1 (the old order, kept for benchmarks): states go as soon as they exist."""
-    monkeypatch.setattr(worker, "_EARLY_COPY", True)
-    tap, runner, events = _tap(_V2Runner)
+class _RenamedV2Runner(_V2Runner):
+    """A V2 runner of a vLLM that renamed what the tap reads: its outputs are elsewhere."""
+
+    def execute_model(self, scheduler_output):
+        super().execute_model(scheduler_output)
+        self.renamed_state = self.__dict__.pop("execute_model_state")
+
+
+def test_a_step_that_captures_nothing_fails_at_once():
+    """Not a run that waits 600 s for states that never come: the first such step is an error,
+    reported to the sink (which ends the run with it) and raised in the worker."""
+    tap, runner, events = _tap(_RenamedV2Runner)
+    with pytest.raises(RuntimeError, match="the capture saw no hidden states in an engine step of 4 tokens"):
+        _step(runner, 4)
+    assert events[-1].startswith("fail: the capture saw no hidden states") and "corecap doctor" in events[-1]
+    tap.armed = False  # the engine's own warm-up steps capture nothing, and that is fine
     _step(runner, 4)
-    assert events == ["forward of step 1", "states of step 1", "output of step 1"]
 
 
 def test_unarmed_tap_sends_nothing():

@@ -9,21 +9,21 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.profile import samples_for_steps
-from corecap.trace import (
+from corecap.cli import trace
+from corecap.trace.analysis import (
     bottleneck,
     critical_path,
     drain_line,
-    load_trace,
     overlap,
     phases,
     summarize,
     throughput,
-    trace,
     unaccounted,
 )
-from corecap.trace_views import plot, to_chrome
+from corecap.trace.timeline import load_trace
+from corecap.trace.views import plot, to_chrome
 
 T0 = 1_000.0
 SCHEDULE, EXECUTE, SAMPLE, UPDATE, GAP = 0.005, 0.060, 0.010, 0.005, 0.020

@@ -17,8 +17,9 @@ from click.testing import CliRunner
 from corecap.store import (
     FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_header, encode_sample,
 )
-from corecap.segments import POINTER, segment_path
-from corecap.verify import verify, verify_store
+from corecap.store.segments import POINTER, segment_path
+from corecap.cli import verify
+from corecap.store.verify import verify_store
 
 LAYERS = (0, 2, 8)
 HIDDEN = 16
@@ -100,23 +101,6 @@ def test_flipped_states_byte(tmp_path, codec):
     report = verify_store(path)
     assert list(report.problems) == ["s03"]
     assert "checksum mismatch" in report.problems["s03"][0]
-
-
-def test_flipped_byte_in_a_format_1_store(tmp_path):
-    """Format 1 kept the states inline in LMDB; such stores are still read and verified."""
-    path = str(tmp_path / "s")
-    _make_store(path, format_version=1)
-    assert not os.path.exists(segment_path(path, 0))
-    assert verify_store(path).ok
-
-    def flip(txn, headers_db, samples_db):
-        value = bytearray(txn.get(b"s03", db=samples_db))
-        value[len(value) // 2] ^= 0x10
-        txn.put(b"s03", bytes(value), db=samples_db)
-
-    _raw_update(path, flip)
-    report = verify_store(path)
-    assert list(report.problems) == ["s03"] and "checksum mismatch" in report.problems["s03"][0]
 
 
 def test_short_pointer_and_cut_state_file(tmp_path):

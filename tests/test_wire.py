@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corecap import wire
+from corecap.transport import wire
 
 
 def _chunk(num_tokens=5, layers=(2, 8), hidden=16, dtype=torch.bfloat16, version=wire.WIRE_VERSION):
@@ -19,6 +19,7 @@ def _chunk(num_tokens=5, layers=(2, 8), hidden=16, dtype=torch.bfloat16, version
     )
     ids = torch.arange(num_tokens, dtype=torch.int32)
     states = torch.randn(len(layers), num_tokens, hidden).to(dtype)
+    header = msgspec.structs.replace(header, crcs=wire.checksums(header.segments, ids, ids, states))
     return header, ids, states
 
 
@@ -55,13 +56,13 @@ def test_wrong_sizes_are_rejected():
         wire.decode(frames[:3])
     bad = msgspec.structs.replace(header, hidden_size=8)
     with pytest.raises(wire.WireError, match="frame sizes"):
-        wire.decode([msgspec.msgpack.encode(bad)] + frames[1:])
+        wire.decode([wire.encode_header(bad)] + frames[1:])
     bad = msgspec.structs.replace(header, segments=(wire.Segment("a", 1),))
     with pytest.raises(wire.WireError, match="do not cover"):
-        wire.decode([msgspec.msgpack.encode(bad)] + frames[1:])
+        wire.decode([wire.encode_header(bad)] + frames[1:])
     bad = msgspec.structs.replace(header, dtype="int8")
     with pytest.raises(wire.WireError, match="dtype"):
-        wire.decode([msgspec.msgpack.encode(bad)] + frames[1:])
+        wire.decode([wire.encode_header(bad)] + frames[1:])
 
 
 @settings(max_examples=300, deadline=None)
@@ -78,23 +79,36 @@ def test_garbage_is_rejected_not_decoded(frames):
         assert len(msg.token_ids) == h.num_tokens == sum(s.num_tokens for s in h.segments)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_mutated_valid_message_never_decodes_wrongly(data):
+def test_any_flipped_byte_is_caught(data):
+    """A byte flipped anywhere in a valid message (header, ids, positions, states), with or
+    without the frame cut short after it, is a WireError: never decoded."""
     header, ids, states = _chunk()
-    frames = [bytearray(f) for f in _frames(header, ids, states)]
+    sent = _frames(header, ids, states)
+    frames = [bytearray(f) for f in sent]
     i = data.draw(st.integers(0, 3))
-    if frames[i]:
-        j = data.draw(st.integers(0, len(frames[i]) - 1))
-        frames[i][j] ^= data.draw(st.integers(1, 255))
+    j = data.draw(st.integers(0, len(frames[i]) - 1))
+    frames[i][j] ^= data.draw(st.integers(1, 255))
     if data.draw(st.booleans()):
         frames[i] = frames[i][: data.draw(st.integers(0, len(frames[i])))]
-    try:
-        msg = wire.decode([bytes(f) for f in frames])
-    except wire.WireError:
-        return
-    assert isinstance(msg, (wire.DecodedChunk, wire.WorkerError))
-    if isinstance(msg, wire.DecodedChunk):
-        h = msg.header
-        assert msg.states.numel() * msg.states.element_size() == len(frames[3])
-        assert h.num_tokens == len(msg.token_ids)
+    with pytest.raises(wire.WireError):
+        wire.decode([bytes(f) for f in frames], check_states=True)
+    assert torch.equal(wire.decode(sent, check_states=True).states, states)  # the message as sent decodes
+
+
+def test_a_flipped_states_byte_is_caught_where_the_run_is_copied():
+    """The sink checks each states run as it copies it into its sample (corecap/sink/collect.py):
+    decode without check_states, then check the run, as the collector does."""
+    header, ids, states = _chunk()
+    frames = _frames(header, ids, states)
+    damaged = bytearray(frames[3])
+    damaged[len(damaged) - 3] ^= 0x40  # the last layer's second segment
+    msg = wire.decode(frames[:3] + [bytes(damaged)])
+    runs = list(wire.state_runs(header.segments, len(header.layers), header.num_tokens))
+    flat = msg.states.view(-1, header.hidden_size)
+    for i, j, lo, hi in runs[:-1]:
+        msg.check_run(i, j, flat[lo:hi])
+    i, j, lo, hi = runs[-1]
+    with pytest.raises(wire.WireError, match=r"states of request 'b' \(layer 8, step 1\) arrived damaged"):
+        msg.check_run(i, j, flat[lo:hi])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
-from corecap.writer import NonFiniteError, Writer, all_finite
+from corecap.sink.writer import NonFiniteError, Writer, all_finite
 
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
 
@@ -99,7 +99,7 @@ def test_reused_buffers_go_back_only_once_committed(store, codec):
     """The sink reuses reassembly buffers (corecap/collect.py BufferPool). With the raw codec the
     encoded bytes are views of the buffer, so it may go back only after its sample is committed:
     overwriting it at release (what reuse does) must not change what was stored."""
-    from corecap.collect import BufferPool
+    from corecap.sink.collect import BufferPool
 
     pool = BufferPool(1 << 20)
     w = Writer(store, codec=codec, num_threads=2, batch_bytes=600, buffer_bytes=1 << 20)
@@ -125,7 +125,7 @@ def test_reused_buffers_go_back_only_once_committed(store, codec):
 def test_buffer_pool_reuses_by_size_class_and_keeps_at_most_its_cap():
     import torch
 
-    from corecap.collect import BufferPool
+    from corecap.sink.collect import BufferPool
 
     pool = BufferPool(max_free_bytes=3 << 20)
     a = pool.take((4, 64, 1024), torch.bfloat16)  # 512 KiB

@@ -1,4 +1,4 @@
-"""Benchmark corecap.codec: compression ratio and MB/s of each codec, and fp8's error, on hidden
+"""Benchmark corecap.store.codec: compression ratio and MB/s of each codec, and fp8's error, on hidden
 states of a trained model and of dummy-weight models.
 
     python tools/bench_codec.py                          # tables to stdout (results in docs/codec.md)
@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from corecap import codec
+from corecap.store import codec
+from corecap.config import DEFAULT_CODEC
 
 ITEMSIZE = codec.ITEMSIZE
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -344,7 +345,7 @@ def main() -> None:
         "date": started,
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
         "versions": _versions(),
-        "default_codec": codec.DEFAULT_CODEC,
+        "default_codec": DEFAULT_CODEC,
         "threads": threads,
         "datasets": [],
     }

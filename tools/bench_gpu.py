@@ -185,8 +185,8 @@ def mode_extract(args) -> dict:
 
 
 def mode_corecap(args) -> dict:
-    from corecap.codec import crc32
-    from corecap.config import RunConfig
+    from corecap.store.codec import crc32
+    from corecap.config import build
     from corecap.run import run
 
     data = os.path.join(DISK, f"prompts-{args.prompts}.jsonl")
@@ -202,7 +202,7 @@ def mode_corecap(args) -> dict:
         extra = {"codec": FP8}
     elif args.one == "corecap-raw":
         extra = {"codec": "raw"}
-    cfg = RunConfig(
+    cfg = build(
         model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
         max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
         load_format="dummy", memory_utilization=ENGINE["gpu_memory_utilization"], **extra,

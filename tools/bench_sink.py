@@ -28,10 +28,12 @@ import time
 import numpy as np
 import torch
 
-from corecap import codec, sink, wire
-from corecap.collect import BufferPool, Collector
+from corecap.sink import process as sink
+from corecap.store import codec
+from corecap.transport import wire
+from corecap.sink.collect import BufferPool, Collector
 from corecap.store import FP8, encode_sample
-from corecap.writer import all_finite
+from corecap.sink.writer import all_finite
 
 LAYERS, HIDDEN, SAMPLE, SAMPLES = 4, 4096, 1024, 16
 LAYER_IDS = (2, 16, 29, 32)

@@ -40,9 +40,9 @@ SUMMARY = re.compile(r"committed (\d+) samples \((\d+) tokens\).* \((\d+) tokens
 def micro(num_steps: int) -> dict:
     """Seconds per record for building + appending the three timing records, and for writing them."""
     from corecap._vllm.engine import StepTiming
-    from corecap.collect import ChunkTiming
-    from corecap.run import write_trace
-    from corecap.writer import CommitTiming
+    from corecap.sink.collect import ChunkTiming
+    from corecap.trace.timeline import write_trace
+    from corecap.sink.writer import CommitTiming
 
     t = time.time()
     steps, chunks, commits = [], [], []

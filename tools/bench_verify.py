@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from corecap import verify
+from corecap.store import verify
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
 LAYERS, TOKENS, HIDDEN = (2, 16, 29, 32), 1024, 4096

@@ -62,10 +62,10 @@ def rows() -> list[dict]:
 
 def one_case(model: str, data: str, store: str, dtype: str, tp: int) -> None:
     """Runs in a fresh process (one engine per process)."""
-    from corecap.config import RunConfig
+    from corecap.config import build
     from corecap.run import run
 
-    cfg = RunConfig(model=model, data=data, store=store, layers=LAYERS, tp=tp, batch=4, max_len=2048,
+    cfg = build(model=model, data=data, store=store, layers=LAYERS, tp=tp, batch=4, max_len=2048,
                     max_batched_tokens=128, dtype=dtype, memory_utilization=0.3)
     t = time.time()
     print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)

@@ -53,9 +53,9 @@ import numpy as np
 import psutil
 import torch
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import Store
-from corecap.verify import verify_store
+from corecap.store.verify import verify_store
 
 PHASES = ("load", "step", "commit")
 TOLERANCE = 1e-6  # relative L2 per sample and layer: float32's band after reordered reductions
@@ -533,7 +533,7 @@ def run_command(workdir: str, model: str, data: str, store: str, *, layers: str,
     argv = [
         sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
         "--layers", layers, "--dtype", "float32", "--max-batched-tokens", str(max_batched_tokens),
-        "--max-len", str(max_len),
+        "--max-len", str(max_len), "--max-num-seqs", "4",
     ]
     if enforce_eager:
         argv.append("--enforce-eager")

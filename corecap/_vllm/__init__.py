@@ -1,11 +1,14 @@
 """The one door to vLLM internals: everything that imports `vllm.*` lives in this package.
 
-It offers a handful of things: build the engine with capture installed (`Engine`), add a
-request, step it, and report versions. Every version difference between vLLM releases is
-handled here, and tests/test_adapter.py checks the assumptions without loading weights.
+It offers a handful of things: the engine configuration from corecap's EngineOptions
+(options.py), the engine with the capture installed, requests and steps (engine.py), the capture
+inside each worker (worker.py) and the workers' network namespace (network.py). Every version
+difference between vLLM releases is handled here; tests/test_adapter.py checks the assumptions
+without loading weights.
 """
 
-from corecap._vllm.engine import Engine, EngineSpec, StepTiming
+from corecap._vllm.engine import CaptureSpec, Engine, StepTiming
+from corecap._vllm.options import build_vllm_config, effective_settings, environment
 
 
 def vllm_version() -> str:
@@ -14,4 +17,4 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-__all__ = ["Engine", "EngineSpec", "StepTiming", "vllm_version"]
+__all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "effective_settings", "environment", "vllm_version"]

@@ -10,7 +10,8 @@ workers and sink is a Unix socket in a 0700 directory, which namespaces do not a
 
 Needs CAP_SYS_ADMIN (root, without a container that drops it) and a model on local disk (the
 workers could not download one). Otherwise the workers run in the host's namespace as vLLM
-makes them, and `status` says why. CORECAP_PRIVATE_NETWORK=0 turns it off.
+makes them, and `status` says why. `--no-private-network` (RunConfig.private_network) turns it
+off, e.g. for workers that must reach another node.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ _ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 @contextlib.contextmanager
-def private_network(model: str):
+def private_network(model: str, enabled: bool = True):
     """Processes started inside get a namespace with only loopback. Yields a status sentence."""
-    if os.environ.get("CORECAP_PRIVATE_NETWORK", "1") == "0":
-        yield "off (CORECAP_PRIVATE_NETWORK=0)"
+    if not enabled:
+        yield "off (--no-private-network)"
         return
     if not os.path.isdir(model):
         yield f"off: the model {model!r} is not a local directory (the workers may need the network to fetch it)"

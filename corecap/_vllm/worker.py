@@ -9,16 +9,20 @@ the compiled graph returns them, and we tap the model runner (`_Tap._patch`) to 
 
 Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
 buffer (cheap, on the compute stream), copies it on a side stream into a free slot of a
-shared-memory ring (corecap/ring.py; pinned host memory and the message itself where no ring
-can be had), and a sender thread pushes one `wire.Chunk` message to the sink process
-(corecap/sink.py) once the copy is done. The compute thread only waits when the sender is
-`_MAX_IN_FLIGHT` steps behind or the sink holds every slot (backpressure from a slow store).
+shared-memory ring (corecap/transport/ring.py; pinned host memory and the message itself where
+no ring can be had), and a sender thread pushes one `wire.Chunk` message, with the CRC-32s of
+what it carries, to the sink process (corecap/sink/) once the copy is done. The compute thread
+only waits when the sender is `_MAX_IN_FLIGHT` steps behind or the sink holds every slot
+(backpressure from a slow store).
 
 The copy is issued only once the step's sampled tokens have reached the host (`_Tap.flush`):
 both are device-to-host copies, and a step's states (537 MB on the H200 benchmark, 10.2 ms over
 PCIe) issued first would hold the engine's few bytes of output, and so the end of every step,
-behind them. Issued after, the copy overlaps the next step's forward. `CORECAP_EARLY_COPY=1`
-issues it as soon as the states exist, for comparison (tools/bench_gpu.py).
+behind them (measured against the early order, docs/benchmarks.md: `corecap-earlycopy`).
+
+A step that schedules tokens while the capture is armed and captures nothing means the tap no
+longer sees the runner's outputs (an attribute renamed in a new vLLM, say): the worker reports
+it at once instead of letting the run wait for states that never come.
 """
 
 from __future__ import annotations
@@ -34,18 +38,12 @@ import msgspec
 import torch
 import zmq
 
-from corecap import ring, wire
+from corecap.transport import ring, wire
 
 _MAX_IN_FLIGHT = 3
-# Shared-memory slots, each one step's states at most (CORECAP_RING_SLOTS=0: states go
-# through the socket). One more than the steps in flight, so that the sink always has one to read.
-_RING_SLOTS = int(os.environ.get("CORECAP_RING_SLOTS", _MAX_IN_FLIGHT + 1))
-_EARLY_COPY = os.environ.get("CORECAP_EARLY_COPY") == "1"
-# For the fault tests (tests/test_faults.py): as it captures this step, the rank-0 worker writes
-# "PID STEP" to CORECAP_TEST_PAUSE_FILE and waits until the test removes that file, so that the
-# test can interrupt the run mid-capture however fast the machine steps.
-_PAUSE_AT_STEP = int(os.environ.get("CORECAP_TEST_PAUSE_AT_STEP") or 0)
-_PAUSE_FILE = os.environ.get("CORECAP_TEST_PAUSE_FILE", "")
+# Shared-memory slots, each one step's states at most: one more than the steps in flight, so
+# that the sink always has one to read.
+_RING_SLOTS = _MAX_IN_FLIGHT + 1
 
 
 class CaptureExtension:
@@ -56,7 +54,7 @@ class CaptureExtension:
         config = self.vllm_config
         itemsize = torch.empty(0, dtype=config.model_config.dtype).element_size()
         slot_bytes = config.scheduler_config.max_num_batched_tokens * len(spec["layers"]) * config.model_config.get_hidden_size() * itemsize
-        tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes}, rank=self.rank)
+        tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0}, rank=self.rank)
         self.corecap_tap = tap
         sender = tap.sender
         return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__,
@@ -80,13 +78,14 @@ class CaptureExtension:
         return stats
 
 
-def _pause(step: int) -> None:
-    """The fault tests' hook (_PAUSE_AT_STEP): say where we are, then wait to be let go."""
-    announced = f"{_PAUSE_FILE}.{os.getpid()}"
+def _pause(step: int, pause_file: str) -> None:
+    """The fault tests' hook (config.TestHooks): say where we are, then wait to be let go, so
+    that a test can interrupt the run mid-capture however fast the machine steps."""
+    announced = f"{pause_file}.{os.getpid()}"
     with open(announced, "w") as f:
         f.write(f"{os.getpid()} {step}\n")
-    os.replace(announced, _PAUSE_FILE)  # whole, or not there
-    while os.path.exists(_PAUSE_FILE):
+    os.replace(announced, pause_file)  # whole, or not there
+    while os.path.exists(pause_file):
         time.sleep(0.01)
 
 
@@ -116,7 +115,9 @@ class _Tap:
         self.num_steps = 0
         self.armed = False
         self.pending = None  # this step's states, until the step's output has reached the host
-        self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"]) if rank == 0 else None
+        self.pause_at_step, self.pause_file = spec.get("pause_at_step", 0), spec.get("pause_file", "")
+        self.captured = False  # in the current execute_model
+        self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"], spec.get("ring", True)) if rank == 0 else None
         self._patch(runner)
 
     def _patch(self, runner) -> None:
@@ -176,9 +177,12 @@ class _Tap:
         output), and after an execute_model that answers without a sampling phase."""
         execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
-        def flushing_execute_model(*args, **kwargs):
+        def flushing_execute_model(scheduler_output, *args, **kwargs):
             self.flush()
-            result = execute_model(*args, **kwargs)
+            self.captured = False
+            result = execute_model(scheduler_output, *args, **kwargs)
+            if self.armed and scheduler_output.total_num_scheduled_tokens and not self.captured and not kwargs.get("dummy_run"):
+                self._missed(scheduler_output.total_num_scheduled_tokens)
             if result is not None:
                 self.flush()
             return result
@@ -217,18 +221,29 @@ class _Tap:
             self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
             raise
 
+    def _missed(self, num_tokens: int) -> None:
+        import vllm
+
+        message = (
+            f"the capture saw no hidden states in an engine step of {num_tokens} tokens on "
+            f"{type(self.runner).__name__} (vLLM {vllm.__version__}): the runner no longer exposes "
+            f"its outputs where corecap taps them (run `corecap doctor`)"
+        )
+        if self.sender is not None:
+            self.sender.fail(message)
+        raise RuntimeError(message)
+
     def _guarded_capture(self, *args) -> None:
         if not self.armed:
             return
+        self.captured = True
         self.num_steps += 1
-        if self.num_steps == _PAUSE_AT_STEP and _PAUSE_FILE and self.rank == 0:
-            _pause(self.num_steps)
+        if self.num_steps == self.pause_at_step and self.pause_file and self.rank == 0:
+            _pause(self.num_steps, self.pause_file)
         if self.sender is None:
             return
         self.flush()  # never two steps pending
         self._guarded(self._capture, *args)
-        if _EARLY_COPY:
-            self.flush()
 
     def _capture(self, req_ids, counts, hidden, aux, input_ids, positions) -> None:
         by_layer = dict(zip(self.aux_layers, aux))
@@ -269,7 +284,7 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 class _Sender:
     """Copies device tensors to host off the compute stream and pushes them to the driver."""
 
-    def __init__(self, ipc_path: str, rank: int, slot_bytes: int = 0):
+    def __init__(self, ipc_path: str, rank: int, slot_bytes: int = 0, use_ring: bool = True):
         self.rank = rank
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
@@ -281,8 +296,8 @@ class _Sender:
         self.lock = threading.Lock()
         self.ring = None
         self.ring_wait_s = 0.0  # time spent waiting for the sink to free a slot
-        self.ring_status = "off (CORECAP_RING_SLOTS=0)" if _RING_SLOTS <= 0 else "off (no slot size)"
-        if _RING_SLOTS > 0 and slot_bytes > 0:
+        self.ring_status = "off (RunConfig.ring=False)" if not use_ring else "off (no slot size)"
+        if use_ring and slot_bytes > 0:
             try:
                 self.ring = ring.RingWriter(slot_bytes, _RING_SLOTS, cuda=torch.cuda.is_available())
             except ring.RingUnavailable as e:
@@ -328,16 +343,18 @@ class _Sender:
             if target is not None:
                 target.copy_(states)
             host, event = [ids, pos, states if target is None else target], None
+        states_on_host = host[2]
         if target is not None:
             host[2] = _EMPTY  # the states are in the slot, not in the message
-        self.queue.put((header, host, event))
+        self.queue.put((header, host, states_on_host, event))
 
     def _loop(self) -> None:
         while True:
-            header, host, event = self.queue.get()
+            header, host, states, event = self.queue.get()
             if event is not None:
                 event.synchronize()
-            header = msgspec.structs.replace(header, t_ready=time.time())
+            crcs = wire.checksums(header.segments, host[0], host[1], states)
+            header = msgspec.structs.replace(header, t_ready=time.time(), crcs=crcs)
             with self.lock:
                 self.sock.send_multipart(wire.encode_chunk(header, *host), copy=False)
 

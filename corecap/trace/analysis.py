@@ -1,17 +1,5 @@
-"""`corecap trace`: where a run's time went, read from the timeline it left in <store>/trace.json
-(the Chrome trace and the PNG: corecap/trace_views.py; `--steps`: corecap/profile.py).
-
-    corecap trace --store out.lmdb                          # phase table, tokens/s, bottleneck
-    corecap trace --store out.lmdb --chrome t.json --plot t.png
-    corecap trace --steps 40 --max-batched-tokens 64        # profile a short demo run directly
-
-trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits",
-"workers"}, all times time.time() seconds (one clock: the driver and its workers share a host).
-Steps are the driver's schedule → execute_model → sample_tokens → update_from_output (workers:
-each worker's own counts, `corecap_stats`); chunks are one engine step's
-capture on its way worker copy (t_copy → t_ready) → wire (→ t_recv) → reassembly (→ t_done);
-encodes are the samples' checksums and compression; writes put a batch of states into the state
-files; commits make a batch durable (fdatasync, then the LMDB transaction of its headers).
+"""Where a run's time went, from its timeline (corecap/trace/timeline.py): the phase table,
+tokens/s, the bottleneck and the overlap that `corecap trace` prints.
 
 How to read the table (the definitions `summarize` uses):
 - wall time is trace end - start (the capture only: model loading is not in it).
@@ -43,19 +31,11 @@ How to read the table (the definitions `summarize` uses):
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import click
 import numpy as np
 
-from corecap import CorecapError
-
-TRACE_VERSION = 1
-TRACE_FILE = "trace.json"
 STEADY_TRIM = 0.1  # share of steps dropped at each end for the steady-state rate
 SATURATED = 0.9  # a data-path stage busy this share of the wall time is the bottleneck
 
@@ -93,57 +73,6 @@ MEANING = {
     "codec": "checksums and compression",
     "wire": "ZeroMQ transfer",
 }
-_FIELDS = {
-    "steps": ("start", "schedule", "execute", "sample", "update", "end", "num_tokens"),
-    "chunks": ("t_copy", "t_ready", "t_recv", "t_done", "nbytes", "num_tokens"),
-    "commits": ("start", "end", "num_samples", "nbytes"),
-    "encodes": ("start", "end"),  # optional: traces before the codec timing have none
-    "writes": ("start", "end", "num_samples", "nbytes"),  # optional: none before the state files
-}
-def load_trace(store_path: str) -> dict:
-    """The trace of the run into `store_path` (a store directory, or a trace.json itself)."""
-    path = store_path if os.path.isfile(store_path) else os.path.join(store_path, TRACE_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CorecapError(f"{store_path}: no {TRACE_FILE} (run `corecap run --store {store_path}` first)") from None
-    except OSError as e:
-        raise CorecapError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        trace = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorecapError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
-    check_trace(trace, path)
-    return trace
-
-
-def check_trace(trace, where: str) -> None:
-    if not isinstance(trace, dict):
-        raise CorecapError(f"{where}: expected a JSON object, got {type(trace).__name__}")
-    if trace.get("version") != TRACE_VERSION:
-        raise CorecapError(f"{where}: trace format version {trace.get('version')!r}, expected {TRACE_VERSION}")
-    for key in ("start", "end"):
-        if not isinstance(trace.get(key), (int, float)):
-            raise CorecapError(f"{where}: missing number {key!r}")
-    trace.setdefault("encodes", [])
-    trace.setdefault("writes", [])
-    workers = trace.setdefault("workers", [])  # optional: none before worker stats
-    if not isinstance(workers, list):
-        raise CorecapError(f"{where}: 'workers' is not a list")
-    for i, stats in enumerate(workers):
-        if not isinstance(stats, dict) or not all(isinstance(stats.get(f), int) for f in ("rank", "steps")):
-            raise CorecapError(f"{where}: workers[{i}] lacks integer 'rank' and 'steps'")
-    for key, fields in _FIELDS.items():
-        records = trace.get(key)
-        if not isinstance(records, list):
-            raise CorecapError(f"{where}: missing list {key!r}")
-        for i, record in enumerate(records):
-            missing = [f for f in fields if not isinstance(record, dict) or not isinstance(record.get(f), (int, float))]
-            if missing:
-                raise CorecapError(f"{where}: {key}[{i}] lacks number {missing[0]!r}")
-
-
 # Interval arithmetic on sorted, disjoint [(begin, end), ...] lists.
 
 
@@ -216,7 +145,7 @@ def phases(trace: dict) -> list[Phase]:
     return rows
 
 
-def _phase(rows: list[Phase], name: str) -> Phase:
+def phase(rows: list[Phase], name: str) -> Phase:
     return next(p for p in rows if p.name == name)
 
 
@@ -224,10 +153,10 @@ def critical_path(trace: dict) -> dict[str, float]:
     """Seconds of wall time per phase along the critical path (see the module docstring)."""
     rows = phases(trace)
     path = {p.name: p.total for p in rows if p.serial and p.name != "drain"}
-    drain = _union(_phase(rows, "drain").intervals)
+    drain = _union(phase(rows, "drain").intervals)
     covered: list[tuple[float, float]] = []
     for name in DRAIN_ORDER:
-        now = _union(covered + _intersection(drain, _union(_phase(rows, name).intervals)))
+        now = _union(covered + _intersection(drain, _union(phase(rows, name).intervals)))
         path[f"drain: {name}"] = _length(now) - _length(covered)
         covered = now
     path["drain: waiting"] = _length(drain) - _length(covered)
@@ -237,13 +166,13 @@ def critical_path(trace: dict) -> dict[str, float]:
 def _engine_busy(rows: list[Phase]) -> list[tuple[float, float]]:
     """When the workers compute: the driver is in execute_model or waiting in sample_tokens (on the
     GPU the forward pass runs while the driver waits for its sampled tokens)."""
-    return _union(iv for name in FORWARD_PHASES for iv in _phase(rows, name).intervals)
+    return _union(iv for name in FORWARD_PHASES for iv in phase(rows, name).intervals)
 
 
 def overlap(trace: dict) -> tuple[float, float]:
     """(seconds of data-path busy time while the workers compute, data-path busy seconds)."""
     rows = phases(trace)
-    busy = _union(iv for name in BUSY_STAGES for iv in _phase(rows, name).intervals)
+    busy = _union(iv for name in BUSY_STAGES for iv in phase(rows, name).intervals)
     return _length(_intersection(busy, _engine_busy(rows))), _length(busy)
 
 
@@ -269,7 +198,7 @@ def bottleneck(trace: dict) -> str:
     """One line naming what limits the run (see the module docstring for the rule)."""
     rows = phases(trace)
     wall = trace["end"] - trace["start"]
-    busy = {name: _utilization(_phase(rows, name), wall) for name in BUSY_STAGES}
+    busy = {name: _utilization(phase(rows, name), wall) for name in BUSY_STAGES}
     busiest = max(busy, key=busy.get)
     utilization = busy[busiest]
     if utilization >= SATURATED:
@@ -292,7 +221,7 @@ def _utilization(p: Phase, wall: float) -> float:
     """The stage's work over what its threads could have done in the wall time."""
     if wall <= 0 or not p.intervals:
         return 0.0
-    return p.total / (wall * (max(_lanes(p.intervals)) + 1))
+    return p.total / (wall * (max(lanes(p.intervals)) + 1))
 
 
 def _ms(values: np.ndarray, q: float | None) -> str:
@@ -359,8 +288,8 @@ def summarize(trace: dict) -> str:
     )
     out.append(bottleneck(trace))
     inside, busy = overlap(trace)
-    drain = _length(_intersection(_union(_phase(rows, "drain").intervals), _union(
-        iv for name in BUSY_STAGES for iv in _phase(rows, name).intervals
+    drain = _length(_intersection(_union(phase(rows, "drain").intervals), _union(
+        iv for name in BUSY_STAGES for iv in phase(rows, name).intervals
     )))
     out.append(
         f"overlap: {inside / busy if busy else 0.0:.0%} of the data path's busy time ({inside:.3f} of {busy:.3f} s) "
@@ -388,14 +317,14 @@ def drain_line(trace: dict) -> str:
     return f"after the last step: {trace['end'] - last:.3f} s to the end; {', '.join(parts) or 'no data path'} s"
 
 
-# Lanes of overlapping intervals: a pool's busy threads (saturation above; the rows of
-# trace_views' pictures).
+# Lanes of overlapping intervals: a pool's busy threads (saturation above; the rows of the
+# pictures in views.py).
 
 
-def _lanes(intervals: list[tuple[float, float]]) -> list[int]:
+def lanes(intervals: list[tuple[float, float]]) -> list[int]:
     """A lane per interval such that intervals sharing a lane do not overlap (greedy, by start)."""
     lane_ends: list[float] = []
-    lanes = [0] * len(intervals)
+    lane_of = [0] * len(intervals)
     for i in sorted(range(len(intervals)), key=lambda i: intervals[i][0]):
         a, b = intervals[i]
         free = next((k for k, end in enumerate(lane_ends) if end <= a + 1e-6), None)  # touching is not overlapping
@@ -403,79 +332,5 @@ def _lanes(intervals: list[tuple[float, float]]) -> list[int]:
             free = len(lane_ends)
             lane_ends.append(b)
         lane_ends[free] = b
-        lanes[i] = free
-    return lanes
-
-
-# `corecap run`'s options, meaningful only with --steps.
-_IntMin1 = click.IntRange(min=1)
-_RUN_OPTIONS = (
-    click.option("--model", type=str, default=None, help="HF model directory (default: the demo model)."),
-    click.option("--data", type=str, default=None, help="JSON Lines file (default: the demo dataset)."),
-    click.option("--layers", type=str, default=None, help="Comma-separated hidden_states indices."),
-    click.option("--tp", type=_IntMin1, default=1, show_default=True, help="Tensor-parallel size."),
-    click.option("--batch", type=_IntMin1, default=4, show_default=True, help="Most sequences in flight."),
-    click.option("--max-len", type=_IntMin1, default=2048, show_default=True, help="Max sequence length."),
-    click.option("--max-batched-tokens", type=_IntMin1, default=None, help="Token budget per step."),
-    click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto"),
-    click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto"),
-    click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs."),
-    click.option("--memory-utilization", type=click.FloatRange(0.01, 0.99), default=None, help="Memory share for vLLM."),
-)
-
-
-def _with_run_options(fn):
-    for option in reversed(_RUN_OPTIONS):
-        fn = option(fn)
-    return fn
-
-
-@click.command()
-@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store whose trace.json to read.")
-@click.option("--chrome", type=click.Path(dir_okay=False), default=None, help="Write Chrome trace events (Perfetto).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a timeline PNG.")
-@click.option("--steps", type=_IntMin1, default=None,
-              help="Instead of reading --store, capture about N engine steps into a temporary store and profile them "
-              "(the options below are corecap run's, for this).")
-@_with_run_options
-def trace(store, chrome, plot_path, steps, **run_options) -> None:
-    """Where a run's time went: phase table, tokens/s, bottleneck; optionally a Chrome trace and a PNG."""
-    try:
-        _trace(store, chrome, plot_path, steps, run_options)
-    except CorecapError as e:
-        click.echo(f"corecap: error: {e}", err=True)
-        sys.exit(2)
-
-
-def _trace(store, chrome, plot_path, steps, run_options: dict) -> None:
-    from corecap.trace_views import plot, to_chrome  # trace_views imports this module
-
-    ctx = click.get_current_context()
-    given = [n for n in ["store", *run_options] if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
-    if steps is None:
-        run_only = [n for n in given if n != "store"]
-        if run_only:
-            raise CorecapError(f"--{run_only[0].replace('_', '-')} applies only with --steps (profile a short run)")
-        record = load_trace(store)
-        title = store
-    else:
-        if "store" in given:
-            raise CorecapError("--store and --steps exclude each other: --steps captures into a temporary store")
-        from corecap.config import RunConfig, parse_layers
-        from corecap.profile import profile_run
-
-        layers = run_options.pop("layers")
-        cfg = RunConfig(layers=parse_layers(layers) if layers is not None else None, **run_options)
-        record = profile_run(steps, cfg, log=lambda m: click.echo(m, err=True))
-        title = f"--steps {steps}"
-    click.echo(summarize(record))
-    if chrome:
-        try:
-            with open(chrome, "w") as f:
-                json.dump(to_chrome(record), f, separators=(",", ":"))
-        except OSError as e:
-            raise CorecapError(f"--chrome {chrome}: cannot write ({e.strerror})") from None
-        click.echo(f"wrote {chrome} (open it in ui.perfetto.dev or chrome://tracing)")
-    if plot_path:
-        plot(record, plot_path, title=title)
-        click.echo(f"wrote {plot_path}")
+        lane_of[i] = free
+    return lane_of

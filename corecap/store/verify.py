@@ -19,18 +19,16 @@ reported in key order.
 from __future__ import annotations
 
 import os
-import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import click
 import lmdb
 import numpy as np
 import torch
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import Store, codecs_may_mix, decode_header, decode_sample, input_fingerprint
 
 
@@ -145,7 +143,7 @@ def _read(key: str, header_value, value, store: Store, report: VerifyReport):
     if problems:  # decoding against the metadata would only restate these
         return problems
     try:
-        return header, bytes(header_value), store.states(key, value)
+        return header, bytes(header_value), store.states(key, header, value)
     except CorecapError as e:
         return [_strip(e, key)]
 
@@ -196,20 +194,3 @@ def _check_states(states: torch.Tensor, layers: tuple[int, ...]) -> list[str]:
 
 def _strip(error: CorecapError, key: str) -> str:
     return str(error).removeprefix(f"sample {key!r}: ")
-
-
-@click.command()
-@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help=f"Threads that decode and check samples (default: the cores, at most 8; here {default_threads()}).")
-def verify(store, threads) -> None:
-    """Check every stored sample (complete, consistent, checksums, finite, no zero layers)."""
-    try:
-        report = verify_store(
-            store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"), num_threads=threads
-        )
-    except CorecapError as e:  # as in cli.py: one line, exit 2 for input that is not usable
-        click.echo(f"corecap: error: {e}", err=True)
-        sys.exit(2)
-    click.echo(report.line())
-    sys.exit(0 if report.ok else 1)

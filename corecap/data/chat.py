@@ -10,8 +10,8 @@ import re
 
 import numpy as np
 
-from corecap import CorecapError
-from corecap.rows import RowError
+from corecap.errors import CorecapError
+from corecap.data.rows import RowError
 
 MESSAGE_ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",

@@ -8,7 +8,7 @@ default: the row's 1-based line, element or row number) and exactly one of
   conversations  ShareGPT style: [{"from": "human"|"gpt"|"system", "value": str}, ...]
 Conversations are rendered with the model's own chat template; their loss mask marks the
 assistant's tokens. docs/datasets.md has literal examples, the mask method and the policies.
-The file formats' readers are in corecap/rows.py, the conversations' in corecap/chat.py.
+The file formats' readers are in corecap/data/rows.py, the conversations' in corecap/data/chat.py.
 
 `validate` reads the whole file once, cheaply and before any model loads, so that a bad row
 400,000 is reported up front; `read_samples` then streams the same samples lazily while the
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from corecap import CorecapError
-from corecap.chat import ChatRenderer, parse_messages
-from corecap.rows import INPUT_FIELDS, RowError, open_rows
+from corecap.errors import CorecapError
+from corecap.data.chat import ChatRenderer, parse_messages
+from corecap.data.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
 
 OVERFLOW_POLICIES = ("error", "truncate", "skip")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import Record, Store, encode_sample
 
 _DONE = object()

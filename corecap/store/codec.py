@@ -51,9 +51,11 @@ try:  # the same CRC-32 as zlib's, with SIMD: 0.9 ms for 32 MiB against zlib's 8
 except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
     from zlib import crc32
 
-CODECS = ("raw", "zstd-planes")
-DEFAULT_CODEC = "zstd-planes"
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+CODECS = ("raw", "zstd-planes")  # the default is corecap.config.DEFAULT_CODEC
+# The dtypes states are captured, sent and stored in, by name (the store's and the wire's).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_MIN_SCALE = 2.0**-126  # smallest normal float32: keeps x / scale finite for tiny or zero rows
@@ -161,6 +163,14 @@ def _compress_plane(plane: np.ndarray) -> tuple[int, bytes | np.ndarray]:
     if len(frame) >= plane.nbytes:
         return _STORED, plane
     return _ZSTD, frame
+
+
+def max_encoded_bytes(nbytes: int, itemsize: int, codec: str) -> int:
+    """The most bytes `encode` can make of `nbytes`: a plane that does not shrink is stored, so
+    "zstd-planes" adds only its header and plane table. A reader bounds what it reads by this."""
+    if codec == "raw":
+        return nbytes
+    return _HEAD.size + itemsize * _PLANE.size + nbytes
 
 
 def decode(buf, dtype: str, nbytes: int, codec: str) -> bytearray:

@@ -1,15 +1,20 @@
-"""The worker → driver wire format: one ZeroMQ multipart message per engine step.
+"""The worker → sink wire format: one ZeroMQ multipart message per engine step.
 
-Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle); frames 1..3 are raw,
+Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle) followed by its own CRC-32
+(4 bytes, little-endian); frames 1..3 are raw,
 zero-copy tensor bytes: token ids (int32 [T]), positions (int32 [T]) and the captured hidden
-states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). When the
-header names a `ring` slot (corecap/ring.py), frame 3 is empty and the states are in that
+states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). When the header
+names a `ring` slot (corecap/transport/ring.py), frame 3 is empty and the states are in that
 shared-memory slot instead. `segments` say which request owns which run of the T tokens, in
-order. A worker that fails sends a `WorkerError` instead, so the driver can name it rather than
-wait.
+order. A worker that fails sends a `WorkerError` instead, so that the sink can name it.
 
 The decoder trusts nothing: a wrong version, frame count, or size for the declared shape is a
-`WireError`, never a stored sample.
+`WireError`, never a stored sample. The header's own CRC and its `crcs` (which the worker
+computes once the states are on the host) cover the token ids, the positions and each (layer,
+segment) run of the states, so a flipped byte anywhere is caught: the header, ids and positions
+in `decode`, the states runs where they
+are copied into their samples (corecap/sink/collect.py, on several threads) or, when asked
+(`check_states`), in `decode` too.
 """
 
 from __future__ import annotations
@@ -22,17 +27,14 @@ import msgspec
 import numpy as np
 import torch
 
-WIRE_VERSION = 2
+from corecap.config import Layer
+from corecap.store.codec import DTYPE_NAMES, DTYPES, crc32
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
+WIRE_VERSION = 3  # 3: CRC-32s of every part; a layer may be "prenorm"
 
 _IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+__all__ = ["DTYPE_NAMES", "DTYPES"]  # re-exported for the workers
 
 
 def private_ipc_dir(prefix: str, longest_name: int = 40) -> str:
@@ -58,17 +60,20 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
     rank: int
     step: int
     dtype: str
-    layers: tuple[int, ...]
+    layers: tuple[Layer, ...]
     hidden_size: int
     num_tokens: int
     segments: tuple[Segment, ...]
     # Worker-side timings (seconds, time.time() clock) for the trace: copy start/end, send.
     t_copy: float = 0.0
     t_ready: float = 0.0
-    # Where the states are when not in frame 3: a slot of a shared-memory ring (corecap/ring.py).
+    # Where the states are when not in frame 3: a slot of a shared-memory ring.
     ring: str = ""
     slot: int = -1
     slot_bytes: int = 0
+    # CRC-32 of the ids frame, of the positions frame, then of each states run in the order of
+    # `state_runs` (layer-major, then segment).
+    crcs: tuple[int, ...] = ()
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=2):
@@ -85,18 +90,50 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def encode_chunk(header: Chunk, token_ids, positions, states) -> list:
     """Frames for one step. Tensors must be contiguous CPU buffers; they are not copied."""
-    return [_encoder.encode(header), _as_buffer(token_ids), _as_buffer(positions), _as_buffer(states)]
+    return [encode_header(header), _as_buffer(token_ids), _as_buffer(positions), _as_buffer(states)]
 
 
 def encode_error(error: WorkerError) -> list:
-    return [_encoder.encode(error)]
+    return [encode_header(error)]
+
+
+def encode_header(message) -> bytes:
+    raw = _encoder.encode(message)
+    return raw + crc32(raw).to_bytes(4, "little")
+
+
+def _unsealed(frame) -> memoryview:
+    view = memoryview(frame).cast("B")
+    if view.nbytes < 4 or crc32(view[:-4]) != int.from_bytes(view[-4:], "little"):
+        raise WireError("the header arrived damaged: CRC-32 mismatch")
+    return view[:-4]
 
 
 def _as_buffer(t):
     if isinstance(t, torch.Tensor):
         assert t.is_contiguous() and t.device.type == "cpu"
-        return memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
+        return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
     return memoryview(np.ascontiguousarray(t)).cast("B")
+
+
+def state_runs(segments, num_layers: int, num_tokens: int):
+    """(layer index, segment index, first row, end row) of each run of a [L, T, H] chunk, rows
+    counted over its flattened [L * T] axis: the order of `Chunk.crcs[2:]`."""
+    for i in range(num_layers):
+        row = i * num_tokens
+        for j, seg in enumerate(segments):
+            yield i, j, row, row + seg.num_tokens
+            row += seg.num_tokens
+
+
+def checksums(segments, token_ids, positions, states: torch.Tensor) -> tuple[int, ...]:
+    """`Chunk.crcs` of host tensors (states [L, T, H])."""
+    raw = _as_buffer(states)
+    row_bytes = states.shape[-1] * states.element_size()
+    crcs = [crc32(_as_buffer(token_ids)), crc32(_as_buffer(positions))]
+    for _, _, lo, hi in state_runs(segments, states.shape[0], states.shape[1]):
+        crcs.append(crc32(raw[lo * row_bytes : hi * row_bytes]))
+    return tuple(crcs)
 
 
 class DecodedChunk(msgspec.Struct, frozen=True):
@@ -105,14 +142,25 @@ class DecodedChunk(msgspec.Struct, frozen=True):
     positions: np.ndarray  # int32 [T]
     states: torch.Tensor  # [L, T, H], header.dtype
 
+    def check_run(self, i: int, j: int, run: torch.Tensor) -> None:
+        """Raise WireError unless `run` (states of layer i, segment j, as received) has the CRC the
+        worker sent. `run` is a contiguous view of `states`."""
+        crc = self.header.crcs[2 + i * len(self.header.segments) + j]
+        if crc32(_as_buffer(run)) != crc:
+            seg = self.header.segments[j]
+            raise WireError(
+                f"states of request {seg.req_id!r} (layer {self.header.layers[i]}, step {self.header.step}) "
+                f"arrived damaged: CRC-32 mismatch"
+            )
 
-def decode(frames: list, ring=None) -> DecodedChunk | WorkerError:
+
+def decode(frames: list, ring=None, check_states: bool = False) -> DecodedChunk | WorkerError:
     """Check and rebuild one message; raises WireError on anything malformed. `ring`: the
     sink's `ring.RingReader`, for states sent in a shared-memory slot."""
     if not frames:
         raise WireError("empty message")
     try:
-        msg = _decoder.decode(frames[0])
+        msg = _decoder.decode(_unsealed(frames[0]))
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WireError(f"bad header: {e}") from None
     if msg.version != WIRE_VERSION:
@@ -129,15 +177,17 @@ def decode(frames: list, ring=None) -> DecodedChunk | WorkerError:
     num_tokens, num_layers, hidden = msg.num_tokens, len(msg.layers), msg.hidden_size
     if num_tokens < 0 or hidden <= 0 or num_layers == 0:
         raise WireError(f"bad shape: tokens={num_tokens} layers={num_layers} hidden={hidden}")
-    if sum(s.num_tokens for s in msg.segments) != num_tokens or any(
-        s.num_tokens <= 0 for s in msg.segments
-    ):
+    if sum(s.num_tokens for s in msg.segments) != num_tokens or any(s.num_tokens <= 0 for s in msg.segments):
         raise WireError(f"segments {[s.num_tokens for s in msg.segments]} do not cover {num_tokens} tokens")
+    if len(msg.crcs) != 2 + num_layers * len(msg.segments):
+        raise WireError(f"{len(msg.crcs)} checksums, expected {2 + num_layers * len(msg.segments)}")
     sizes = [memoryview(f).nbytes for f in frames[1:]]
     states_bytes = num_layers * num_tokens * hidden * dtype.itemsize
     expected = [4 * num_tokens, 4 * num_tokens, 0 if msg.ring else states_bytes]
     if sizes != expected:
         raise WireError(f"frame sizes {sizes}, expected {expected} for the declared shape and dtype")
+    if (crc32(frames[1]), crc32(frames[2])) != msg.crcs[:2]:
+        raise WireError("token ids or positions arrived damaged: CRC-32 mismatch")
     token_ids = np.frombuffer(frames[1], dtype="<i4")
     positions = np.frombuffer(frames[2], dtype="<i4")
     buffer = frames[3]
@@ -154,4 +204,9 @@ def decode(frames: list, ring=None) -> DecodedChunk | WorkerError:
             states = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
     else:
         states = torch.empty(0, dtype=dtype)
-    return DecodedChunk(msg, token_ids, positions, states.view(num_layers, num_tokens, hidden))
+    chunk = DecodedChunk(msg, token_ids, positions, states.view(num_layers, num_tokens, hidden))
+    if check_states:
+        flat = chunk.states.view(num_layers * num_tokens, hidden)
+        for i, j, lo, hi in state_runs(msg.segments, num_layers, num_tokens):
+            chunk.check_run(i, j, flat[lo:hi])
+    return chunk

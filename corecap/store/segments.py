@@ -1,4 +1,4 @@
-"""Append-only state files: where a store (format 2) keeps its samples' hidden states.
+"""Append-only state files: where a store keeps its samples' hidden states.
 
 LMDB copies a large value into private pages, writes them with write(2) and fsyncs data and meta
 pages once per commit, during which the disk idles between commits: 0.67-0.72 GB/s on the H200
@@ -22,7 +22,7 @@ import re
 import struct
 import threading
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 
 SEGMENT_BYTES = 4 << 30
 POINTER = struct.Struct("<IQQ")  # segment number, offset, length: where one sample's states are
@@ -122,7 +122,8 @@ def _take_lock(directory: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        holder = holder if holder.isdigit() else "unknown"  # a lock file may hold anything
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
             raise CorecapError(f"{directory}: another process (pid {holder}) is writing this store") from None
@@ -146,19 +147,26 @@ class SegmentReader:
         self.max_open = max_open
         self.fds: dict[int, int] = {}
 
-    def read(self, pointer) -> bytearray:
-        """The bytes at `pointer`; CorecapError when the pointer or the file is bad."""
+    def read(self, pointer, most: int) -> bytearray:
+        """The bytes at `pointer`, which may claim at most `most` of them (the size its sample's
+        header allows) and must lie inside its file: checked before anything is allocated, so a
+        damaged pointer is a CorecapError, never a huge allocation."""
         if len(pointer) != POINTER.size:
             raise CorecapError(f"states pointer of {len(pointer)} bytes, expected {POINTER.size}")
         segment, offset, length = POINTER.unpack(pointer)
+        if length > most:
+            raise CorecapError(f"states pointer claims {length} bytes, its header allows at most {most}")
         fd = self._fd(segment)
+        size = os.fstat(fd).st_size
+        name = os.path.basename(segment_path(self.directory, segment))
+        if offset + length > size:
+            raise CorecapError(f"states pointer names bytes {offset}..{offset + length} of {name}, which has {size} (the file was cut short)")
         out = bytearray(length)
         view = memoryview(out)
         done = 0
         while done < length:
             n = os.preadv(fd, [view[done : done + _MAX_WRITE]], offset + done)
             if n == 0:
-                name = os.path.basename(segment_path(self.directory, segment))
                 raise CorecapError(f"states end at byte {offset + done} of {name}, expected {length} bytes from {offset} (the file was cut short)")
             done += n
         return out

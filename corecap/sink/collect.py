@@ -4,7 +4,8 @@ A sample may arrive in several chunks across engine steps (chunked prefill) and 
 holds several samples. Nothing is taken on trust: every segment's positions must be a
 contiguous run inside its sample and its token ids must equal the sample's own ids at those
 positions, so a capture that would land under the wrong sample, or short, is an error, not a
-stored sample. A sample is complete when every one of its positions has been received.
+stored sample; each run of states is checked against the worker's CRC-32 as it is copied. A
+sample is complete when every one of its positions has been received.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from corecap import CorecapError, wire
+from corecap.errors import CorecapError
+from corecap.transport import wire
 
 
 @dataclass
@@ -127,7 +129,7 @@ class Collector:
             raise CorecapError(f"worker sent layers {h.layers}, expected {self.layers}")
         copies, complete = [], []
         offset = 0
-        for seg in h.segments:
+        for j, seg in enumerate(h.segments):
             lo, hi = offset, offset + seg.num_tokens
             offset = hi
             p = self.pending.get(seg.req_id)
@@ -145,7 +147,7 @@ class Collector:
             if p.states is None:
                 shape = (len(self.layers), len(p.token_ids), h.hidden_size)
                 p.states = self.buffers.take(shape, msg.states.dtype) if self.buffers else torch.empty(shape, dtype=msg.states.dtype)
-            copies.extend((p.states[i, start : start + seg.num_tokens], msg.states[i, lo:hi]) for i in range(len(self.layers)))
+            copies.extend((p.states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
             newly = seg.num_tokens - int(p.covered[start : start + seg.num_tokens].sum())
             p.covered[start : start + seg.num_tokens] = True
             p.num_covered += newly
@@ -156,12 +158,19 @@ class Collector:
             for _ in self.copiers.map(_copy, copies):  # re-raises a copy's error
                 pass
         else:
-            for pair in copies:
-                _copy(pair)
+            for item in copies:
+                _copy(item)
         for p in complete:
             self.on_complete(p)
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
 
 
-def _copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-    pair[0].copy_(pair[1])
+def _copy(item: tuple) -> None:
+    """Check one (layer i, segment j) run of a chunk against its CRC-32, then copy it into place."""
+    target, msg, i, j, lo = item
+    run = msg.states[i, lo : lo + target.shape[0]]
+    try:
+        msg.check_run(i, j, run)
+    except wire.WireError as e:
+        raise CorecapError(str(e)) from None
+    target.copy_(run)

@@ -1,4 +1,4 @@
-"""`corecap trace --chrome/--plot`: a trace (corecap/trace.py) as Chrome trace events for
+"""`corecap trace --chrome/--plot`: a trace (corecap/trace/timeline.py) as Chrome trace events for
 ui.perfetto.dev or chrome://tracing, and as a timeline PNG (matplotlib, imported only here).
 """
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from corecap import CorecapError
-from corecap.trace import DATA_STAGES, STEP_PHASES, _lanes, _phase, bottleneck, phases, throughput
+from corecap.errors import CorecapError
+from corecap.trace.analysis import DATA_STAGES, STEP_PHASES, bottleneck, lanes, phase, phases, throughput
 
 # Chrome trace: stage -> (on the worker process?, first thread id, thread name, event name)
 CHROME_TRACKS = {
@@ -69,7 +69,7 @@ def to_chrome(trace: dict) -> dict:
         events.append({"name": "tokens", "ph": "C", "ts": us(s["start"]), "pid": driver, "tid": 1,
                        "args": {"scheduled": s["num_tokens"]}})
     rows = phases(trace)
-    for p in (_phase(rows, "between steps"), _phase(rows, "drain")):
+    for p in (phase(rows, "between steps"), phase(rows, "drain")):
         for a, b in p.intervals:
             if b > a:
                 span(p.name, "driver", a, b, driver, 1)
@@ -77,10 +77,10 @@ def to_chrome(trace: dict) -> dict:
         on_worker, base, title, label = CHROME_TRACKS[name]
         pid = worker if on_worker else driver
         records = trace.get(key, [])
-        lanes = _lanes([(r[a], r[b]) for r in records])
-        for lane in sorted(set(lanes)):
+        lane_of = lanes([(r[a], r[b]) for r in records])
+        for lane in sorted(set(lane_of)):
             meta(pid, base + lane, "thread_name", title + (f" #{lane + 1}" if lane else ""), base + lane)
-        for r, lane in zip(records, lanes):
+        for r, lane in zip(records, lane_of):
             fields = ("step", "num_tokens", "nbytes") if key == "chunks" else ("num_samples", "nbytes")
             if key == "chunks":
                 text = f"{label} step {r.get('step', '?')}"
@@ -131,11 +131,11 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
         if p.serial:
             top.broken_barh(pairs, (y["driver"] - 0.4, 0.8), facecolors=COLORS[p.name], linewidth=0)
             continue
-        lanes = _lanes(p.intervals)
-        num_lanes = max(lanes) + 1
+        lane_of = lanes(p.intervals)
+        num_lanes = max(lane_of) + 1
         height = 0.8 / num_lanes
         for lane in range(num_lanes):
-            mine = [(a - t0, b - a) for (a, b), k in zip(p.intervals, lanes) if k == lane and b > a]
+            mine = [(a - t0, b - a) for (a, b), k in zip(p.intervals, lane_of) if k == lane and b > a]
             bottom_y = y[p.name] - 0.4 + lane * height
             # An edge keeps sub-pixel intervals of a long run visible as hairlines.
             top.broken_barh(mine, (bottom_y, height * 0.9), facecolors=COLORS[p.name], edgecolors=COLORS[p.name],
@@ -157,7 +157,7 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
     steps = trace["steps"]
     if steps:
         stacks = {name: np.array([s[b] - s[a] for s in steps]) * 1e3 for name, a, b in STEP_PHASES}
-        stacks["between steps"] = _phase(rows, "between steps").durations * 1e3
+        stacks["between steps"] = phase(rows, "between steps").durations * 1e3
         num_bins = 400
         binned = {k: _binned(v, num_bins) for k, v in stacks.items()}
         group = -(-len(steps) // num_bins) if len(steps) > num_bins else 1

@@ -2,7 +2,7 @@
 
 The number is the row's 1-based line, element or row number; `where` names the row in messages
 ("data.jsonl: line 7"); a row that is not valid JSON comes as a RowError in place of its object,
-so that the caller's policy decides what happens to it (corecap/data.py).
+so that the caller's policy decides what happens to it (corecap/data/samples.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 
 INPUT_FIELDS = ("input_ids", "text", "messages", "conversations")  # a row has one; Parquet reads only these, id, loss_mask
 UNITS = {"jsonl": "line", "json": "element", "parquet": "row"}

@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
-import sys
 from dataclasses import dataclass
 
-import click
 import msgspec
 
-from corecap import CorecapError
+from corecap.errors import CorecapError
 from corecap.store import Record, Store, StoreMeta, decode_header
 
 IGNORED_FIELDS = ("corecap_version", "vllm_version", "format_version", "model.path")
@@ -102,7 +100,7 @@ def _copy(src: Store, out: Store) -> tuple[int, int]:
     num = nbytes = 0
     batch: list[Record] = []
     batch_bytes = 0
-    # buffers=True: headers (and format 1 states) are views into src's map, valid while its read txn lives.
+    # buffers=True: headers are views into src's map, valid while its read txn lives.
     with src.env.begin(buffers=True) as txn:
         for key in txn.cursor(db=src.headers_db).iternext(keys=True, values=False):
             text = bytes(key).decode()
@@ -111,7 +109,8 @@ def _copy(src: Store, out: Store) -> tuple[int, int]:
             value = txn.get(key, db=src.samples_db)
             if value is None:
                 raise CorecapError(f"{src.path}: sample {text!r} has a header but no states")
-            record = Record(text, txn.get(key, db=src.headers_db), (src.states(text, value),))
+            header = txn.get(key, db=src.headers_db)
+            record = Record(text, header, (src.states(text, decode_header(text, header), value),))
             batch.append(record)
             batch_bytes += record.nbytes
             if len(batch) >= _BATCH_RECORDS or batch_bytes >= _BATCH_BYTES:
@@ -156,16 +155,3 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
                 num_copied, nbytes = num_copied + n, nbytes + b
             num_samples = len(out)
     return MergeSummary(out_path, len(inputs), num_copied, num_duplicates, num_samples, nbytes)
-
-
-@click.command()
-@click.argument("out", type=str)
-@click.argument("inputs", nargs=-1, required=True, type=str)
-def merge(out, inputs) -> None:
-    """Merge the stores INPUTS into OUT (created if missing): e.g. the shards of one run."""
-    try:
-        summary = merge_stores(out, inputs)
-    except CorecapError as e:  # as cli._one_line_errors, which this module cannot import (cycle)
-        click.echo(f"corecap: error: {e}", err=True)
-        sys.exit(2)
-    click.echo(summary.line())

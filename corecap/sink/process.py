@@ -5,9 +5,9 @@ GIL (on the H200 it moves ~1.4 GB/s).
 Driver ↔ sink talk over two IPC sockets in the run's private 0700 directory: the driver tells
 the sink which requests to expect (key, token ids, loss mask) and finally to finish or abort;
 the sink answers with `Done` (counts and timings for the trace) or `Failed` (one sentence).
-The workers push their chunks straight to the sink (wire.py). The sink ignores SIGINT/SIGTERM:
-the driver decides, and an abort still commits every sample that is complete. If the driver
-dies, the sink notices its parent is gone, commits what is complete and exits.
+The workers push their chunks straight to the sink (corecap/transport/wire.py). The sink ignores
+SIGINT/SIGTERM: the driver decides, and an abort still commits every sample that is complete.
+If the driver dies, the sink notices its parent is gone, commits what is complete and exits.
 """
 
 from __future__ import annotations
@@ -19,20 +19,30 @@ import shutil
 import signal
 import threading
 import time
-import _thread
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-import torch
 import zmq
 
-from corecap import CorecapError, ring, wire
-from corecap.collect import BufferPool, Collector
+from corecap.errors import CorecapError
+from corecap.sink.collect import BufferPool, Collector
+from corecap.transport import ring, wire
 
 _CONTROL = "control.sock"
 _STATUS = "status.sock"
 CAPTURE = "capture.sock"
+# The sink's parallelism is its own threads (encoders, copiers), each running torch with one
+# intra-op thread: with torch's default (a thread per core) every calling thread can get an
+# OpenMP team of its own (144 threads on a 16-core host). Measured on the H200 host against 16
+# torch threads and 1 copy thread in calls 12-13 (docs/benchmarks.md).
+_TORCH_THREADS = 1
+
+
+def copy_threads() -> int:
+    """Threads that copy chunks into samples: a quarter of the cores, 2 to 4."""
+    return min(4, max(2, (os.cpu_count() or 2) // 4))
 
 
 class Expect(msgspec.Struct, array_like=True, tag=1):
@@ -100,20 +110,18 @@ class Sink:
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
         self.proc.start()
         self.result: Status | None = None
-        self.died = False
         self._watching = threading.Event()
 
-    def watch(self) -> None:
-        """Interrupt the main thread if the sink dies: the workers would then block on their
-        sends, and the step loop inside an engine step, forever."""
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call `on_death(why)` from a watchdog thread if the sink dies while watched: the workers
+        would then block on their sends, and the step loop inside an engine step, forever."""
         self._watching.set()
 
         def watchdog() -> None:
             while self._watching.is_set():
                 if not self.proc.is_alive():
                     if self._watching.is_set():
-                        self.died = True
-                        _thread.interrupt_main()
+                        on_death(self.failure())
                     return
                 time.sleep(0.2)
 
@@ -160,7 +168,7 @@ class Sink:
 
     def _send(self, msg: Control) -> None:
         """Send without ever blocking on a sink that is gone: a PUSH socket without a peer would
-        wait forever, inside C, where the watchdog's interrupt cannot reach the step loop."""
+        wait forever, inside C, where nothing can interrupt the step loop."""
         data = self.encoder.encode(msg)
         while True:
             try:
@@ -200,100 +208,113 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def copy_threads() -> int:
-    """Threads that copy chunks into samples: a quarter of the cores, 2 to 4."""
-    return int(os.environ.get("CORECAP_SINK_COPY_THREADS") or min(4, max(2, (os.cpu_count() or 2) // 4)))
-
-
 def main(spec: SinkSpec) -> None:
-    """The sink process."""
+    """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # One intra-op thread: the sink's parallelism is its own threads, encoders and copiers.
-    # With torch's default (a thread per core) every thread that calls torch can get an OpenMP
-    # team of its own: on a 16-core host, 8 encoders and the reassembly could ask for 144
-    # threads. Not measured on the H200 host yet; CORECAP_SINK_TORCH_THREADS and
-    # CORECAP_SINK_COPY_THREADS set other counts for comparisons (tools/bench_gpu.py).
-    torch.set_num_threads(int(os.environ.get("CORECAP_SINK_TORCH_THREADS") or 1))
-    from corecap.store import Store
-    from corecap.writer import Writer
+    import torch
 
+    torch.set_num_threads(_TORCH_THREADS)
     ctx = zmq.Context()
     status = ctx.socket(zmq.PUSH)
     status.connect(f"ipc://{os.path.join(spec.ipc_dir, _STATUS)}")
     encoder = msgspec.msgpack.Encoder()
-    writer = collector = None
+    loop = None
     try:
-        control = ctx.socket(zmq.PULL)
-        control.connect(f"ipc://{os.path.join(spec.ipc_dir, _CONTROL)}")
-        data = ctx.socket(zmq.PULL)
-        data.setsockopt(zmq.RCVHWM, 2)
-        data.bind(f"ipc://{os.path.join(spec.ipc_dir, CAPTURE)}")
-        rings = ring.RingReader()
-        free = ctx.socket(zmq.PUSH)  # slots of the worker's ring go back once reassembled
-        free.connect(f"ipc://{os.path.join(spec.ipc_dir, ring.FREE_SOCKET)}")
-        store = Store.open_for_writing(spec.store)
-        writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
-        buffers = BufferPool(spec.buffer_bytes // 2)
-        collector = Collector(
-            store.meta.layers, lambda p: writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give), buffers,
-            copy_threads(),
-        )
-        decoder = msgspec.msgpack.Decoder(Control)
-        poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
-        poller.register(data, zmq.POLLIN)
-        finishing = aborting = False
-
-        def on_control(raw: bytes) -> None:
-            nonlocal finishing, aborting
-            msg = decoder.decode(raw)
-            if isinstance(msg, Expect):
-                mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
-                collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask)
-            elif isinstance(msg, Finish):
-                finishing = True
-            else:
-                aborting = True
-
-        while not aborting and not (finishing and not collector.pending):
-            events = dict(poller.poll(100))
-            while control.poll(0):
-                on_control(control.recv())
-            if data in events and not aborting:
-                frames = data.recv_multipart(copy=False)
-                t_recv = time.time()
-                msg = wire.decode(frames, ring=rings)
-                if isinstance(msg, wire.WorkerError):
-                    raise CorecapError(f"worker rank {msg.rank} (pid {msg.pid}) failed: {msg.message.splitlines()[0]}")
-                # The driver announces a request before the engine sees it, but on another socket.
-                deadline = time.monotonic() + 10
-                while not collector.knows(msg) and time.monotonic() < deadline and control.poll(100):
-                    on_control(control.recv())
-                collector.take(msg, t_recv)
-                if msg.header.ring:
-                    free.send(msg.header.slot.to_bytes(4, "little"))
-            writer.raise_if_failed()
-            if os.getppid() != spec.parent_pid:
-                aborting = True  # the driver is gone: keep what is complete
-        writer.close()
-        status.send(encoder.encode(Done(
-            writer.num_committed, writer.num_tokens, writer.nbytes, writer.raw_bytes, len(collector.pending),
-            writer.flagged, [dataclasses.asdict(t) for t in collector.timings],
-            [dataclasses.asdict(c) for c in writer.commits],
-            [{"start": a, "end": b} for a, b in writer.encodes],
-            [dataclasses.asdict(w) for w in writer.writes],
-        )))
+        loop = _Loop(ctx, spec)
+        status.send(encoder.encode(loop.serve()))
     except BaseException as e:
         message = str(e) if isinstance(e, CorecapError) else f"the sink failed: {e!r}"
-        if writer is not None:
-            try:  # commit what is complete (the writer stops by itself if the store failed)
-                writer.close()
-            except BaseException:
-                pass
-        status.send(encoder.encode(Failed(message, writer.num_committed if writer else 0)))
+        committed = loop.close_writer_after_failure() if loop is not None else 0
+        status.send(encoder.encode(Failed(message, committed)))
     finally:
-        if collector is not None:
-            collector.close()
+        if loop is not None:
+            loop.collector.close()
         status.close(linger=5000)
         ctx.destroy(linger=0)
+
+
+class _Loop:
+    """The sink's sockets, reassembly and writer; `serve` runs until finish or abort."""
+
+    def __init__(self, ctx: zmq.Context, spec: SinkSpec):
+        from corecap.sink.writer import Writer
+        from corecap.store import Store
+
+        self.spec = spec
+        self.control = ctx.socket(zmq.PULL)
+        self.control.connect(f"ipc://{os.path.join(spec.ipc_dir, _CONTROL)}")
+        self.data = ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.RCVHWM, 2)
+        self.data.bind(f"ipc://{os.path.join(spec.ipc_dir, CAPTURE)}")
+        self.free = ctx.socket(zmq.PUSH)  # slots of the worker's ring go back once reassembled
+        self.free.connect(f"ipc://{os.path.join(spec.ipc_dir, ring.FREE_SOCKET)}")
+        self.rings = ring.RingReader()
+        self.writer = None
+        self.collector = None
+        store = Store.open_for_writing(spec.store)
+        self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
+        buffers = BufferPool(spec.buffer_bytes // 2)
+        self.collector = Collector(
+            store.meta.layers, lambda p: self.writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give),
+            buffers, copy_threads(),
+        )
+        self.decoder = msgspec.msgpack.Decoder(Control)
+        self.finishing = self.aborting = False
+
+    def serve(self) -> Done:
+        poller = zmq.Poller()
+        poller.register(self.control, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        while not self.aborting and not (self.finishing and not self.collector.pending):
+            events = dict(poller.poll(100))
+            while self.control.poll(0):
+                self._on_control(self.control.recv())
+            if self.data in events and not self.aborting:
+                self._on_chunk(self.data.recv_multipart(copy=False))
+            self.writer.raise_if_failed()
+            if os.getppid() != self.spec.parent_pid:
+                self.aborting = True  # the driver is gone: keep what is complete
+        self.writer.close()
+        w, c = self.writer, self.collector
+        return Done(
+            w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
+            [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
+            [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
+        )
+
+    def _on_control(self, raw: bytes) -> None:
+        msg = self.decoder.decode(raw)
+        if isinstance(msg, Expect):
+            mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
+            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask)
+        elif isinstance(msg, Finish):
+            self.finishing = True
+        else:
+            self.aborting = True
+
+    def _on_chunk(self, frames) -> None:
+        t_recv = time.time()
+        try:
+            msg = wire.decode(frames, ring=self.rings)
+        except wire.WireError as e:
+            raise CorecapError(f"a worker sent a bad message: {e}") from None
+        if isinstance(msg, wire.WorkerError):
+            raise CorecapError(f"worker rank {msg.rank} (pid {msg.pid}) failed: {msg.message.splitlines()[0]}")
+        # The driver announces a request before the engine sees it, but on another socket.
+        deadline = time.monotonic() + 10
+        while not self.collector.knows(msg) and time.monotonic() < deadline and self.control.poll(100):
+            self._on_control(self.control.recv())
+        self.collector.take(msg, t_recv)
+        if msg.header.ring:
+            self.free.send(msg.header.slot.to_bytes(4, "little"))
+
+    def close_writer_after_failure(self) -> int:
+        """Commit what is complete (the writer stops by itself if the store failed)."""
+        if self.writer is None:
+            return 0
+        try:
+            self.writer.close()
+        except BaseException:
+            pass
+        return self.writer.num_committed

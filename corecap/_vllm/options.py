@@ -1,0 +1,194 @@
+"""corecap's EngineOptions → vLLM's own EngineArgs → a VllmConfig (cheap: loads no weights).
+
+The defaults are the ones vLLM's `LLM` class picks for offline batch work on the device at hand
+(`UsageContext.LLM_CLASS`: on an H100/H200 16,384 tokens per step and 1,024 sequences, on a CPU
+4,096 x ranks and 256 x ranks), not its engine defaults (2,048 tokens). Any engine argument that
+corecap does not name travels as vLLM spells it on its command line (`EngineOptions.extra_args`)
+or by field name (`extra`), and is parsed and checked by vLLM's own argument definitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+from corecap.errors import CorecapError
+from corecap.config import REFUSED, EngineOptions, check_engine_arg
+from corecap.transport.wire import private_ipc_dir
+
+WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
+_CPU_MEMORY_SHARE = 0.2  # vLLM's KV cache as a share of RAM on a CPU machine (its own default: 4 GiB)
+
+
+def cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def split_cores(num_parts: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND value giving each rank its own cores, e.g. '0|1'."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_parts:
+        raise CorecapError(f"{num_parts} ranks (tensor x pipeline parallel) need at least {num_parts} CPU cores, found {len(cores)}")
+    per = len(cores) // num_parts
+    groups = [cores[i * per : (i + 1) * per] for i in range(num_parts)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+# What a run sets in the process environment for vLLM and its workers; `environment` restores it.
+_RUN_ENVIRONMENT = ("VLLM_RPC_BASE_PATH", "VLLM_CPU_OMP_THREADS_BIND", "TRITON_F32_DEFAULT")
+
+
+@contextlib.contextmanager
+def environment():
+    """The process environment of one run, restored afterwards: a 0700 directory of its own for
+    vLLM's IPC sockets (VLLM_RPC_BASE_PATH; vLLM's default is the shared temp dir), and what
+    `build_vllm_config` sets for the workers. vLLM caches its environment once an engine has
+    started; the cache is dropped at the end too, so that the next run in this process reads
+    its own."""
+    saved = {k: os.environ.get(k) for k in _RUN_ENVIRONMENT}
+    rpc_dir = None
+    if not saved["VLLM_RPC_BASE_PATH"]:
+        rpc_dir = private_ipc_dir("corecap-vllm-")  # vLLM names its sockets by uuid4: 36 chars
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        import vllm.envs
+
+        disable = getattr(vllm.envs, "disable_envs_cache", None)
+        if disable is not None:
+            disable()
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+
+
+def parse_extra_args(argv: tuple[str, ...]) -> dict:
+    """vLLM engine arguments as typed on its command line (`--block-size 32`) → {field: value},
+    by vLLM's own parser. Unknown or malformed ones are a one-line error naming them."""
+    if not argv:
+        return {}
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM before the utils split
+        from vllm.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(exit_on_error=False))
+    try:
+        given, unknown = parser.parse_known_args(list(argv))
+        defaults, _ = parser.parse_known_args([])
+    except (argparse.ArgumentError, ValueError, TypeError) as e:
+        raise CorecapError(f"engine argument: {e}") from None
+    if unknown:
+        raise CorecapError(f"{unknown[0]}: neither a corecap option nor one of vLLM's engine arguments (see `corecap run --help`)")
+    return {k: v for k, v in vars(given).items() if vars(defaults).get(k) != v}
+
+
+def engine_args(options: EngineOptions, model: str):
+    """vLLM's EngineArgs for `options`, with what corecap controls set by corecap."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
+    for name in extra:
+        check_engine_arg(name)
+    fields = set(EngineArgs.__dataclass_fields__)
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise CorecapError(f"engine argument {unknown[0]!r}: not one of vLLM's EngineArgs")
+    memory = options.gpu_memory_utilization or (_CPU_MEMORY_SHARE if cpu_platform() else None)
+    args = dict(
+        model=model,
+        tokenizer=options.tokenizer,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        # +1: a prompt of max_model_len tokens still needs room for its one sampled token.
+        max_model_len=None if options.max_model_len is None else options.max_model_len + 1,
+        dtype=options.dtype,
+        quantization=options.quantization,
+        kv_cache_dtype=options.kv_cache_dtype,
+        trust_remote_code=options.trust_remote_code,
+        load_format=options.load_format,
+        enforce_eager=options.enforce_eager,
+        model_impl=options.model_impl,
+        seed=options.seed,
+        enable_prefix_caching=options.enable_prefix_caching,
+        **({"gpu_memory_utilization": memory} if memory else {}),
+        **extra,
+        # What corecap controls (REFUSED): the capture depends on each of these.
+        enable_chunked_prefill=True,
+        async_scheduling=False,
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        distributed_executor_backend="mp",
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    assert all(name in args for name in REFUSED if name != "speculative_config")
+    return EngineArgs(**args)
+
+
+def build_vllm_config(options: EngineOptions, model: str):
+    """The VllmConfig vLLM's LLM class would build for `options` (no weights load). Sets what the
+    workers read from the environment: call it inside `environment()`."""
+    from vllm.usage.usage_lib import UsageContext
+
+    world = options.tensor_parallel_size * options.pipeline_parallel_size
+    args = engine_args(options, model)
+    try:
+        config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    except CorecapError:
+        raise
+    except Exception as e:  # pydantic's ValidationError, ValueError, ...: one line, vLLM's words
+        raise CorecapError(f"vLLM refused the engine configuration: {_first_line(e)}") from None
+    if cpu_platform() and world > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", split_cores(world))
+    _float32_without_tf32(config)
+    return config
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    # pydantic puts the model name first and the reason on a later line
+    useful = [line for line in lines if not line.startswith(("For further information", "1 validation error"))]
+    return (useful[-1] if useful else type(e).__name__)[:500]
+
+
+def _float32_without_tf32(vllm_config) -> None:
+    """A float32 model on CUDA runs vLLM's Triton attention, whose `tl.dot`s take Triton's default
+    float32 precision, TF32 (10-bit mantissa): ~1e-3 from HF's float32. Asking for float32
+    means float32: make IEEE Triton's default for the workers (spawned later, they inherit it)
+    unless the user chose otherwise. vLLM's own matmul setting is VLLM_FLOAT32_MATMUL_PRECISION."""
+    import torch
+
+    if vllm_config.model_config.dtype == torch.float32 and not cpu_platform():
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
+def effective_settings(vllm_config) -> str:
+    """The engine settings a run ends up with, in one line (the run's first log line)."""
+    sched, model, cache = vllm_config.scheduler_config, vllm_config.model_config, vllm_config.cache_config
+    parallel, compilation = vllm_config.parallel_config, vllm_config.compilation_config
+    compiled = "eager" if model.enforce_eager else (
+        f"compiled (mode {getattr(compilation, 'mode', getattr(compilation, 'level', '?'))}), "
+        f"CUDA graphs {getattr(compilation, 'cudagraph_mode', '?')}"
+    )
+    return (
+        f"engine: {sched.max_num_batched_tokens} tokens per step, {sched.max_num_seqs} sequences in flight, "
+        f"max model len {model.max_model_len - 1}, memory share {cache.gpu_memory_utilization}, "
+        f"dtype {str(model.dtype).removeprefix('torch.')}, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
+        f"{compiled}, "
+        f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}"
+        + (f", quantization {model.quantization}" if model.quantization else "")
+    )

@@ -1,0 +1,6 @@
+"""The data path's receiving end, in a process of its own: chunks from the workers reassembled
+into samples (collect), encoded and committed durably (writer)."""
+
+from corecap.sink.process import Done, Failed, Sink
+
+__all__ = ["Done", "Failed", "Sink"]

@@ -1,0 +1,251 @@
+"""What a store holds, record by record: its metadata, each sample's header, and the encoding
+of a sample into (header bytes, states parts) and back. docs/store.md has literal examples.
+
+Everything here is checked as it is read: a store is input like any other, and a record that
+does not fit its declared shape is a CorecapError naming the sample and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from corecap.errors import CorecapError
+from corecap.config import Layer
+from corecap.store import codec as codecs
+from corecap.store.codec import DTYPES
+
+FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
+READABLE_VERSIONS = (2, 3)
+MAX_KEY_BYTES = 511  # LMDB's default key size limit
+LAYER_MEANING = (
+    "index k is HF transformers' output_hidden_states[k]: 0 = token embeddings, "
+    "k = output of decoder layer k (residual stream), N = output of the final norm; "
+    "prenorm = the residual stream after the last decoder layer, before the final norm "
+    "(vLLM's aux index N, speculators' verifier state)"
+)
+FP8 = "fp8-e4m3-rowscale"  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
+
+
+class ModelIdentity(msgspec.Struct, frozen=True):
+    path: str
+    architecture: str
+    config_hash: str  # blake2b of the canonical config.json
+    weights_fingerprint: str  # see corecap.model.weights_fingerprint
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class StoreMeta(msgspec.Struct, frozen=True):
+    format_version: int
+    model: ModelIdentity
+    layers: tuple[Layer, ...]
+    layer_meaning: str
+    dtype: str
+    hidden_size: int
+    corecap_version: str
+    vllm_version: str
+    codec: str = "raw"
+
+    def check_compatible(self, other: "StoreMeta", path: str) -> None:
+        """Raise naming the first field where a resumed run disagrees with the store."""
+        for name in ("layers", "dtype", "hidden_size"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise CorecapError(f"{path}: store has {name}={theirs!r}, this run has {mine!r}")
+        if not codecs_may_mix(self.codec, other.codec):
+            raise CorecapError(f"{path}: store has codec={other.codec!r}, this run has {self.codec!r} (lossy and exact states must not mix)")
+        for name in ("config_hash", "weights_fingerprint"):
+            mine, theirs = getattr(self.model, name), getattr(other.model, name)
+            if mine != theirs:
+                raise CorecapError(
+                    f"{path}: store was made by another model ({name} {theirs}, this run {mine})"
+                )
+
+
+def codecs_may_mix(a: str, b: str) -> bool:
+    """Each sample records its own codec, so lossless codecs may mix in a store; lossy (fp8) and
+    exact states may not."""
+    return (a == FP8) == (b == FP8)
+
+
+def decode_meta(raw, path: str) -> StoreMeta:
+    """The store's metadata from its JSON; a version this corecap does not read is refused."""
+    try:
+        version = msgspec.json.decode(raw).get("format_version")
+    except (msgspec.DecodeError, AttributeError):
+        raise CorecapError(f"{path}: the store's metadata is not a JSON object") from None
+    if version not in READABLE_VERSIONS:
+        raise CorecapError(f"{path}: store format version {version!r}, this corecap reads {list(READABLE_VERSIONS)}")
+    try:
+        meta = msgspec.json.decode(raw, type=StoreMeta)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CorecapError(f"{path}: the store's metadata is damaged ({e})") from None
+    if not meta.layers or meta.hidden_size <= 0 or meta.dtype not in DTYPES:
+        raise CorecapError(
+            f"{path}: the store's metadata is damaged (layers {list(meta.layers)}, hidden_size {meta.hidden_size}, dtype {meta.dtype!r})"
+        )
+    return meta
+
+
+class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
+    id: str
+    num_tokens: int
+    layers: tuple[Layer, ...]
+    dtype: str
+    hidden_size: int
+    input_fingerprint: str
+    input_ids: bytes  # int32 little-endian [T]
+    codec: str
+    checksum: int  # crc32 of the raw states bytes (lossless codecs) or of the stored payload (fp8)
+    payload_bytes: int  # size of the states as readers get them, L*T*H*itemsize(dtype)
+    loss_mask: bytes | None = None  # uint8 [T]: 1 where a token is trained on (assistant turns)
+    nonfinite: bool = False  # stored under `--nonfinite store` although it holds NaN/Inf
+
+
+@dataclass(frozen=True)
+class Record:
+    """One sample ready to commit: its header and its encoded states as buffers whose
+    concatenation is the payload (the codec's parts: writing them one after another saves joining
+    them, a copy of the whole payload that took 10-15 ms of a 56-61 ms bf16 encode here;
+    tools/bench_sink.py --only parts)."""
+
+    key: str
+    header: bytes
+    parts: tuple  # buffers
+
+    @property
+    def payload(self):
+        """The parts joined (one part: itself)."""
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(memoryview(p).nbytes for p in self.parts)
+
+
+@dataclass(frozen=True)
+class Sample:
+    header: SampleHeader
+    input_ids: np.ndarray  # int32 [T]
+    hidden_states: torch.Tensor  # [L, T, H]
+
+    @property
+    def loss_mask(self) -> np.ndarray | None:
+        m = self.header.loss_mask
+        return None if m is None else np.frombuffer(m, dtype=np.uint8).copy()
+
+
+def input_fingerprint(token_ids: np.ndarray) -> str:
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(SampleHeader)
+
+
+def encode_sample(
+    key: str,
+    token_ids: np.ndarray,
+    states: torch.Tensor,
+    layers: tuple[Layer, ...],
+    codec: str = "raw",
+    loss_mask: np.ndarray | None = None,
+    nonfinite: bool = False,
+) -> Record:
+    """Encode one sample for the store (the expensive part, compression, runs here: call it off
+    the critical path). `codec` is one of `CODECS` or `FP8`."""
+    ids = np.ascontiguousarray(token_ids, dtype="<i4")
+    states = states.contiguous()
+    dtype = str(states.dtype).removeprefix("torch.")
+    raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
+    if codec == FP8:
+        payload = codecs.quantize_fp8(states)
+        checksum = codecs.crc32(payload)
+        parts = (payload,)
+    else:
+        if codec not in codecs.CODECS:
+            raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
+        checksum = codecs.crc32(raw)
+        parts = tuple(codecs.encode_parts(raw, dtype, codec))
+    if loss_mask is not None and len(loss_mask) != len(ids):
+        raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
+    header = SampleHeader(
+        id=key,
+        num_tokens=len(ids),
+        layers=tuple(layers),
+        dtype=dtype,
+        hidden_size=states.shape[-1],
+        input_fingerprint=input_fingerprint(ids),
+        input_ids=ids.tobytes(),
+        codec=codec,
+        checksum=checksum,
+        payload_bytes=raw.nbytes,
+        loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
+        nonfinite=nonfinite,
+    )
+    return Record(key, _header_encoder.encode(header), parts)
+
+
+def decode_header(key: str, value) -> SampleHeader:
+    try:
+        return _header_decoder.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CorecapError(f"sample {key!r}: unreadable header ({e})") from None
+
+
+def stored_bytes(header: SampleHeader) -> tuple[int, int]:
+    """(the states' decoded size, the most bytes their encoding may take) by the header alone,
+    checked to be consistent before anything is read or allocated."""
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None or header.num_tokens < 0 or header.hidden_size <= 0 or len(header.input_ids) != 4 * header.num_tokens:
+        raise CorecapError(
+            f"sample {header.id!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
+            f"hidden size {header.hidden_size}, {len(header.input_ids)} id bytes)"
+        )
+    num_layers = len(header.layers)
+    expected = num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
+    if header.payload_bytes != expected:
+        raise CorecapError(f"sample {header.id!r}: header says {header.payload_bytes} state bytes, expected {expected}")
+    if header.codec == FP8:
+        rows = num_layers * header.num_tokens
+        return expected, rows * header.hidden_size + 4 * rows
+    if header.codec not in codecs.CODECS:
+        raise CorecapError(f"sample {header.id!r}: codec {header.codec!r} is not known to this corecap")
+    return expected, codecs.max_encoded_bytes(expected, dtype.itemsize, header.codec)
+
+
+def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
+    header = decode_header(key, header_value)
+    if len(header.layers) != num_layers:
+        raise CorecapError(f"sample {key!r}: header has {len(header.layers)} layers, the store {num_layers}")
+    expected, _ = stored_bytes(header)
+    dtype = DTYPES[header.dtype]
+    shape = (num_layers, header.num_tokens, header.hidden_size)
+    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
+    if header.codec == FP8:
+        stored = memoryview(payload)
+        rows = shape[0] * shape[1]
+        if stored.nbytes != rows * shape[2] + 4 * rows:
+            raise CorecapError(f"sample {key!r}: fp8 payload is {stored.nbytes} bytes, expected {rows * (shape[2] + 4)}")
+        if codecs.crc32(stored) != header.checksum:
+            raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+        return Sample(header, ids, codecs.dequantize_fp8(stored, shape, dtype))
+    if header.codec == "raw":
+        if memoryview(payload).nbytes != expected:
+            raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
+        raw = payload if isinstance(payload, bytearray) else bytearray(payload)
+    else:
+        try:
+            raw = codecs.decode(payload, header.dtype, expected, header.codec)
+        except ValueError as e:
+            raise CorecapError(f"sample {key!r}: {e}") from None
+    if codecs.crc32(raw) != header.checksum:
+        raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+    states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+    return Sample(header, ids, states.view(shape))
