@@ -16,13 +16,14 @@ from corecap.config import RunConfig, build
 from corecap.run import RunSummary, Stop, run
 
 
-def capture(config: RunConfig | None = None, *, log=None, stop: Stop | None = None, **options) -> RunSummary:
+def capture(config: RunConfig | None = None, *, log=None, stop: Stop | None = None, terminal=None, **options) -> RunSummary:
     """Capture the hidden states of every sample of `data` into `store`; returns the summary.
-    Raises CorecapError (one line) on anything the user can fix."""
+    Raises CorecapError (one line) on anything the user can fix. `log(line)` gets corecap's log
+    lines; `terminal`: where the progress line goes (default sys.stderr)."""
     if config is not None and options:
         raise TypeError("capture() takes a RunConfig or keyword options, not both")
     cfg = config if config is not None else build(**options)
-    return run(cfg, log=log or (lambda message: None), stop=stop)
+    return run(cfg, log=log or (lambda message: None), stop=stop, terminal=terminal)
 
 
 __all__ = ["RunConfig", "RunSummary", "Stop", "capture"]

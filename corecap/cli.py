@@ -124,7 +124,7 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
     )
 
 
-def capture(cfg, log):
+def capture(cfg, log, terminal=None):
     """`corecap.api.capture` with SIGTERM and the first Ctrl-C turned into a request to stop: the
     run then commits every complete sample and exits non-zero saying how many it kept (a
     second Ctrl-C interrupts at once). A test may wrap this function."""
@@ -140,7 +140,7 @@ def capture(cfg, log):
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return api_capture(cfg, log=log, stop=stop)
+        return api_capture(cfg, log=log, stop=stop, terminal=terminal)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -151,16 +151,38 @@ def capture(cfg, log):
 
 @main.command(context_settings=_PASS_THROUGH)
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
+@click.option("--verbose", "-v", is_flag=True, help="Show vLLM's own log on the terminal too (it is always in STORE/corecap.log).")
 @_with(_ENGINE_OPTIONS)
 @_with(_CAPTURE_OPTIONS)
 @click.pass_context
 @_one_line_errors
-def run(ctx, store, **options) -> None:
+def run(ctx, store, verbose, **options) -> None:
     """Capture hidden states for every sample of --data into --store.
 
-    Any other vLLM engine argument may follow, spelled as vLLM spells it (e.g. --block-size 32)."""
-    summary = capture(_run_config(store, ctx.args, options), log=_log)
-    click.echo(summary.line())
+    Any other vLLM engine argument may follow, spelled as vLLM spells it (e.g. --block-size 32).
+    The terminal shows corecap's lines and a progress line; everything else the engine prints
+    goes to STORE/corecap.log."""
+    import os
+    import traceback
+
+    from corecap.console import LOG_FILE, RunLog
+
+    cfg = _run_config(store, ctx.args, options)
+    try:
+        os.makedirs(store, exist_ok=True)
+    except OSError as e:
+        raise CorecapError(f"--store {store}: cannot make the store's directory ({e.strerror})") from None
+    log_path = os.path.join(store, LOG_FILE)
+    with RunLog(log_path, verbose) as runlog:
+        try:
+            summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
+        except CorecapError as e:
+            runlog.record(f"corecap: error: {e}\n")
+            raise
+        except Exception as e:  # a bug: one line here, the traceback in the log
+            runlog.record(traceback.format_exc())
+            raise CorecapError(f"internal error: {type(e).__name__}: {e} (the traceback is in {log_path})") from None
+        runlog.say(summary.line(), err=False)
 
 
 @main.command()

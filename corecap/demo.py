@@ -45,7 +45,13 @@ def demo_model_dir() -> str:
     return path
 
 
-def build_tiny_llama(path: str, *, seed: int, num_layers: int = 8, vocab_size: int = 512) -> None:
+def build_tiny_llama(
+    path: str, *, seed: int, num_layers: int = 8, vocab_size: int = 512, max_position_embeddings: int = 4096,
+    random_norms: bool = False,
+) -> None:
+    """A tiny Llama from `seed`. `random_norms`: every RMSNorm weight drawn around 1 instead of
+    HF's all-ones init, so that a state taken before a norm differs from the one after it in
+    more than scale (the tests need that to tell the pre-norm final state from layer N)."""
     import torch
     import transformers
 
@@ -56,13 +62,18 @@ def build_tiny_llama(path: str, *, seed: int, num_layers: int = 8, vocab_size: i
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    if random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(1.0 + 0.5 * torch.randn_like(param))
     model.save_pretrained(path, safe_serialization=True)
 
 

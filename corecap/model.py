@@ -18,6 +18,24 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _EDGE_BYTES = 1 << 20
 
 
+def resolve_model_dir(name: str) -> str:
+    """A model directory, or a Hugging Face model id already in the local cache (offline, as vLLM
+    resolves it: HF_HUB_CACHE / HF_HOME). The directory is what vLLM gets, so its workers never
+    need the network."""
+    if os.path.isdir(name):
+        return name
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id=name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        raise CorecapError(
+            f"--model {name}: not a directory, and not a model in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); download it first (huggingface-cli download {name}) or give its directory"
+        ) from None
+
+
 def read_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isdir(model_dir):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from corecap import data, demo
 from corecap.errors import CorecapError
-from corecap.model import load_tokenizer, read_config
+from corecap.model import load_tokenizer, read_config, resolve_model_dir
 from corecap.run import run
 from corecap.trace.timeline import load_trace
 
@@ -72,9 +72,9 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
     """Capture about `num_steps` engine steps of `cfg`'s data into a temporary store (deleted
     afterwards) and return its trace. run() has no step limit, so the data is cut to the samples
     that `samples_for_steps` expects to finish in that many steps."""
-    from corecap._vllm import build_vllm_config, environment
+    from corecap._vllm import build_vllm_config, environment, max_prompt_len
 
-    model_dir = cfg.model or demo.demo_model_dir()
+    model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     with environment():
         vllm_config = build_vllm_config(cfg.engine, model_dir)  # the effective budget and lengths
@@ -82,7 +82,7 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
     config = read_config(model_dir)
     read = dict(
         tokenizer=load_tokenizer(model_dir), vocab_size=config.get("text_config", config)["vocab_size"],
-        max_len=vllm_config.model_config.max_model_len - 1,
+        max_len=max_prompt_len(vllm_config),
     )
     lengths = (len(s.token_ids) for s in data.read_samples(data_path, **read))
     num_samples = samples_for_steps(lengths, num_steps, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)

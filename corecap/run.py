@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import RunConfig, resolve_layers
-from corecap.model import load_tokenizer, model_identity
+from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.sink import Done, Failed, Sink
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.trace.analysis import workers_line
@@ -87,7 +87,7 @@ class _Plan:
     layers: tuple
 
 
-def run(cfg: RunConfig, log=print, stop: Stop | None = None) -> RunSummary:
+def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
     from corecap._vllm import environment, vllm_version
 
     stop = stop or Stop()
@@ -99,7 +99,7 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None) -> RunSummary:
         if plan.todo == 0:
             n = plan.dataset.num_samples
             return RunSummary(cfg.store, n, 0, n, 0, 0, 0.0, 0, plan.dataset.outcomes())
-        capture = _Capture(plan, log, stop)
+        capture = _Capture(plan, log, stop, terminal or sys.stderr)
         done = capture.run()
     if stop.reason is not None:
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
@@ -114,15 +114,15 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None) -> RunSummary:
 def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, build_vllm_config, effective_settings
+    from corecap._vllm import Engine, build_vllm_config, effective_settings, max_prompt_len
 
-    model_dir = cfg.model or demo.demo_model_dir()
+    model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
     vllm_config = build_vllm_config(cfg.engine, model_dir)
     log(effective_settings(vllm_config))
-    max_len = vllm_config.model_config.max_model_len - 1  # one slot is the sampled token's
+    max_len = max_prompt_len(vllm_config)
     read = dict(
         tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size, max_len=max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
@@ -150,8 +150,8 @@ def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
 class _Capture:
     """The engine, the sink and the shared-memory record of one run, and the step loop."""
 
-    def __init__(self, plan: _Plan, log, stop: Stop):
-        self.plan, self.cfg, self.log, self.stop = plan, plan.cfg, log, stop
+    def __init__(self, plan: _Plan, log, stop: Stop, terminal):
+        self.plan, self.cfg, self.log, self.stop, self.terminal = plan, plan.cfg, log, stop, terminal
         self.steps: list | None = [] if self.cfg.trace else None
         self.workers: list[dict] = []
         self.start = self.end = time.time()
@@ -195,7 +195,7 @@ class _Capture:
         self.log(f"vLLM's workers in a private network namespace: {self.engine.network_status()}")
         self.log(f"capturing {plan.todo} samples")
         self.start = time.time()
-        progress = Progress(plan.todo, cfg.progress)
+        progress = Progress(plan.todo, cfg.progress, self.terminal)
         self._loop(sink, progress)
         progress.close()
         self.workers = self.engine.worker_stats()
@@ -297,8 +297,9 @@ class _ResumeCheck:
 class Progress:
     """One self-rewriting line on a terminal (samples, tokens, tokens/s, ETA); silent in logs."""
 
-    def __init__(self, num_samples: int, enabled: bool | None):
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+    def __init__(self, num_samples: int, enabled: bool | None, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
         self.total = num_samples
         self.samples = self.tokens = 0
         self.start = self.last = time.monotonic()
@@ -311,11 +312,12 @@ class Progress:
             self.last = now
             rate = self.tokens / (now - self.start)
             left = (now - self.start) / self.samples * (self.total - self.samples) if self.samples else float("nan")
-            sys.stderr.write(
+            self.stream.write(
                 f"\r{self.samples}/{self.total} samples, {self.tokens} tokens, {rate:,.0f} tokens/s, ETA {left:,.0f}s   "
             )
-            sys.stderr.flush()
+            self.stream.flush()
 
     def close(self) -> None:
         if self.enabled:
-            sys.stderr.write("\n")
+            self.stream.write("\n")
+            self.stream.flush()

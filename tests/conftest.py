@@ -16,6 +16,7 @@ from corecap.demo import build_tokenizer, build_tiny_llama
 SEED = 1234
 NUM_LAYERS = 8
 VOCAB = 512
+MAX_POSITIONS = 512  # the tiny model's context: exact_run captures a sample of exactly this length
 
 # Worst relative errors seen per test case, printed at the end of the session.
 ERRORS: dict[str, dict[str, float]] = {}
@@ -24,7 +25,8 @@ ERRORS: dict[str, dict[str, float]] = {}
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-llama"))
-    build_tiny_llama(path, seed=SEED, num_layers=NUM_LAYERS, vocab_size=VOCAB)
+    # Norm weights not all ones: the pre-norm final state then differs from layer N in more than scale.
+    build_tiny_llama(path, seed=SEED, num_layers=NUM_LAYERS, vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, random_norms=True)
     texts = ["the quick brown fox jumps over the lazy dog", "hidden states for a draft head"] * 20
     build_tokenizer(path, texts, vocab_size=VOCAB)
     return path
@@ -82,6 +84,7 @@ def exactness_rows(rng: np.random.Generator) -> list:
     rows = [
         {"id": "one-token", "input_ids": [7]},
         {"id": "long-chunked", "input_ids": rng.integers(0, VOCAB, size=300).tolist()},
+        {"id": "long-full-context", "input_ids": rng.integers(0, VOCAB, size=MAX_POSITIONS).tolist()},
         {"id": "prefix-a", "input_ids": prefix + rng.integers(0, VOCAB, size=40).tolist()},
         {"id": "prefix-b", "input_ids": prefix + rng.integers(0, VOCAB, size=73).tolist()},
         {"id": "dup-1", "input_ids": dup},
@@ -100,7 +103,8 @@ RUN_LOGS: dict[str, list[str]] = {}  # the log lines of the shared runs, by fixt
 
 @pytest.fixture(scope="session")
 def exact_run(tiny_model, tmp_path_factory):
-    """float32, batch 4, a 64-token step budget (chunked prefill), compile on (the default)."""
+    """float32, batch 4, a 64-token step budget (chunked prefill), compile on (the default), and
+    --max-len left to the model's own limit, which one sample fills exactly."""
     from corecap.config import build
     from corecap.run import run
 
@@ -108,7 +112,7 @@ def exact_run(tiny_model, tmp_path_factory):
     data = write_jsonl(tmp / "data.jsonl", exactness_rows(np.random.default_rng(SEED)))
     cfg = build(
         model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 1, 2, 4, 7, 8),
-        batch=4, max_len=512, max_batched_tokens=64, dtype="float32",
+        batch=4, max_batched_tokens=64, dtype="float32",
     )
     summary = run(cfg, log=RUN_LOGS.setdefault("exact", []).append)
     return cfg, summary

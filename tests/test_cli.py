@@ -61,3 +61,17 @@ def test_errors_are_one_line(demo_store):
 def test_get_on_a_missing_store(tmp_path):
     r = corecap("get", "k", "--store", str(tmp_path / "none"), cwd=tmp_path, check=False)
     assert r.returncode == 2 and "not a corecap store" in r.stderr
+
+
+@pytest.mark.engine
+def test_a_quiet_terminal_and_the_whole_log_in_the_store(demo_store):
+    """corecap's own lines and the summary on the terminal (the effective engine settings first);
+    vLLM's log, the workers' included, in STORE/corecap.log."""
+    cwd, env, result = demo_store
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("engine: ") and "tokens per step" in lines[0], lines[:3]
+    assert len(lines) <= 8 and not any(" INFO " in line or "WARNING" in line for line in lines), result.stderr
+    log = (cwd / "corecap.lmdb" / "corecap.log").read_text()
+    assert "Resolved architecture" in log  # the driver's vLLM log
+    assert "Injected <class 'corecap._vllm.worker.CaptureExtension'>" in log  # a worker process's line
+    assert lines[0] in log and result.stdout.strip() in log

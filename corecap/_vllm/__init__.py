@@ -8,7 +8,7 @@ without loading weights.
 """
 
 from corecap._vllm.engine import CaptureSpec, Engine, StepTiming
-from corecap._vllm.options import build_vllm_config, effective_settings, environment
+from corecap._vllm.options import build_vllm_config, effective_settings, environment, max_prompt_len
 
 
 def vllm_version() -> str:
@@ -17,4 +17,4 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-__all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "effective_settings", "environment", "vllm_version"]
+__all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "effective_settings", "environment", "max_prompt_len", "vllm_version"]

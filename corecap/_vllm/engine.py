@@ -9,6 +9,7 @@ scheduled and queued at the workers before the current one's output is back (`_f
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from collections import deque
@@ -76,6 +77,15 @@ def _capture_executor_class(model: str, capture: CaptureSpec):
     return CaptureExecutor
 
 
+def worker_error(e: BaseException) -> str:
+    """The cause in vLLM's report of a worker's failure ("Worker failed with error '...', please
+    check the stack trace above"), else its first line."""
+    text = str(e)
+    m = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+    first = (m.group(1) if m else text).strip().splitlines()
+    return (first[0] if first else type(e).__name__)[:500]
+
+
 def _alive(pid: int) -> bool:
     """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
     and that nobody reaped yet, which is how a dead worker of ours first looks."""
@@ -102,9 +112,14 @@ class Engine:
         from vllm.v1.engine.core import EngineCore
 
         self.vllm_config = vllm_config
-        self.core = EngineCore(vllm_config, _capture_executor_class(model, capture), log_stats=False)
-        self.executor = self.core.model_executor
-        self.executor.collective_rpc("corecap_arm")
+        try:
+            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture), log_stats=False)
+            self.executor = self.core.model_executor
+            self.executor.collective_rpc("corecap_arm")
+        except CorecapError:
+            raise
+        except Exception as e:  # vLLM's words, one line; the workers' own traceback is in the run's log
+            raise CorecapError(f"vLLM's engine failed to start: {worker_error(e)}") from None
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
         self.steps_in_flight = STEPS_IN_FLIGHT
@@ -175,9 +190,11 @@ class Engine:
             return self._step()
         except CorecapError:  # ours: at once
             raise
-        except Exception:
+        except Exception as e:
             if self._interrupted:
                 raise CorecapError(self._interrupted) from None
+            if "Worker failed with error" in str(e):  # a worker raised: vLLM passes its message on
+                raise CorecapError(f"a vLLM worker failed during an engine step: {worker_error(e)}") from None
             # vLLM reports a dead worker as whatever its RPC saw ("cancelled", a timeout...):
             # name the worker instead, once vLLM's monitor has noticed.
             deadline = time.monotonic() + _DEAD_WORKER_GRACE_S

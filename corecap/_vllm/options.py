@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 
 from corecap.errors import CorecapError
@@ -114,8 +115,7 @@ def engine_args(options: EngineOptions, model: str):
         pipeline_parallel_size=options.pipeline_parallel_size,
         max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=options.max_num_batched_tokens,
-        # +1: a prompt of max_model_len tokens still needs room for its one sampled token.
-        max_model_len=None if options.max_model_len is None else options.max_model_len + 1,
+        max_model_len=options.max_model_len,  # the longest prompt; see _room_for_the_sampled_token
         dtype=options.dtype,
         quantization=options.quantization,
         kv_cache_dtype=options.kv_cache_dtype,
@@ -151,11 +151,34 @@ def build_vllm_config(options: EngineOptions, model: str):
     except CorecapError:
         raise
     except Exception as e:  # pydantic's ValidationError, ValueError, ...: one line, vLLM's words
+        too_long = re.search(r"max_model_len \((\d+)\) is greater than the derived max_model_len \(([^=]+)=([\d.]+)", str(e))
+        if too_long:
+            asked, key, limit = too_long.groups()
+            raise CorecapError(
+                f"--max-model-len/--max-len {asked}: longer than the model's own limit of {int(float(limit))} tokens "
+                f"({key} in {model}/config.json)"
+            ) from None
         raise CorecapError(f"vLLM refused the engine configuration: {_first_line(e)}") from None
     if cpu_platform() and world > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", split_cores(world))
+    _room_for_the_sampled_token(config)
     _float32_without_tf32(config)
     return config
+
+
+def max_prompt_len(vllm_config) -> int:
+    """The longest sample a run with this config captures (the user's --max-len, or the model's
+    own limit): see _room_for_the_sampled_token."""
+    return vllm_config.model_config.max_model_len - 1
+
+
+def _room_for_the_sampled_token(vllm_config) -> None:
+    """vLLM keeps a slot after the prompt for the one token it samples: a prompt of exactly
+    max_model_len tokens never finishes its prefill, and `--max-len 2048` on a model whose limit
+    is 2048 was refused. The sampled token's position is never computed (every request ends
+    there), so the engine gets one more slot than the model's limit after vLLM has checked
+    the limit: the whole context is capturable, and no position beyond it is ever run."""
+    vllm_config.model_config.max_model_len += 1
 
 
 def _first_line(e: BaseException) -> str:
@@ -186,7 +209,7 @@ def effective_settings(vllm_config) -> str:
     )
     return (
         f"engine: {sched.max_num_batched_tokens} tokens per step, {sched.max_num_seqs} sequences in flight, "
-        f"max model len {model.max_model_len - 1}, memory share {cache.gpu_memory_utilization}, "
+        f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
         f"dtype {str(model.dtype).removeprefix('torch.')}, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
         f"{compiled}, "
         f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}"

@@ -26,6 +26,7 @@ from corecap.store.format import (
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
+_OWN_FILES = {"corecap.log"}  # what a run writes into the store's directory before the store exists
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Store:
         path = os.fspath(path)
         if os.path.exists(path) and not os.path.isdir(path):
             raise CorecapError(f"{path}: not a corecap store (it is a file, expected a directory)")
-        if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
+        if os.path.isdir(path) and set(os.listdir(path)) - _OWN_FILES and not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
         os.makedirs(path, exist_ok=True)
         env = cls._open_env(path, readonly=False)

@@ -1,0 +1,81 @@
+"""A quiet terminal for `corecap run`: everything the process and its children (vLLM's engine and
+workers, torch, tqdm) write to stdout and stderr goes to the run's log file, STORE/corecap.log;
+the terminal shows corecap's own lines, its progress line, and the rest only with `-v`.
+
+Done at the file-descriptor level, since vLLM's workers are other processes writing to the
+descriptors they inherit: fds 1 and 2 become a pipe that a thread copies into the log (and to
+the terminal with `verbose`), while corecap writes its own lines to copies of the original
+descriptors. `__exit__` puts the descriptors back and drains the pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+LOG_FILE = "corecap.log"
+
+
+class RunLog:
+    def __init__(self, path: str, verbose: bool = False):
+        self.path = path
+        self.verbose = verbose
+        self.terminal_out = self.terminal_err = None
+        self._saved: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "RunLog":
+        self.file = open(self.path, "ab", buffering=0)
+        self.file.write(f"--- corecap run, {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}\n".encode())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = [os.dup(1), os.dup(2)]
+        self.terminal_out = os.fdopen(os.dup(self._saved[0]), "w", buffering=1)
+        self.terminal_err = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self._thread = threading.Thread(target=self._copy, args=(read_end,), daemon=True, name="corecap-log")
+        self._thread.start()
+        return self
+
+    def _copy(self, fd: int) -> None:
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                with self._lock:
+                    self.file.write(chunk)
+                if self.verbose:
+                    self.terminal_err.buffer.write(chunk)
+                    self.terminal_err.flush()
+        finally:
+            os.close(fd)
+
+    def say(self, message: str, err: bool = True) -> None:
+        """One of corecap's own lines: on the terminal, and in the log."""
+        stream = self.terminal_err if err else self.terminal_out
+        stream.write(message + "\n")
+        stream.flush()
+        with self._lock:
+            self.file.write((message + "\n").encode(errors="replace"))
+
+    def record(self, text: str) -> None:
+        """Into the log only (e.g. a traceback)."""
+        with self._lock:
+            self.file.write(text.encode(errors="replace"))
+
+    def __exit__(self, *exc) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self._saved[0], 1)  # the pipe's last write ends close here (children have exited)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        if self._thread is not None:
+            self._thread.join(timeout=5)  # a leftover child holding the pipe: give up, daemon thread
+        self.terminal_out.close()
+        self.terminal_err.close()
+        self.file.close()
