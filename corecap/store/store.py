@@ -76,10 +76,14 @@ class Store:
         path = os.fspath(path)
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (no LMDB data.mdb there)")
+        if not os.path.isfile(os.path.join(path, "data.mdb")) or not os.path.getsize(os.path.join(path, "data.mdb")):
+            raise CorecapError(f"{path}: not a corecap store (its data.mdb is empty or not a file)")
         try:
             env = cls._open_env(path, readonly=True)
-        except lmdb.Error as e:
+        except lmdb.InvalidError as e:  # MDB_INVALID: not an LMDB file at all
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
+        except lmdb.Error as e:
+            raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
         try:
             with lmdb_errors(path, "its metadata"):
                 return cls(path, env, _read_meta(env, path))
