@@ -638,8 +638,8 @@ def test_a_damaged_lmdb_page_is_one_line_and_verify_reports_it(bases, tmp_path):
         f.write(data)
     runner = CliRunner()
     line = _one_line(runner.invoke(get, ["zstd-b", "--store", store]))
-    assert f"{store}: its LMDB is damaged, reading sample 'zstd-b' (CorruptedError: " in line
-    assert "its LMDB is damaged" in _one_line(runner.invoke(ls, ["--store", store]))
+    assert f"{store}: reading sample 'zstd-b', its LMDB is damaged (CorruptedError: " in line
+    assert "its LMDB is damaged (CorruptedError" in _one_line(runner.invoke(ls, ["--store", store]))
     result = runner.invoke(verify, ["--store", store])
     assert result.exit_code == 1 and result.stderr == ""
     assert f"{store}: its LMDB is damaged (CorruptedError: " in result.stdout and "were not checked" in result.stdout
@@ -839,3 +839,29 @@ def test_trace_json_that_is_not_a_file_or_not_ours_is_one_line(tmp_path):
         import re
 
         assert re.search(expected, _one_line(result)), result.stderr
+
+
+def test_a_writer_refuses_a_states_end_that_would_cut_committed_states(bases, tmp_path):
+    """A writer cuts the state files back to states_end (an interrupted run's tail); a damaged
+    states_end before committed states must not make it destroy them."""
+    store = _copy(bases, tmp_path)
+    size = os.path.getsize(segment_path(store, 0))
+    for end in (b"", END.pack(0, 10)):
+        _edit(store, lambda txn, dbs: txn.put(b"states_end", end, db=dbs[b"meta"]) if end else txn.delete(b"states_end", db=dbs[b"meta"]))
+        with pytest.raises(CorecapError, match="no states_end in the meta database|refusing to write"):
+            with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:
+                s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
+        assert os.path.getsize(segment_path(store, 0)) == size
+    _edit(store, lambda txn, dbs: txn.put(b"states_end", END.pack(0, size), db=dbs[b"meta"]))
+    with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:  # the right end: writing goes on
+        s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
+    assert not verify_store(store).problems
+
+
+def test_a_writer_refuses_a_state_file_cut_short(bases, tmp_path):
+    store = _copy(bases, tmp_path)
+    os.truncate(segment_path(store, 0), 100)
+    with pytest.raises(CorecapError, match=r"states_end \(meta database\) says byte \d+ of states-000000.bin, which has 100: the state file was cut short"):
+        with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:
+            s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
+    assert os.path.getsize(segment_path(store, 0)) == 100

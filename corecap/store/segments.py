@@ -46,14 +46,16 @@ class SegmentWriter:
 
     def __init__(self, directory: str, end: tuple[int, int]):
         self.directory = directory
+        self.fd_lock = threading.Lock()  # `sync` may run on another thread than `append`
         self.lock_fd = _take_lock(directory)
         self.fd = -1
         try:
             self.cut(end)
         except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
             os.close(self.lock_fd)
             raise
-        self.fd_lock = threading.Lock()  # `sync` may run on another thread than `append`
 
     def cut(self, end: tuple[int, int]) -> None:
         """Continue from `end`, the committed end: what lies past it (an interrupted run's tail,
@@ -62,12 +64,17 @@ class SegmentWriter:
         for n in segment_numbers(self.directory):
             if n > segment:
                 os.unlink(segment_path(self.directory, n))
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self.fd = self._open(segment)
-        os.ftruncate(self.fd, offset)
-        self.segment, self.offset = segment, offset
+        fd = self._open(segment)
+        try:
+            os.ftruncate(fd, offset)
+        except OSError as e:
+            os.close(fd)
+            raise CorecapError(f"{segment_path(self.directory, segment)}: cannot cut it to byte {offset} ({e.strerror})") from None
+        with self.fd_lock:
+            old, self.fd = self.fd, fd
+            self.segment, self.offset = segment, offset
+        if old >= 0:
+            os.close(old)
 
     def _open(self, segment: int) -> int:
         path = segment_path(self.directory, segment)

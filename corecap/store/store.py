@@ -100,25 +100,29 @@ class Store:
         if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
         os.makedirs(path, exist_ok=True)
-        env = cls._open_env(path, readonly=False)
-        existing = _read_meta(env, path, missing_ok=True)
-        if existing is None:
-            if _has_named_db(env, b"samples") or env.stat()["entries"]:
-                env.close()
-                raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
-            with env.begin(write=True) as txn:
-                meta_db = env.open_db(b"meta", txn=txn)
-                env.open_db(b"headers", txn=txn)
-                env.open_db(b"samples", txn=txn)
-                txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
-            existing = meta
         try:
+            env = cls._open_env(path, readonly=False)
+        except lmdb.Error as e:
+            raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
+        try:
+            with lmdb_errors(path, "its metadata"):
+                existing = _read_meta(env, path, missing_ok=True)
+                foreign = existing is None and (_has_named_db(env, b"samples") or env.stat()["entries"])
+            if foreign:
+                raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
+            if existing is None:
+                with env.begin(write=True) as txn:
+                    meta_db = env.open_db(b"meta", txn=txn)
+                    env.open_db(b"headers", txn=txn)
+                    env.open_db(b"samples", txn=txn)
+                    txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
+                existing = meta
             meta.check_compatible(existing, path)
             segments.check_unlocked(path)
-        except CorecapError:
+            return cls(path, env, existing)
+        except BaseException:
             env.close()
             raise
-        return cls(path, env, existing)
 
     @classmethod
     def open_for_writing(cls, path: str) -> "Store":
@@ -195,9 +199,32 @@ class Store:
         """First half of a commit: write the records' states to the state files (page cache)."""
         if self.writer is None:
             with lmdb_errors(self.path, "states_end"), self.env.begin() as txn:
-                end = self.committed_end(txn)
-            self.writer = segments.SegmentWriter(self.path, end or (0, 0))
+                end = self.committed_end(txn) or (0, 0)
+                self._check_end(txn, end)
+            self.writer = segments.SegmentWriter(self.path, end)
         return Appended(records, self.writer.append(r.parts for r in records), self.writer.end)
+
+    def _check_end(self, txn, end: tuple[int, int]) -> None:
+        """A writer cuts the state files back to the committed end: refuse when the end lies past
+        its file (cut short: committed states are gone) or a committed pointer names bytes past it
+        that are on disk (a damaged states_end would make the writer destroy them). One pass over
+        the pointers, once per writer."""
+        sizes = {n: os.path.getsize(segments.segment_path(self.path, n)) for n in segments.segment_numbers(self.path)}
+        if end != (0, 0) and sizes.get(end[0], 0) < end[1]:
+            raise CorecapError(
+                f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, which has "
+                f"{sizes.get(end[0], 0)}: the state file was cut short; refusing to write (`corecap verify` lists the samples it lost)"
+            )
+        for key, value in txn.cursor(db=self.samples_db):
+            if len(value) != segments.POINTER.size:
+                continue  # a damaged pointer names no bytes of its own
+            segment, offset, length = segments.POINTER.unpack(value)
+            if (segment, offset + length) > end and offset + length <= sizes.get(segment, -1):
+                raise CorecapError(
+                    f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, but sample "
+                    f"{bytes(key).decode(errors='backslashreplace')!r} lies at bytes {offset}..{offset + length} of states-{segment:06d}.bin: refusing to write "
+                    "(cutting the state files back to states_end would destroy committed states)"
+                )
 
     def commit(self, appended: Appended) -> int:
         """Second half: make the states durable, then commit headers and pointers in one durable
@@ -288,13 +315,23 @@ def key_text(path: str, key: bytes) -> str:
         raise CorecapError(f"{path}: key {key!r} (headers database) is not UTF-8") from None
 
 
+# What LMDB raises on a damaged data.mdb (a page of the wrong type, a page number past the file).
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
+
+
+def lmdb_message(error: lmdb.Error) -> str:
+    state = "is damaged" if isinstance(error, LMDB_DAMAGE) else "failed"
+    return f"its LMDB {state} ({type(error).__name__}: {error})"
+
+
 @contextlib.contextmanager
 def lmdb_errors(path: str, what: str):
-    """LMDB's own errors (a damaged page of data.mdb, ...) as one line naming the store."""
+    """LMDB's own errors (a damaged page of data.mdb, too many readers, ...) as one line naming
+    the store and what was being read."""
     try:
         yield
     except lmdb.Error as e:
-        raise CorecapError(f"{path}: its LMDB is damaged, reading {what} ({type(e).__name__}: {e})") from None
+        raise CorecapError(f"{path}: reading {what}, {lmdb_message(e)}") from None
 
 
 def prefixed(path: str, fn, *args):

@@ -36,6 +36,7 @@ import torch
 from corecap.errors import CorecapError
 from corecap.store import Store, decode_header
 from corecap.store.format import decode_states, header_problems
+from corecap.store.store import lmdb_message
 
 
 @dataclass
@@ -101,9 +102,7 @@ def verify_store(
                     while len(pending) > 2 * num_threads:
                         collect_oldest()
         except lmdb.Error as e:
-            report.store_problems.append(
-                f"its LMDB is damaged ({type(e).__name__}: {e}); the samples after the first {report.num_samples} were not checked"
-            )
+            report.store_problems.append(f"{lmdb_message(e)}; the samples after the first {report.num_samples} were not checked")
         while pending:
             collect_oldest()
     return report
