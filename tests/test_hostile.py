@@ -865,3 +865,19 @@ def test_a_writer_refuses_a_state_file_cut_short(bases, tmp_path):
         with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:
             s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
     assert os.path.getsize(segment_path(store, 0)) == 100
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: t["steps"][1].update(end=2**53),  # the largest number a trace may hold
+    lambda t: t.update(start=-(2**53)),
+    lambda t: t.update(steps=[], chunks=[]),
+    lambda t: (t["steps"][0].update(execute=-5), t["commits"][0].update(end=0)),  # phases that end before they start
+    lambda t: t.update(end=t["start"]),  # no wall time
+])
+def test_trace_with_extreme_but_valid_numbers_prints_and_draws(tmp_path, edit):
+    record = _trace()
+    edit(record)
+    (tmp_path / "trace.json").write_text(json.dumps(record))
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--chrome", str(tmp_path / "c.json"), "--plot", str(tmp_path / "t.png")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "c.json").read_text())["traceEvents"] and (tmp_path / "t.png").stat().st_size > 0
