@@ -252,6 +252,8 @@ def verify(store, threads) -> None:
     from corecap.store.verify import verify_store
 
     report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"), num_threads=threads)
+    for problem in report.store_problems:
+        click.echo(f"{report.store}: {problem}")
     click.echo(report.line())
     sys.exit(0 if report.ok else 1)
 

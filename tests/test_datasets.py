@@ -464,7 +464,7 @@ def _contents(path) -> dict:
 def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
     import corecap.store.merge
 
-    monkeypatch.setattr(corecap.store.merge, "_BATCH_RECORDS", 3)  # several transactions per input
+    monkeypatch.setattr(corecap.store.merge, "_BATCH_BYTES", 3000)  # several state-file writes per input
     keys = [f"k{i}" for i in range(40)] + ["ключ", "x" * 300]
     whole = _store(tmp_path / "whole", keys)
     shards = [_store(tmp_path / f"shard{k}", [key for key in keys if data.shard_of(key, 3) == k]) for k in range(3)]

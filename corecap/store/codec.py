@@ -183,13 +183,23 @@ def decode(buf, dtype: str, nbytes: int, codec: str) -> bytearray:
         if mv.nbytes != nbytes:
             raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
         return bytearray(mv)
-    return _decode_planes(mv, itemsize, nbytes)
+    return _decode_planes(mv, dtype, nbytes)
 
 
-def _decode_planes(mv: memoryview, itemsize: int, nbytes: int) -> bytearray:
+def check_planes(buf, dtype: str, nbytes: int) -> list[tuple[int, memoryview]]:
+    """A "zstd-planes" buffer's container checked without decompressing it: magic, itemsize,
+    the declared size against `nbytes`, the crc32 over everything after the head, every plane's
+    size (a stored plane holds exactly its bytes, a zstd frame declares exactly them) and no byte
+    left over. Returns (method, payload) per plane. Decoding allocates only after this, so a
+    damaged or crafted buffer cannot make it allocate more than `nbytes` (plus one plane)."""
+    itemsize = _check_args(dtype, "zstd-planes")
+    mv = memoryview(buf).cast("B")
+
     def fail(what: str) -> CodecError:
         return CodecError(f"codec 'zstd-planes': {what} (buffer of {mv.nbytes} bytes, expected {nbytes} decoded)")
 
+    if nbytes < 0 or nbytes % itemsize:
+        raise fail(f"declared size {nbytes} is not a whole number of {dtype} values")
     table_end = _HEAD.size + itemsize * _PLANE.size
     if mv.nbytes < table_end:
         raise fail(f"truncated header (needs {table_end} bytes)")
@@ -203,37 +213,54 @@ def _decode_planes(mv: memoryview, itemsize: int, nbytes: int) -> bytearray:
     if crc32(mv[_HEAD.size :]) != crc:
         raise fail("checksum mismatch (corrupt data)")
     plane_bytes = nbytes // itemsize
-    out = bytearray(nbytes)
-    columns = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    offset = table_end
+    planes, offset = [], table_end
     for k in range(itemsize):
         method, stored = _PLANE.unpack_from(mv, _HEAD.size + k * _PLANE.size)
+        if stored > mv.nbytes - offset:
+            raise fail(f"plane {k} truncated: {mv.nbytes - offset} of {stored} bytes")
         payload = mv[offset : offset + stored]
         offset += stored
-        if payload.nbytes != stored:
-            raise fail(f"plane {k} truncated: {payload.nbytes} of {stored} bytes")
         if method == _STORED:
-            plane = payload
+            size = stored
         elif method == _ZSTD:
-            plane = _unzstd(payload, plane_bytes, fail, k)
+            try:
+                size = zstandard.frame_content_size(payload)  # -1 when the frame does not say
+            except zstandard.ZstdError as e:
+                raise fail(f"plane {k}: {e}") from None
         else:
             raise fail(f"plane {k} has unknown method {method}")
-        if len(plane) != plane_bytes:
-            raise fail(f"plane {k} is {len(plane)} bytes, expected {plane_bytes}")
-        columns[:, k] = np.frombuffer(plane, dtype=np.uint8)
+        if size != plane_bytes:  # checked before decompressing: no decompression bombs
+            raise fail(f"plane {k} {'is' if method == _STORED else 'declares'} {size} bytes, expected {plane_bytes}")
+        planes.append((method, payload))
     if offset != mv.nbytes:
         raise fail(f"{mv.nbytes - offset} trailing bytes")
+    return planes
+
+
+def _decode_planes(mv: memoryview, dtype: str, nbytes: int) -> bytearray:
+    planes = check_planes(mv, dtype, nbytes)
+    itemsize = len(planes)
+    plane_bytes = nbytes // itemsize
+    out = bytearray(nbytes)
+    columns = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
+    for k, (method, payload) in enumerate(planes):
+        plane = payload if method == _STORED else _unzstd(payload, plane_bytes, k, mv.nbytes, nbytes)
+        columns[:, k] = np.frombuffer(plane, dtype=np.uint8)
     return out
 
 
-def _unzstd(payload: memoryview, plane_bytes: int, fail, k: int) -> bytes:
+def _unzstd(payload: memoryview, plane_bytes: int, k: int, stored: int, nbytes: int) -> bytes:
+    """One plane's frame, whose content size `check_planes` found to be `plane_bytes`."""
+    def fail(what: str) -> CodecError:
+        return CodecError(f"codec 'zstd-planes': plane {k}: {what} (buffer of {stored} bytes, expected {nbytes} decoded)")
+
     try:
-        size = zstandard.frame_content_size(payload)
-        if size != plane_bytes:  # checked before decompressing: no decompression bombs
-            raise fail(f"plane {k} declares {size} bytes, expected {plane_bytes}")
-        return _decompressor().decompress(payload)
+        plane = _decompressor().decompress(payload, max_output_size=plane_bytes)
     except zstandard.ZstdError as e:
-        raise fail(f"plane {k}: {e}") from None
+        raise fail(str(e)) from None
+    if len(plane) != plane_bytes:
+        raise fail(f"{len(plane)} bytes, expected {plane_bytes}")
+    return plane
 
 
 def quantize_fp8(states: torch.Tensor) -> np.ndarray:
@@ -280,6 +307,14 @@ def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype) -> 
         )
     if not num_values:
         return torch.zeros(shape, dtype=dtype)
-    values = torch.frombuffer(bytearray(mv[:num_values]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
-    scale = torch.frombuffer(bytearray(mv[num_values:]), dtype=torch.float32).view(num_layers, num_tokens, 1)
-    return (values.to(torch.float32) * scale).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    values = torch.frombuffer(_writable(mv[:num_values]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
+    scale = torch.frombuffer(bytearray(mv[num_values:]), dtype=torch.float32).view(num_layers, num_tokens, 1)  # aligned
+    for i in range(num_layers):  # one layer at a time bounds the float32 temporaries
+        out[i].copy_(values[i].to(torch.float32) * scale[i])
+    return out
+
+
+def _writable(mv: memoryview):
+    """torch.frombuffer wants a writable buffer: the reader's bytearray is one, else a copy."""
+    return mv if not mv.readonly else bytearray(mv)

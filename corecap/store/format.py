@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.config import Layer
+from corecap.config import PRENORM, Layer
 from corecap.store import codec as codecs
 from corecap.store.codec import DTYPES
 
@@ -29,6 +29,7 @@ LAYER_MEANING = (
     "(vLLM's aux index N, speculators' verifier state)"
 )
 FP8 = "fp8-e4m3-rowscale"  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
+KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
 class ModelIdentity(msgspec.Struct, frozen=True):
@@ -75,20 +76,25 @@ def codecs_may_mix(a: str, b: str) -> bool:
 
 
 def decode_meta(raw, path: str) -> StoreMeta:
-    """The store's metadata from its JSON; a version this corecap does not read is refused."""
+    """The store's metadata from its JSON, every field checked; a version this corecap does not
+    read is refused."""
     try:
         version = msgspec.json.decode(raw).get("format_version")
-    except (msgspec.DecodeError, AttributeError):
-        raise CorecapError(f"{path}: the store's metadata is not a JSON object") from None
-    if version not in READABLE_VERSIONS:
+    except (msgspec.DecodeError, AttributeError, RecursionError):
+        raise CorecapError(f"{path}: the store's metadata (meta database, key 'store') is not a JSON object") from None
+    if version not in READABLE_VERSIONS or not isinstance(version, int):
         raise CorecapError(f"{path}: store format version {version!r}, this corecap reads {list(READABLE_VERSIONS)}")
     try:
         meta = msgspec.json.decode(raw, type=StoreMeta)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, RecursionError) as e:
         raise CorecapError(f"{path}: the store's metadata is damaged ({e})") from None
-    if not meta.layers or meta.hidden_size <= 0 or meta.dtype not in DTYPES:
+    bad_layers = [x for x in meta.layers if not (x == PRENORM or isinstance(x, int) and x >= 0)]
+    if bad_layers or not meta.layers or len(set(meta.layers)) != len(meta.layers):
+        raise CorecapError(f"{path}: the store's metadata is damaged (layers {list(meta.layers)}: expected distinct indices >= 0 or {PRENORM!r})")
+    if meta.hidden_size <= 0 or meta.dtype not in DTYPES or meta.codec not in KNOWN_CODECS:
         raise CorecapError(
-            f"{path}: the store's metadata is damaged (layers {list(meta.layers)}, hidden_size {meta.hidden_size}, dtype {meta.dtype!r})"
+            f"{path}: the store's metadata is damaged (hidden_size {meta.hidden_size}, dtype {meta.dtype!r}, codec {meta.codec!r}: "
+            f"expected hidden_size > 0, dtype one of {list(DTYPES)}, codec one of {list(KNOWN_CODECS)})"
         )
     return meta
 
@@ -106,6 +112,9 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     payload_bytes: int  # size of the states as readers get them, L*T*H*itemsize(dtype)
     loss_mask: bytes | None = None  # uint8 [T]: 1 where a token is trained on (assistant turns)
     nonfinite: bool = False  # stored under `--nonfinite store` although it holds NaN/Inf
+    # crc32 of this header's msgpack with header_crc nil: the one check covering the loss mask
+    # and the flags (ids have the fingerprint, states the checksum). None: written before it.
+    header_crc: int | None = None
 
 
 @dataclass(frozen=True)
@@ -189,63 +198,144 @@ def encode_sample(
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
     )
+    header = msgspec.structs.replace(header, header_crc=header_crc(header))
     return Record(key, _header_encoder.encode(header), parts)
+
+
+def header_crc(header: SampleHeader) -> int:
+    """crc32 of the header's msgpack with `header_crc` nil: over its values (msgspec encodes
+    equal values to equal bytes), whatever encoding the stored bytes used."""
+    return codecs.crc32(_header_encoder.encode(msgspec.structs.replace(header, header_crc=None)))
 
 
 def decode_header(key: str, value) -> SampleHeader:
     try:
         return _header_decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.DecodeError as e:  # ValidationError included: a field of the wrong type
         raise CorecapError(f"sample {key!r}: unreadable header ({e})") from None
 
 
-def stored_bytes(header: SampleHeader) -> tuple[int, int]:
+def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[list[str], bool]:
+    """What is wrong with a sample's header, against its key, the store's metadata and itself,
+    and whether its states can still be decoded by it (False: its shape or codec is wrong).
+    Every reader checks this before it reads the states the header describes."""
+    shape = []
+    for name in ("layers", "dtype", "hidden_size"):
+        mine, theirs = getattr(header, name), getattr(meta, name)
+        if mine != theirs:
+            shape.append(f"header has {name}={mine!r}, the store's metadata {theirs!r}")
+    if header.codec not in KNOWN_CODECS:
+        shape.append(f"header has codec={header.codec!r}, expected one of {list(KNOWN_CODECS)}")
+    elif not codecs_may_mix(header.codec, meta.codec):
+        shape.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
+    ids_ok = header.num_tokens >= 0 and len(header.input_ids) == 4 * header.num_tokens
+    if not ids_ok:
+        shape.append(f"header has num_tokens={header.num_tokens} and {len(header.input_ids)} bytes of input_ids, expected 4 per token")
+    elif not shape and header.payload_bytes != stored_size(header):
+        shape.append(f"header has payload_bytes={header.payload_bytes}, expected {stored_size(header)} (layers x tokens x hidden size x itemsize)")
+    other = []
+    if header.id != key:
+        other.append(f"header is for sample {header.id!r}")
+    if ids_ok and input_fingerprint(np.frombuffer(header.input_ids, "<i4")) != header.input_fingerprint:
+        other.append(
+            f"input fingerprint {header.input_fingerprint} does not match its input ids "
+            f"({input_fingerprint(np.frombuffer(header.input_ids, '<i4'))})"
+        )
+    mask = header.loss_mask
+    if mask is not None and (len(mask) != header.num_tokens or np.frombuffer(mask, np.uint8).max(initial=0) > 1):
+        other.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
+    if header.header_crc is not None and header_crc(header) != header.header_crc:
+        other.append(f"header checksum mismatch (header_crc {header.header_crc}, its fields' crc32 {header_crc(header)})")
+    return shape + other, not shape
+
+
+def checked_header(key: str, value, meta: StoreMeta) -> SampleHeader:
+    """The header stored under `key`, decoded and checked (`header_problems`), or CorecapError."""
+    header = decode_header(key, value)
+    problems, _ = header_problems(key, header, meta)
+    if problems:
+        raise CorecapError(f"sample {key!r}: {'; '.join(problems)}")
+    return header
+
+
+def stored_size(header: SampleHeader) -> int:
+    """L*T*H*itemsize(dtype): the states' size as readers get them, by the header's shape."""
+    return len(header.layers) * header.num_tokens * header.hidden_size * DTYPES[header.dtype].itemsize
+
+
+def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int]:
     """(the states' decoded size, the most bytes their encoding may take) by the header alone,
-    checked to be consistent before anything is read or allocated."""
+    checked to be consistent before anything is read or allocated (errors name `key`, by default
+    the header's id)."""
+    key = header.id if key is None else key
     dtype = DTYPES.get(header.dtype)
     if dtype is None or header.num_tokens < 0 or header.hidden_size <= 0 or len(header.input_ids) != 4 * header.num_tokens:
         raise CorecapError(
-            f"sample {header.id!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
+            f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
             f"hidden size {header.hidden_size}, {len(header.input_ids)} id bytes)"
         )
-    num_layers = len(header.layers)
-    expected = num_layers * header.num_tokens * header.hidden_size * dtype.itemsize
+    expected = stored_size(header)
     if header.payload_bytes != expected:
-        raise CorecapError(f"sample {header.id!r}: header says {header.payload_bytes} state bytes, expected {expected}")
+        raise CorecapError(f"sample {key!r}: header says {header.payload_bytes} state bytes, expected {expected}")
     if header.codec == FP8:
-        rows = num_layers * header.num_tokens
+        rows = len(header.layers) * header.num_tokens
         return expected, rows * header.hidden_size + 4 * rows
     if header.codec not in codecs.CODECS:
-        raise CorecapError(f"sample {header.id!r}: codec {header.codec!r} is not known to this corecap")
+        raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
     return expected, codecs.max_encoded_bytes(expected, dtype.itemsize, header.codec)
 
 
-def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
-    header = decode_header(key, header_value)
-    if len(header.layers) != num_layers:
-        raise CorecapError(f"sample {key!r}: header has {len(header.layers)} layers, the store {num_layers}")
-    expected, _ = stored_bytes(header)
-    dtype = DTYPES[header.dtype]
-    shape = (num_layers, header.num_tokens, header.hidden_size)
-    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
-    if header.codec == FP8:
-        stored = memoryview(payload)
-        rows = shape[0] * shape[1]
-        if stored.nbytes != rows * shape[2] + 4 * rows:
-            raise CorecapError(f"sample {key!r}: fp8 payload is {stored.nbytes} bytes, expected {rows * (shape[2] + 4)}")
-        if codecs.crc32(stored) != header.checksum:
-            raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-        return Sample(header, ids, codecs.dequantize_fp8(stored, shape, dtype))
-    if header.codec == "raw":
-        if memoryview(payload).nbytes != expected:
-            raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
-        raw = payload if isinstance(payload, bytearray) else bytearray(payload)
-    else:
+def check_stored(key: str, header: SampleHeader, payload) -> None:
+    """The stored states' integrity without decoding them (what `merge` copies as they are):
+    their size, and the crc32 that covers them (raw and fp8: the header's checksum; zstd-planes:
+    its container's, which covers every byte after the container's head, whose fields are
+    checked against the header)."""
+    expected, most = stored_bytes(header, key)
+    stored = memoryview(payload).cast("B")
+    if header.codec == "zstd-planes":
         try:
-            raw = codecs.decode(payload, header.dtype, expected, header.codec)
-        except ValueError as e:
+            codecs.check_planes(stored, header.dtype, expected)
+        except codecs.CodecError as e:
             raise CorecapError(f"sample {key!r}: {e}") from None
+        return
+    if stored.nbytes != most:  # raw: the states themselves; fp8: values and row scales
+        raise CorecapError(f"sample {key!r}: payload is {stored.nbytes} bytes, expected {most}")
+    if codecs.crc32(stored) != header.checksum:
+        raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
+
+
+def decode_states(key: str, header: SampleHeader, payload) -> Sample:
+    """The sample `key`, whose (checked: `header_problems`) header is `header`, from its stored
+    states; CorecapError when they do not decode to what the header declares."""
+    expected, _ = stored_bytes(header, key)
+    dtype = DTYPES[header.dtype]
+    shape = (len(header.layers), header.num_tokens, header.hidden_size)
+    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
+    try:
+        if header.codec == FP8:
+            check_stored(key, header, payload)
+            return Sample(header, ids, codecs.dequantize_fp8(payload, shape, dtype))
+        if header.codec == "raw":
+            if memoryview(payload).nbytes != expected:
+                raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
+            raw = payload if isinstance(payload, bytearray) else bytearray(payload)
+        else:
+            raw = codecs.decode(payload, header.dtype, expected, header.codec)
+    except codecs.CodecError as e:
+        raise CorecapError(f"sample {key!r}: {e}") from None
+    except MemoryError:
+        raise CorecapError(f"sample {key!r}: its {expected} bytes of states do not fit in memory") from None
     if codecs.crc32(raw) != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
     states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
     return Sample(header, ids, states.view(shape))
+
+
+def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
+    """A sample from its stored header and states (without a store: `Store.get` also checks the
+    header against the store's metadata)."""
+    header = decode_header(key, header_value)
+    if len(header.layers) != num_layers:
+        raise CorecapError(f"sample {key!r}: header has {len(header.layers)} layers, the store {num_layers}")
+    stored_bytes(header, key)
+    return decode_states(key, header, payload)

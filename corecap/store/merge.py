@@ -8,9 +8,16 @@ Every check runs before anything is written, so a refused merge leaves OUT as it
   directory on another machine);
 - a key held by two stores (OUT included, when it exists) must have the same input
   fingerprint in both; such identical duplicates are kept once.
-Records are copied as stored (header and encoded states, no decoding, no re-encoding), one
-durable commit per batch. LMDB keeps keys sorted, so the duplicate check is a k-way merge of
-the stores' key cursors, in memory independent of the number of samples.
+Records are copied as stored (header and encoded states, no decoding, no re-encoding), but not
+unchecked: a damaged input must not spread into OUT. Each copied record passes every check that
+needs no decoding (its header against its key, the metadata and its own input ids; its pointer
+against the committed end and the file; the crc32 over its stored bytes, or for zstd-planes its
+container's, which covers every byte after the container's head), which costs a crc32 pass
+(~30 GB/s) where decoding would cost ~1 GB/s; `corecap verify` decodes. A damaged record
+refuses the merge with one line naming the input, the key and the field, and OUT is left as it
+was: all records go in one durable LMDB transaction (a new OUT is removed again). LMDB keeps keys
+sorted, so the duplicate check is a k-way merge of the stores' key cursors, in memory
+independent of the number of samples.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ import msgspec
 
 from corecap.errors import CorecapError
 from corecap.store import Record, Store, StoreMeta, decode_header
+from corecap.store.format import check_stored, checked_header
+from corecap.store.segments import LOCK_FILE, segment_numbers, segment_path
+from corecap.store.store import key_text, lmdb_errors, prefixed
 
 IGNORED_FIELDS = ("corecap_version", "vllm_version", "format_version", "model.path")
-_BATCH_RECORDS = 1024
-_BATCH_BYTES = 256 << 20
+_BATCH_BYTES = 256 << 20  # states read before they are written out
 
 
 @dataclass(frozen=True)
@@ -67,8 +76,9 @@ def _check_meta(ref: Store, other: Store) -> None:
 
 
 def _keys(store: Store, txn, index: int):
-    for key in txn.cursor(db=store.headers_db).iternext(keys=True, values=False):
-        yield key, index
+    with lmdb_errors(store.path, "its keys"):
+        for key in txn.cursor(db=store.headers_db).iternext(keys=True, values=False):
+            yield key, index
 
 
 def _check_keys(stores: list[Store]) -> int:
@@ -84,8 +94,7 @@ def _check_keys(stores: list[Store]) -> int:
                 continue
             num_duplicates += 1
             first = group[0]
-            fp_first = decode_header(key.decode(), txns[first].get(key, db=stores[first].headers_db)).input_fingerprint
-            fp = decode_header(key.decode(), txns[i].get(key, db=stores[i].headers_db)).input_fingerprint
+            fp_first, fp = (_fingerprint(stores[j], txns[j], key) for j in (first, i))
             if fp != fp_first:
                 raise CorecapError(
                     f"key {key.decode()!r} is in {stores[first].path} (input fingerprint {fp_first}) and in "
@@ -95,31 +104,44 @@ def _check_keys(stores: list[Store]) -> int:
     return num_duplicates
 
 
-def _copy(src: Store, out: Store) -> tuple[int, int]:
-    """Copy the samples OUT does not hold yet (duplicates were checked to be the same input)."""
-    num = nbytes = 0
-    batch: list[Record] = []
-    batch_bytes = 0
-    # buffers=True: headers are views into src's map, valid while its read txn lives.
-    with src.env.begin(buffers=True) as txn:
+def _fingerprint(store: Store, txn, key: bytes) -> str:
+    text = key_text(store.path, key)
+    with lmdb_errors(store.path, f"sample {text!r}"):
+        return prefixed(store.path, decode_header, text, txn.get(key, db=store.headers_db)).input_fingerprint
+
+
+def _entries(src: Store):
+    """(key, load) of every sample of `src`, in key order; load() reads its record and checks it
+    (the module docstring says what), raising CorecapError naming `src`, the key and the field."""
+    # buffers=True: values are views into src's map, valid while this read txn lives: the
+    # record's header is copied, its states are read into a buffer of their own.
+    with lmdb_errors(src.path, "its keys"), src.env.begin(buffers=True) as txn:
+        end = src.committed_end(txn)
         for key in txn.cursor(db=src.headers_db).iternext(keys=True, values=False):
-            text = bytes(key).decode()
-            if text in out:
-                continue
-            value = txn.get(key, db=src.samples_db)
-            if value is None:
-                raise CorecapError(f"{src.path}: sample {text!r} has a header but no states")
-            header = txn.get(key, db=src.headers_db)
-            record = Record(text, header, (src.states(text, decode_header(text, header), value),))
-            batch.append(record)
-            batch_bytes += record.nbytes
-            if len(batch) >= _BATCH_RECORDS or batch_bytes >= _BATCH_BYTES:
-                nbytes += out.put_many(batch)
-                num, batch, batch_bytes = num + len(batch), [], 0
-        if batch:
-            nbytes += out.put_many(batch)
-            num += len(batch)
-    return num, nbytes
+            text = key_text(src.path, bytes(key))
+
+            def load(key=bytes(key), text=text) -> Record:
+                with lmdb_errors(src.path, f"sample {text!r}"):
+                    value = txn.get(key, db=src.samples_db)
+                    header_value = txn.get(key, db=src.headers_db)
+                if value is None:
+                    raise CorecapError(f"{src.path}: sample {text!r} has a header but no states")
+                header = prefixed(src.path, checked_header, text, header_value, src.meta)
+                states = src.states(text, header, value, end)
+                prefixed(src.path, check_stored, text, header, states)
+                return Record(text, bytes(header_value), (states,))
+
+            yield text, load
+
+
+def _remove_new_store(path: str, made_dir: bool) -> None:
+    """Remove the store a refused merge created (only its own files)."""
+    for name in ["data.mdb", "lock.mdb", LOCK_FILE] + [os.path.basename(segment_path(path, n)) for n in segment_numbers(path)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    if made_dir:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def merge_stores(out_path: str, in_paths) -> MergeSummary:
@@ -148,10 +170,15 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
         else:
             num_duplicates = _check_keys(inputs)
             meta = inputs[0].meta
-        num_copied = nbytes = 0
-        with Store.create_or_open(out_path, meta) as out:
-            for src in inputs:
-                n, b = _copy(src, out)
-                num_copied, nbytes = num_copied + n, nbytes + b
-            num_samples = len(out)
+        made_dir = not os.path.isdir(out_path)
+        map_bytes = sum(os.path.getsize(os.path.join(p, "data.mdb")) for p in in_paths)
+        out = Store.create_or_open(out_path, meta)  # a refusal here has touched nothing
+        try:
+            with out:
+                num_copied, nbytes = out.put_all((entry for src in inputs for entry in _entries(src)), map_bytes, _BATCH_BYTES)
+                num_samples = len(out)
+        except BaseException:
+            if not out_exists:
+                _remove_new_store(out_path, made_dir)
+            raise
     return MergeSummary(out_path, len(inputs), num_copied, num_duplicates, num_samples, nbytes)

@@ -19,6 +19,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import struct
 import threading
 
@@ -45,23 +46,46 @@ class SegmentWriter:
 
     def __init__(self, directory: str, end: tuple[int, int]):
         self.directory = directory
+        self.fd_lock = threading.Lock()  # `sync` may run on another thread than `append`
         self.lock_fd = _take_lock(directory)
+        self.fd = -1
         try:
-            self.segment, self.offset = end
-            for n in segment_numbers(directory):  # an interrupted run's uncommitted tail
-                if n > self.segment:
-                    os.unlink(segment_path(directory, n))
-            self.fd = self._open(self.segment)
-            os.ftruncate(self.fd, self.offset)
+            self.cut(end)
         except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
             os.close(self.lock_fd)
             raise
-        self.fd_lock = threading.Lock()  # `sync` may run on another thread than `append`
+
+    def cut(self, end: tuple[int, int]) -> None:
+        """Continue from `end`, the committed end: what lies past it (an interrupted run's tail,
+        or a refused merge's) is cut off."""
+        segment, offset = end
+        for n in segment_numbers(self.directory):
+            if n > segment:
+                os.unlink(segment_path(self.directory, n))
+        fd = self._open(segment)
+        try:
+            os.ftruncate(fd, offset)
+        except OSError as e:
+            os.close(fd)
+            raise CorecapError(f"{segment_path(self.directory, segment)}: cannot cut it to byte {offset} ({e.strerror})") from None
+        with self.fd_lock:
+            old, self.fd = self.fd, fd
+            self.segment, self.offset = segment, offset
+        if old >= 0:
+            os.close(old)
 
     def _open(self, segment: int) -> int:
         path = segment_path(self.directory, segment)
         existed = os.path.exists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # O_NOFOLLOW: a store that travelled may hold a link to a file that is not its own
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CorecapError(f"{path}: cannot write this state file ({e.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorecapError(f"{path}: not a regular file, expected a state file")
         if not existed:  # the new file's directory entry must survive a crash too
             dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -118,15 +142,24 @@ class SegmentWriter:
 
 
 def _take_lock(directory: str) -> int:
-    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = os.path.join(directory, LOCK_FILE)
+    try:  # O_NOFOLLOW: the lock file is truncated and written; never through a link
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CorecapError(f"{path}: cannot open the writer lock ({e.strerror})") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorecapError(f"{path}: not a regular file, expected the writer lock")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        holder = holder if holder.isdigit() else "unknown"  # a lock file may hold anything
+        holder = holder if holder.isascii() and holder.isdigit() else "unknown"  # a lock file may hold anything
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
             raise CorecapError(f"{directory}: another process (pid {holder}) is writing this store") from None
+        raise CorecapError(f"{path}: cannot lock ({e.strerror})") from None
+    except CorecapError:
+        os.close(fd)
         raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -147,25 +180,37 @@ class SegmentReader:
         self.max_open = max_open
         self.fds: dict[int, int] = {}
 
-    def read(self, pointer, most: int) -> bytearray:
+    def read(self, pointer, most: int, end: tuple[int, int] | None = None) -> bytearray:
         """The bytes at `pointer`, which may claim at most `most` of them (the size its sample's
-        header allows) and must lie inside its file: checked before anything is allocated, so a
-        damaged pointer is a CorecapError, never a huge allocation."""
+        header allows), must end by `end` (the committed end: bytes past it belong to no sample;
+        None where it is unknown) and must lie inside its file: all checked before anything is
+        allocated, so a damaged pointer is a CorecapError, never a huge allocation."""
         if len(pointer) != POINTER.size:
-            raise CorecapError(f"states pointer of {len(pointer)} bytes, expected {POINTER.size}")
+            raise CorecapError(f"pointer (samples database) is {len(pointer)} bytes, expected {POINTER.size}")
         segment, offset, length = POINTER.unpack(pointer)
+        name = os.path.basename(segment_path(self.directory, segment))
         if length > most:
-            raise CorecapError(f"states pointer claims {length} bytes, its header allows at most {most}")
+            raise CorecapError(f"pointer (samples database) claims {length} bytes, its header allows at most {most}")
+        if end is not None and (segment, offset + length) > end:
+            raise CorecapError(
+                f"pointer (samples database) names bytes {offset}..{offset + length} of {name}, past the committed end "
+                f"(byte {end[1]} of {os.path.basename(segment_path(self.directory, end[0]))}): no commit wrote them"
+            )
         fd = self._fd(segment)
         size = os.fstat(fd).st_size
-        name = os.path.basename(segment_path(self.directory, segment))
         if offset + length > size:
-            raise CorecapError(f"states pointer names bytes {offset}..{offset + length} of {name}, which has {size} (the file was cut short)")
-        out = bytearray(length)
+            raise CorecapError(f"pointer (samples database) names bytes {offset}..{offset + length} of {name}, which has {size} (the file was cut short)")
+        try:
+            out = bytearray(length)
+        except MemoryError:
+            raise CorecapError(f"its {length} bytes of states do not fit in memory") from None
         view = memoryview(out)
         done = 0
         while done < length:
-            n = os.preadv(fd, [view[done : done + _MAX_WRITE]], offset + done)
+            try:
+                n = os.preadv(fd, [view[done : done + _MAX_WRITE]], offset + done)
+            except OSError as e:
+                raise CorecapError(f"cannot read {name} at byte {offset + done} ({e.strerror})") from None
             if n == 0:
                 raise CorecapError(f"states end at byte {offset + done} of {name}, expected {length} bytes from {offset} (the file was cut short)")
             done += n
@@ -174,10 +219,16 @@ class SegmentReader:
     def _fd(self, segment: int) -> int:
         fd = self.fds.get(segment)
         if fd is None:
-            try:
-                fd = os.open(segment_path(self.directory, segment), os.O_RDONLY | os.O_CLOEXEC)
+            name = os.path.basename(segment_path(self.directory, segment))
+            try:  # O_NONBLOCK: a FIFO in a file's place must not block the reader
+                fd = os.open(segment_path(self.directory, segment), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise CorecapError(f"states file {os.path.basename(segment_path(self.directory, segment))} is missing") from None
+                raise CorecapError(f"states file {name} is missing") from None
+            except OSError as e:
+                raise CorecapError(f"states file {name}: cannot open ({e.strerror})") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise CorecapError(f"states file {name} is not a regular file")
             if len(self.fds) >= self.max_open:
                 os.close(self.fds.pop(next(iter(self.fds))))
             self.fds[segment] = fd

@@ -13,7 +13,9 @@ docs/store.md. Readers check the format version and refuse what they do not unde
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import lmdb
@@ -22,7 +24,8 @@ import msgspec
 from corecap.errors import CorecapError
 from corecap.store import segments
 from corecap.store.format import (
-    FORMAT_VERSION, Record, Sample, StoreMeta, decode_header, decode_meta, decode_sample, stored_bytes,
+    MAX_KEY_BYTES, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header, decode_meta, decode_states,
+    stored_bytes,
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
@@ -44,9 +47,12 @@ class Store:
     def __init__(self, path: str, env: lmdb.Environment, meta: StoreMeta):
         self.path = path
         self.env = env
-        self.headers_db = env.open_db(b"headers", create=False)
-        self.samples_db = env.open_db(b"samples", create=False)
-        self.meta_db = env.open_db(b"meta", create=False)
+        try:
+            self.headers_db = env.open_db(b"headers", create=False)
+            self.samples_db = env.open_db(b"samples", create=False)
+            self.meta_db = env.open_db(b"meta", create=False)
+        except lmdb.Error as e:  # NotFoundError, IncompatibleError (a name that is not a database), ...
+            raise CorecapError(f"{path}: not a corecap store (its headers, samples and meta databases: {e})") from None
         self.meta = meta
         self.reader = segments.SegmentReader(path)
         self.writer: segments.SegmentWriter | None = None  # made by the first append
@@ -71,11 +77,20 @@ class Store:
         path = os.fspath(path)
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (no LMDB data.mdb there)")
+        if not os.path.isfile(os.path.join(path, "data.mdb")) or not os.path.getsize(os.path.join(path, "data.mdb")):
+            raise CorecapError(f"{path}: not a corecap store (its data.mdb is empty or not a file)")
         try:
             env = cls._open_env(path, readonly=True)
-        except lmdb.Error as e:
+        except lmdb.InvalidError as e:  # MDB_INVALID: not an LMDB file at all
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
-        return cls(path, env, _read_meta(env, path))
+        except lmdb.Error as e:
+            raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
+        try:
+            with lmdb_errors(path, "its metadata"):
+                return cls(path, env, _read_meta(env, path))
+        except BaseException:
+            env.close()
+            raise
 
     @classmethod
     def create_or_open(cls, path: str, meta: StoreMeta) -> "Store":
@@ -86,25 +101,29 @@ class Store:
         if os.path.isdir(path) and set(os.listdir(path)) - _OWN_FILES and not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
         os.makedirs(path, exist_ok=True)
-        env = cls._open_env(path, readonly=False)
-        existing = _read_meta(env, path, missing_ok=True)
-        if existing is None:
-            if _has_named_db(env, b"samples") or env.stat()["entries"]:
-                env.close()
-                raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
-            with env.begin(write=True) as txn:
-                meta_db = env.open_db(b"meta", txn=txn)
-                env.open_db(b"headers", txn=txn)
-                env.open_db(b"samples", txn=txn)
-                txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
-            existing = meta
         try:
+            env = cls._open_env(path, readonly=False)
+        except lmdb.Error as e:
+            raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
+        try:
+            with lmdb_errors(path, "its metadata"):
+                existing = _read_meta(env, path, missing_ok=True)
+                foreign = existing is None and (_has_named_db(env, b"samples") or env.stat()["entries"])
+            if foreign:
+                raise CorecapError(f"{path}: not a corecap store (an LMDB without corecap metadata)")
+            if existing is None:
+                with env.begin(write=True) as txn:
+                    meta_db = env.open_db(b"meta", txn=txn)
+                    env.open_db(b"headers", txn=txn)
+                    env.open_db(b"samples", txn=txn)
+                    txn.put(b"store", msgspec.json.encode(meta), db=meta_db)
+                existing = meta
             meta.check_compatible(existing, path)
             segments.check_unlocked(path)
-        except CorecapError:
+            return cls(path, env, existing)
+        except BaseException:
             env.close()
             raise
-        return cls(path, env, existing)
 
     @classmethod
     def open_for_writing(cls, path: str) -> "Store":
@@ -113,53 +132,100 @@ class Store:
         return cls(path, env, _read_meta(env, path))
 
     def __len__(self) -> int:
-        with self.env.begin() as txn:
+        with lmdb_errors(self.path, "the headers database"), self.env.begin() as txn:
             return txn.stat(self.headers_db)["entries"]
 
     def __contains__(self, key: str) -> bool:
-        with self.env.begin() as txn:
-            return txn.get(key.encode(), db=self.headers_db) is not None
+        with lmdb_errors(self.path, f"sample {key!r}"), self.env.begin() as txn:
+            return txn.get(self._key(key), db=self.headers_db) is not None
+
+    def _key(self, key: str) -> bytes:
+        raw = key.encode(errors="surrogateescape")  # a key typed as bytes that are not UTF-8
+        if not 0 < len(raw) <= MAX_KEY_BYTES:
+            raise CorecapError(f"{self.path}: no sample with key {key!r} (a key is 1 to {MAX_KEY_BYTES} bytes)")
+        return raw
 
     def keys(self):
-        with self.env.begin() as txn:
+        with lmdb_errors(self.path, "the headers database"), self.env.begin() as txn:
             for k in txn.cursor(db=self.headers_db).iternext(keys=True, values=False):
-                yield bytes(k).decode()
+                yield key_text(self.path, bytes(k))
 
     def fingerprints(self) -> dict[str, str]:
         """key → input fingerprint of every committed sample (headers only)."""
         out = {}
-        with self.env.begin(buffers=True) as txn:
+        with lmdb_errors(self.path, "the headers database"), self.env.begin(buffers=True) as txn:
             for k, v in txn.cursor(db=self.headers_db):
-                key = bytes(k).decode()
-                out[key] = decode_header(key, v).input_fingerprint
+                key = key_text(self.path, bytes(k))
+                out[key] = prefixed(self.path, decode_header, key, v).input_fingerprint
         return out
 
     def get(self, key: str) -> Sample:
-        with self.env.begin(buffers=True) as txn:
-            header = txn.get(key.encode(), db=self.headers_db)
-            if header is None:
+        """The sample `key`, every field of its records checked before its states are read
+        (docs/store.md, "What readers check"); CorecapError naming the store, the key and the
+        field when anything is wrong."""
+        raw_key = self._key(key)
+        with lmdb_errors(self.path, f"sample {key!r}"), self.env.begin(buffers=True) as txn:
+            header_value = txn.get(raw_key, db=self.headers_db)
+            if header_value is None:
                 raise CorecapError(f"{self.path}: no sample with key {key!r}")
-            value = txn.get(key.encode(), db=self.samples_db)
+            value = txn.get(raw_key, db=self.samples_db)
             if value is None:
                 raise CorecapError(f"{self.path}: sample {key!r} has a header but no states")
-            return decode_sample(key, header, self.states(key, decode_header(key, header), value), len(self.meta.layers))
+            header = prefixed(self.path, checked_header, key, header_value, self.meta)
+            states = self.states(key, header, value, self.committed_end(txn))
+        return prefixed(self.path, decode_states, key, header, states)
 
-    def states(self, key: str, header, value) -> bytearray:
-        """A sample's encoded states from its `samples` value (read inside the same txn), at most
-        as many bytes as its header allows (`format.stored_bytes`)."""
-        _, most = stored_bytes(header)
+    def committed_end(self, txn) -> tuple[int, int] | None:
+        """The committed end of the state files (`segments.END`) as `txn` sees it; None in a store
+        without samples. A store with samples and no end, or an end of the wrong size, is damaged."""
+        raw = txn.get(b"states_end", db=self.meta_db)
+        if raw is None:
+            if txn.stat(self.samples_db)["entries"]:
+                raise CorecapError(f"{self.path}: no states_end in the meta database, although the store holds samples (damaged)")
+            return None
+        if len(raw) != segments.END.size:
+            raise CorecapError(f"{self.path}: states_end (meta database) is {len(raw)} bytes, expected {segments.END.size}")
+        return segments.END.unpack(raw)
+
+    def states(self, key: str, header: SampleHeader, value, end: tuple[int, int] | None) -> bytearray:
+        """A sample's encoded states from its `samples` value (read inside the same txn as `end`,
+        `committed_end`), at most as many bytes as its header allows (`format.stored_bytes`)."""
+        _, most = prefixed(self.path, stored_bytes, header, key)
         try:
-            return self.reader.read(value, most)
+            return self.reader.read(value, most, end)
         except CorecapError as e:
-            raise CorecapError(f"sample {key!r}: {e}") from None
+            raise CorecapError(f"{self.path}: sample {key!r}: {e}") from None
 
     def append(self, records: list[Record]) -> Appended:
         """First half of a commit: write the records' states to the state files (page cache)."""
         if self.writer is None:
-            with self.env.begin() as txn:
-                end = txn.get(b"states_end", db=self.meta_db)
-            self.writer = segments.SegmentWriter(self.path, segments.END.unpack(end) if end else (0, 0))
+            with lmdb_errors(self.path, "states_end"), self.env.begin() as txn:
+                end = self.committed_end(txn) or (0, 0)
+                self._check_end(txn, end)
+            self.writer = segments.SegmentWriter(self.path, end)
         return Appended(records, self.writer.append(r.parts for r in records), self.writer.end)
+
+    def _check_end(self, txn, end: tuple[int, int]) -> None:
+        """A writer cuts the state files back to the committed end: refuse when the end lies past
+        its file (cut short: committed states are gone) or a committed pointer names bytes past it
+        that are on disk (a damaged states_end would make the writer destroy them). One pass over
+        the pointers, once per writer."""
+        sizes = {n: os.path.getsize(segments.segment_path(self.path, n)) for n in segments.segment_numbers(self.path)}
+        if end != (0, 0) and sizes.get(end[0], 0) < end[1]:
+            raise CorecapError(
+                f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, which has "
+                f"{sizes.get(end[0], 0)}: the state file was cut short; refusing to write (`corecap verify` lists the samples it lost)"
+            )
+        for key, value in txn.cursor(db=self.samples_db):
+            if len(value) != segments.POINTER.size:
+                continue  # a damaged pointer names no bytes of its own
+            segment, offset, length = segments.POINTER.unpack(value)
+            if (segment, offset + length) > end and offset + length <= sizes.get(segment, -1):
+                raise CorecapError(
+                    f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, but sample "
+                    f"{bytes(key).decode(errors='backslashreplace')!r} lies at bytes {offset}..{offset + length} of states-{segment:06d}.bin: refusing to write "
+                    "(cutting the state files back to states_end would destroy committed states)"
+                )
 
     def commit(self, appended: Appended) -> int:
         """Second half: make the states durable, then commit headers and pointers in one durable
@@ -178,6 +244,52 @@ class Store:
             except lmdb.MapFullError:
                 self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
 
+    def put_all(self, entries: Iterable[tuple[str, Callable[[], Record]]], map_bytes: int, batch_bytes: int = 256 << 20) -> tuple[int, int]:
+        """Commit, in ONE durable transaction (all or none), the record `load()` of every
+        (key, load) in `entries` whose key the store does not hold yet (nor came earlier);
+        `map_bytes` bounds what their headers and pointers add to the LMDB. States are written as
+        they come, `batch_bytes` at a time. An error while consuming `entries` (a damaged input)
+        leaves the store as it was: the states written meanwhile lie past the committed end and
+        are cut off. Returns (records committed, bytes committed)."""
+        with lmdb_errors(self.path, "states_end"), self.env.begin() as txn:
+            committed = self.committed_end(txn) or (0, 0)
+        used = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        self.env.set_mapsize(max(self.env.info()["map_size"], used + 2 * map_bytes + (64 << 20)))
+        self.append([])  # the writer, holding the store's lock
+        num = nbytes = 0
+        try:
+            with self.env.begin(write=True) as txn:
+                batch: list[Record] = []
+                taken: set[bytes] = set()  # keys of `batch`, not yet put in txn
+                pending = 0  # bytes in `batch`
+                for key, load in entries:
+                    raw = key.encode()
+                    if raw in taken or txn.get(raw, db=self.headers_db) is not None:
+                        continue
+                    batch.append(load())
+                    taken.add(raw)
+                    pending += batch[-1].nbytes
+                    num, nbytes = num + 1, nbytes + batch[-1].nbytes
+                    if pending >= batch_bytes:
+                        self._put_pointers(txn, batch)
+                        batch, taken, pending = [], set(), 0
+                self._put_pointers(txn, batch)
+                self.writer.sync()  # the states are durable before their pointers commit
+                txn.put(b"states_end", segments.END.pack(*self.writer.end), db=self.meta_db)
+        except lmdb.MapFullError:
+            self.writer.cut(committed)
+            raise CorecapError(f"{self.path}: the LMDB map of {self.env.info()['map_size']} bytes is too small for this merge") from None
+        except BaseException:
+            self.writer.cut(committed)
+            raise
+        return num, nbytes
+
+    def _put_pointers(self, txn, batch: list[Record]) -> None:
+        """Write the batch's states (page cache) and put its headers and pointers in `txn`."""
+        for r, pointer in zip(batch, self.append(batch).pointers):
+            txn.put(r.key.encode(), r.header, db=self.headers_db)
+            txn.put(r.key.encode(), pointer, db=self.samples_db)
+
     def put_many(self, records: list[Record]) -> int:
         """Commit whole records durably (append, then commit); returns the bytes committed."""
         return self.commit(self.append(records))
@@ -194,6 +306,41 @@ class Store:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def key_text(path: str, key: bytes) -> str:
+    """A stored key as text; keys are UTF-8, so one that is not is damage."""
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        raise CorecapError(f"{path}: key {key!r} (headers database) is not UTF-8") from None
+
+
+# What LMDB raises on a damaged data.mdb (a page of the wrong type, a page number past the file).
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
+
+
+def lmdb_message(error: lmdb.Error) -> str:
+    state = "is damaged" if isinstance(error, LMDB_DAMAGE) else "failed"
+    return f"its LMDB {state} ({type(error).__name__}: {error})"
+
+
+@contextlib.contextmanager
+def lmdb_errors(path: str, what: str):
+    """LMDB's own errors (a damaged page of data.mdb, too many readers, ...) as one line naming
+    the store and what was being read."""
+    try:
+        yield
+    except lmdb.Error as e:
+        raise CorecapError(f"{path}: reading {what}, {lmdb_message(e)}") from None
+
+
+def prefixed(path: str, fn, *args):
+    """fn(*args), its CorecapError (which names the sample) prefixed with the store's path."""
+    try:
+        return fn(*args)
+    except CorecapError as e:
+        raise CorecapError(f"{path}: {e}") from None
 
 
 def _has_named_db(env: lmdb.Environment, name: bytes) -> bool:

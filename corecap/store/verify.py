@@ -8,6 +8,12 @@ state file its pointer names holds them) and decode (sizes and checksum), its in
 matches its stored input ids, and its states hold no NaN/Inf and no layer that is exactly zero
 everywhere (a capture that never happened looks like that).
 
+Every check runs before what it guards is read or allocated (docs/store.md, "What readers check"),
+so whatever the damage each bad sample is reported, naming the field, what was expected and what
+was found, and the walk goes on. Damage that belongs to no one sample is reported for the store:
+a damaged LMDB page (which ends the walk: its cursor cannot go on) and a missing or malformed
+`states_end` (pointers are then bounded by their files alone).
+
 The two databases are walked together in key order inside one read transaction, so that a run
 that is writing the store meanwhile is neither blocked nor seen half-way (LMDB readers see a
 snapshot). The walking thread reads each sample's header and states; a pool of threads decodes
@@ -25,28 +31,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import lmdb
-import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import Store, codecs_may_mix, decode_header, decode_sample, input_fingerprint
+from corecap.store import Store, decode_header
+from corecap.store.format import decode_states, header_problems
+from corecap.store.store import lmdb_message
 
 
 @dataclass
 class VerifyReport:
     store: str
     num_samples: int = 0
-    num_tokens: int = 0  # of the samples whose header could be read
+    num_tokens: int = 0  # of the samples whose header could be read and agrees with its ids
     problems: dict[str, list[str]] = field(default_factory=dict)  # key → what is wrong with it
+    store_problems: list[str] = field(default_factory=list)  # damage to no one sample: the LMDB, states_end
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.store_problems
 
     def line(self) -> str:
         if self.ok:
             return f"{self.store}: {self.num_samples} samples OK ({self.num_tokens} tokens)"
-        return f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
+        line = f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
+        return line + (f"; the store itself has {len(self.store_problems)}" if self.store_problems else "")
 
 
 def default_threads() -> int:
@@ -57,13 +66,12 @@ def verify_store(
     path: str, on_problem: Callable[[str, list[str]], None] | None = None, num_threads: int | None = None,
 ) -> VerifyReport:
     """Check every sample of the store at `path`; `on_problem(key, problems)` as each is found,
-    in key order. `num_threads` decode and check (default: `default_threads()`).
+    in key order. `num_threads` decode and check (default: `default_threads()`). Damage that
+    belongs to no one sample (a damaged LMDB page, which ends the walk; `states_end`) goes to
+    `report.store_problems`. Whatever the damage, the result is a report, never another error.
 
     Raises CorecapError when `path` is not a readable corecap store at all."""
-    try:
-        store = Store.open(path)
-    except lmdb.Error as e:  # e.g. a corecap meta db but no headers/samples db
-        raise CorecapError(f"{path}: not a corecap store ({e})") from None
+    store = Store.open(path)
     report = VerifyReport(store.path)
     num_threads = num_threads or default_threads()
     pending: deque = deque()  # (key, its problems or the future of them), in key order
@@ -77,23 +85,30 @@ def verify_store(
             if on_problem is not None:
                 on_problem(key, problems)
 
-    try:
-        with store, store.env.begin(buffers=True) as txn, ThreadPoolExecutor(num_threads) as pool:
-            for key, header, value in _walk(txn, store):
-                report.num_samples += 1
-                read = _read(key, header, value, store, report)
-                found = isinstance(read, list)  # wrong without decoding
-                pending.append((key, read if found else pool.submit(_check_decoded, key, *read, store)))
-                while len(pending) > 2 * num_threads:
-                    collect_oldest()
-            while pending:
-                collect_oldest()
-    except lmdb.Error as e:
-        raise CorecapError(f"{path}: the LMDB itself is damaged ({e}); checked {report.num_samples} samples before it") from None
+    with store, ThreadPoolExecutor(num_threads) as pool:
+        try:
+            with store.env.begin(buffers=True) as txn:
+                try:
+                    end = store.committed_end(txn)
+                except CorecapError as e:  # pointers are then bounded by their files alone
+                    report.store_problems.append(str(e).removeprefix(f"{store.path}: "))
+                    end = None
+                for raw_key, header, value in _walk(txn, store):
+                    report.num_samples += 1
+                    key = raw_key.decode("utf-8", errors="backslashreplace")
+                    read = _read(raw_key, key, header, value, store, end, report)
+                    found = isinstance(read, list)  # wrong without decoding
+                    pending.append((key, read if found else pool.submit(_check_decoded, key, *read, store)))
+                    while len(pending) > 2 * num_threads:
+                        collect_oldest()
+        except lmdb.Error as e:
+            report.store_problems.append(f"{lmdb_message(e)}; the samples after the first {report.num_samples} were not checked")
+        while pending:
+            collect_oldest()
     return report
 
 
-def _walk(txn, store: Store) -> Iterator[tuple[str, object, object]]:
+def _walk(txn, store: Store) -> Iterator[tuple[bytes, object, object]]:
     """(key, header or None, states value or None) over the union of both dbs' keys, in key order.
 
     Both cursors run in LMDB's key order (bytewise, as Python compares bytes), so a merge finds
@@ -105,66 +120,47 @@ def _walk(txn, store: Store) -> Iterator[tuple[str, object, object]]:
         pkey = bytes(payloads.key()) if has_payload else None
         if has_header and (not has_payload or hkey <= pkey):
             same = has_payload and hkey == pkey
-            yield _text(hkey), headers.value(), payloads.value() if same else None
+            yield hkey, headers.value(), payloads.value() if same else None
             has_header = headers.next()
             if same:
                 has_payload = payloads.next()
         else:
-            yield _text(pkey), None, payloads.value()
+            yield pkey, None, payloads.value()
             has_payload = payloads.next()
 
 
-def _text(key: bytes) -> str:
-    return key.decode("utf-8", errors="backslashreplace")
-
-
-def _read(key: str, header_value, value, store: Store, report: VerifyReport):
+def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, report: VerifyReport):
     """In the walking thread: the sample's problems when it is wrong without decoding its states,
-    else (header, header bytes, states bytes) for `_check_decoded`."""
-    meta = store.meta
+    else (its problems so far, header, states bytes) for `_check_decoded`."""
+    if not _is_utf8(raw_key):
+        return [f"key {raw_key!r} is not UTF-8"]
     if header_value is None:
         return ["states but no header (an incomplete sample)"]
     try:
         header = decode_header(key, header_value)
     except CorecapError as e:
         return [_strip(e, key)]
-    report.num_tokens += header.num_tokens
-    problems = []
-    if header.id != key:
-        problems.append(f"header is for sample {header.id!r}")
-    for name in ("layers", "dtype", "hidden_size"):
-        mine, store_value = getattr(header, name), getattr(meta, name)
-        if mine != store_value:
-            problems.append(f"header has {name}={mine!r}, the store's metadata {store_value!r}")
-    if not codecs_may_mix(header.codec, meta.codec):
-        problems.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
+    problems, decodable = header_problems(key, header, store.meta)
+    if decodable:
+        report.num_tokens += header.num_tokens
     if value is None:
         problems.append("header but no states (an incomplete sample)")
-    if problems:  # decoding against the metadata would only restate these
+    if not decodable or value is None:  # decoding against the header would only restate these
         return problems
     try:
-        return header, bytes(header_value), store.states(key, header, value)
+        return problems, header, store.states(key, header, value, end)
     except CorecapError as e:
-        return [_strip(e, key)]
+        return problems + [_strip(e, key, store.path)]
 
 
-def _check_decoded(key: str, header, header_value: bytes, states: bytes, store: Store) -> list[str]:
+def _check_decoded(key: str, problems: list[str], header, states: bytes, store: Store) -> list[str]:
     """On a pool thread: decode the states and check them against the header."""
-    meta = store.meta
-    problems = []
     try:
-        sample = decode_sample(key, header_value, states, len(meta.layers))
+        sample = decode_states(key, header, states)
     except CorecapError as e:
-        return [_strip(e, key)]
-    if input_fingerprint(sample.input_ids) != header.input_fingerprint:
-        problems.append(
-            f"input fingerprint {header.input_fingerprint} does not match its input ids ({input_fingerprint(sample.input_ids)})"
-        )
-    mask = header.loss_mask
-    if mask is not None and (len(mask) != header.num_tokens or np.frombuffer(mask, np.uint8).max(initial=0) > 1):
-        problems.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
-    states_problems = _check_states(sample.hidden_states, meta.layers)
-    if states_problems and getattr(header, "nonfinite", False):  # stored under `--nonfinite store`
+        return problems + [_strip(e, key)]
+    states_problems = _check_states(sample.hidden_states, store.meta.layers)
+    if states_problems and header.nonfinite:  # stored under `--nonfinite store`
         states_problems[0] += " (flagged at capture)"
     return problems + states_problems
 
@@ -192,5 +188,17 @@ def _check_states(states: torch.Tensor, layers: tuple[int, ...]) -> list[str]:
     return problems
 
 
-def _strip(error: CorecapError, key: str) -> str:
-    return str(error).removeprefix(f"sample {key!r}: ")
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _strip(error: CorecapError, key: str, path: str | None = None) -> str:
+    """The error's message without the store and the sample it names (verify lists by key)."""
+    text = str(error)
+    if path is not None:
+        text = text.removeprefix(f"{path}: ")
+    return text.removeprefix(f"sample {key!r}: ")

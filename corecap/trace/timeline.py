@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import msgspec
 
@@ -29,6 +30,9 @@ _FIELDS = {
     "encodes": ("start", "end"),  # optional: traces before the codec timing have none
     "writes": ("start", "end", "num_samples", "nbytes"),  # optional: none before the state files
 }
+# Every number in a trace is a time (seconds since the epoch) or a count: finite and well below
+# 2^53 (exact in a float), so that differences and microseconds (the Chrome view) stay finite.
+_MAX_NUMBER = 2**53
 
 
 def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(), workers=()) -> None:
@@ -51,30 +55,47 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
 
 
 def load_trace(store_path: str) -> dict:
-    """The trace of the run into `store_path` (a store directory, or a trace.json itself)."""
+    """The trace of the run into `store_path` (a store directory, or a trace.json itself),
+    checked (`check_trace`): a file that is not a trace of ours is a CorecapError."""
     path = store_path if os.path.isfile(store_path) else os.path.join(store_path, TRACE_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
+    try:  # O_NONBLOCK: a FIFO in the file's place must not block
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CorecapError(f"{store_path}: no {TRACE_FILE} (run `corecap run --store {store_path}` first)") from None
     except OSError as e:
         raise CorecapError(f"{path}: cannot read ({e.strerror})") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorecapError(f"{path}: not a regular file, expected a trace")
+        with open(fd, "rb", closefd=False) as f:
+            raw = f.read()
+    except OSError as e:
+        raise CorecapError(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    try:
         trace = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorecapError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})") from None
+    except RecursionError:
+        raise CorecapError(f"{path}: not a trace (JSON nested too deep)") from None
     check_trace(trace, path)
     return trace
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and abs(x) <= _MAX_NUMBER  # False for NaN and infinities too
+
+
 def check_trace(trace, where: str) -> None:
+    """Raise CorecapError naming the first field of `trace` that is not what corecap's analysis
+    and pictures read (corecap/trace/analysis.py, views.py); fill in the optional lists."""
     if not isinstance(trace, dict):
         raise CorecapError(f"{where}: expected a JSON object, got {type(trace).__name__}")
     if trace.get("version") != TRACE_VERSION:
         raise CorecapError(f"{where}: trace format version {trace.get('version')!r}, expected {TRACE_VERSION}")
     for key in ("start", "end"):
-        if not isinstance(trace.get(key), (int, float)):
+        if not _is_number(trace.get(key)):
             raise CorecapError(f"{where}: missing number {key!r}")
     trace.setdefault("encodes", [])
     trace.setdefault("writes", [])
@@ -84,13 +105,14 @@ def check_trace(trace, where: str) -> None:
     for i, stats in enumerate(workers):
         if not isinstance(stats, dict) or not all(isinstance(stats.get(f), int) for f in ("rank", "steps")):
             raise CorecapError(f"{where}: workers[{i}] lacks integer 'rank' and 'steps'")
+        numbers = ["ring_wait_s"] * ("ring_wait_s" in stats) + ["cuda_alloc_retries", "cuda_peak_gb"] * ("cuda_alloc_retries" in stats)
+        if not all(_is_number(stats.get(f)) for f in numbers):
+            raise CorecapError(f"{where}: workers[{i}] has {', '.join(numbers)}, not all numbers")
     for key, fields in _FIELDS.items():
         records = trace.get(key)
         if not isinstance(records, list):
             raise CorecapError(f"{where}: missing list {key!r}")
         for i, record in enumerate(records):
-            missing = [f for f in fields if not isinstance(record, dict) or not isinstance(record.get(f), (int, float))]
+            missing = [f for f in fields if not isinstance(record, dict) or not _is_number(record.get(f))]
             if missing:
                 raise CorecapError(f"{where}: {key}[{i}] lacks number {missing[0]!r}")
-
-
