@@ -464,11 +464,15 @@ def _contents(path) -> dict:
 def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
     import corecap.store.merge
 
+    import corecap.store.store
+
     monkeypatch.setattr(corecap.store.merge, "_BATCH_BYTES", 3000)  # several state-file writes per input
+    put_all = corecap.store.store.Store.put_all
+    monkeypatch.setattr(corecap.store.store.Store, "put_all", lambda self, *a, **k: put_all(self, *a, commit_records=5, **k))
     keys = [f"k{i}" for i in range(40)] + ["ключ", "x" * 300]
     whole = _store(tmp_path / "whole", keys)
     shards = [_store(tmp_path / f"shard{k}", [key for key in keys if data.shard_of(key, 3) == k]) for k in range(3)]
-    result = merge_stores(tmp_path / "out", shards)
+    result = merge_stores(tmp_path / "out", shards)  # the headers in 9 transactions of at most 5
     assert (result.num_inputs, result.num_copied, result.num_duplicates, result.num_samples) == (3, 42, 0, 42)
     assert _contents(str(tmp_path / "out")) == _contents(whole)
     with Store.open(str(tmp_path / "out")) as s:

@@ -15,7 +15,8 @@ against the committed end and the file; the crc32 over its stored bytes, or for 
 container's, which covers every byte after the container's head), which costs a crc32 pass
 (~30 GB/s) where decoding would cost ~1 GB/s; `corecap verify` decodes. A damaged record
 refuses the merge with one line naming the input, the key and the field, and OUT is left as it
-was: all records go in one durable LMDB transaction (a new OUT is removed again). LMDB keeps keys
+was: every record is copied and checked before any of their headers is committed (a new OUT is
+removed again); the headers then go in in batches (`Store.put_all`). LMDB keeps keys
 sorted, so the duplicate check is a k-way merge of the stores' key cursors, in memory
 independent of the number of samples.
 """
@@ -23,6 +24,7 @@ independent of the number of samples.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import os
 from dataclasses import dataclass
@@ -134,6 +136,12 @@ def _entries(src: Store):
             yield text, load
 
 
+def _load_from(load, key: str, source: int, sources: dict) -> Record:
+    record = load()
+    sources[key] = source
+    return record
+
+
 def _remove_new_store(path: str, made_dir: bool) -> None:
     """Remove the store a refused merge created (only its own files)."""
     for name in ["data.mdb", "lock.mdb", LOCK_FILE] + [os.path.basename(segment_path(path, n)) for n in segment_numbers(path)]:
@@ -171,11 +179,23 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
             num_duplicates = _check_keys(inputs)
             meta = inputs[0].meta
         made_dir = not os.path.isdir(out_path)
-        map_bytes = sum(os.path.getsize(os.path.join(p, "data.mdb")) for p in in_paths)
         out = Store.create_or_open(out_path, meta)  # a refusal here has touched nothing
+        sources: dict[str, int] = {}  # key → the input its record came from
+        txns = [stack.enter_context(src.env.begin(buffers=True)) for src in inputs]
+
+        def entries():
+            for i, src in enumerate(inputs):
+                for key, load in _entries(src):
+                    yield key, functools.partial(_load_from, load, key, i, sources)
+
+        def header_of(key: str) -> bytes:
+            i = sources[key]
+            with lmdb_errors(inputs[i].path, f"sample {key!r}"):
+                return bytes(txns[i].get(key.encode(), db=inputs[i].headers_db))
+
         try:
             with out:
-                num_copied, nbytes = out.put_all((entry for src in inputs for entry in _entries(src)), map_bytes, _BATCH_BYTES)
+                num_copied, nbytes = out.put_all(entries(), header_of, _BATCH_BYTES)
                 num_samples = len(out)
         except BaseException:
             if not out_exists:

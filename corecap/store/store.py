@@ -244,51 +244,57 @@ class Store:
             except lmdb.MapFullError:
                 self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
 
-    def put_all(self, entries: Iterable[tuple[str, Callable[[], Record]]], map_bytes: int, batch_bytes: int = 256 << 20) -> tuple[int, int]:
-        """Commit, in ONE durable transaction (all or none), the record `load()` of every
-        (key, load) in `entries` whose key the store does not hold yet (nor came earlier);
-        `map_bytes` bounds what their headers and pointers add to the LMDB. States are written as
-        they come, `batch_bytes` at a time. An error while consuming `entries` (a damaged input)
-        leaves the store as it was: the states written meanwhile lie past the committed end and
-        are cut off. Returns (records committed, bytes committed)."""
+    def put_all(
+        self, entries: Iterable[tuple[str, Callable[[], Record]]], header_of: Callable[[str], bytes],
+        batch_bytes: int = 256 << 20, commit_records: int = 8192,
+    ) -> tuple[int, int]:
+        """Commit the record `load()` of every (key, load) in `entries` whose key the store does
+        not hold yet (nor came earlier), all or none as far as a damaged input goes: first every
+        record is loaded (and so checked) and its states are written past the committed end,
+        `batch_bytes` at a time; an error there (a damaged input) cuts them off again and leaves
+        the store as it was. Only then, once the states are durable, the headers (`header_of(key)`
+        reads a key's header again) and pointers are committed, `commit_records` per transaction:
+        one transaction for a million samples would hold gigabytes of dirty pages (LMDB keeps them
+        in memory until the commit). A crash between those commits leaves a store whose committed
+        samples are whole. Returns (records committed, bytes committed)."""
         with lmdb_errors(self.path, "states_end"), self.env.begin() as txn:
             committed = self.committed_end(txn) or (0, 0)
-        used = os.path.getsize(os.path.join(self.path, "data.mdb"))
-        self.env.set_mapsize(max(self.env.info()["map_size"], used + 2 * map_bytes + (64 << 20)))
-        self.append([])  # the writer, holding the store's lock
-        num = nbytes = 0
-        try:
-            with self.env.begin(write=True) as txn:
+            held = lambda raw: txn.get(raw, db=self.headers_db) is not None  # noqa: E731
+            self.append([])  # the writer, holding the store's lock
+            copied: list[tuple[str, bytes]] = []  # (key, pointer), in order
+            taken: set[str] = set()
+            nbytes = 0
+            try:
                 batch: list[Record] = []
-                taken: set[bytes] = set()  # keys of `batch`, not yet put in txn
-                pending = 0  # bytes in `batch`
+                pending = 0
                 for key, load in entries:
-                    raw = key.encode()
-                    if raw in taken or txn.get(raw, db=self.headers_db) is not None:
+                    if key in taken or held(key.encode()):
                         continue
+                    taken.add(key)
                     batch.append(load())
-                    taken.add(raw)
                     pending += batch[-1].nbytes
-                    num, nbytes = num + 1, nbytes + batch[-1].nbytes
+                    nbytes += batch[-1].nbytes
                     if pending >= batch_bytes:
-                        self._put_pointers(txn, batch)
-                        batch, taken, pending = [], set(), 0
-                self._put_pointers(txn, batch)
-                self.writer.sync()  # the states are durable before their pointers commit
-                txn.put(b"states_end", segments.END.pack(*self.writer.end), db=self.meta_db)
-        except lmdb.MapFullError:
-            self.writer.cut(committed)
-            raise CorecapError(f"{self.path}: the LMDB map of {self.env.info()['map_size']} bytes is too small for this merge") from None
-        except BaseException:
-            self.writer.cut(committed)
-            raise
-        return num, nbytes
-
-    def _put_pointers(self, txn, batch: list[Record]) -> None:
-        """Write the batch's states (page cache) and put its headers and pointers in `txn`."""
-        for r, pointer in zip(batch, self.append(batch).pointers):
-            txn.put(r.key.encode(), r.header, db=self.headers_db)
-            txn.put(r.key.encode(), pointer, db=self.samples_db)
+                        copied += zip((r.key for r in batch), self.append(batch).pointers)
+                        batch, pending = [], 0
+                copied += zip((r.key for r in batch), self.append(batch).pointers)
+                self.writer.sync()  # the states are durable before any pointer to them commits
+            except BaseException:
+                self.writer.cut(committed)
+                raise
+        end = segments.END.pack(*self.writer.end)
+        for i in range(0, len(copied), commit_records):
+            while True:
+                try:
+                    with lmdb_errors(self.path, "the merged headers"), self.env.begin(write=True) as txn:
+                        for key, pointer in copied[i : i + commit_records]:
+                            txn.put(key.encode(), header_of(key), db=self.headers_db)
+                            txn.put(key.encode(), pointer, db=self.samples_db)
+                        txn.put(b"states_end", end, db=self.meta_db)
+                    break
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(2 * self.env.info()["map_size"])
+        return len(copied), nbytes
 
     def put_many(self, records: list[Record]) -> int:
         """Commit whole records durably (append, then commit); returns the bytes committed."""
