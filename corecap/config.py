@@ -73,6 +73,10 @@ class EngineOptions:
                 raise CorecapError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected 1 or more")
         for name, _ in self.extra:
             check_engine_arg(name)
+        if self.enable_prefix_caching:
+            # A cached position is never computed again, so its states would be missing from the
+            # samples that hit the cache (docs/design.md, "Prefix caching").
+            raise CorecapError("--enable-prefix-caching: not supported yet (the states of cached positions would be missing)")
 
     def given(self) -> dict:
         """The arguments that differ from the defaults, by vLLM's names (for the log)."""

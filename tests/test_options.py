@@ -62,7 +62,6 @@ SPELLINGS = [
     (["--model-impl", "transformers"], "model_impl", "transformers"),
     (["--tokenizer", "/some/tokenizer"], "tokenizer", "/some/tokenizer"),
     (["--seed", "7"], "seed", 7),
-    (["--enable-prefix-caching"], "enable_prefix_caching", True),
 ]
 
 
@@ -144,6 +143,14 @@ def test_refused_and_unknown_arguments_are_one_line_errors(tiny_model, args, mes
     with pytest.raises(CorecapError) as e:
         _config(tiny_model, extra_args=tuple(args))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prefix_caching_is_refused_until_it_is_exact(given):
+    cfg, result = given("--enable-prefix-caching")
+    assert cfg is None and result.exit_code == 2
+    assert "--enable-prefix-caching: not supported yet" in result.output
+    with pytest.raises(CorecapError, match="--enable-prefix-caching: not supported yet"):
+        build(enable_prefix_caching=True)
 
 
 def test_refused_arguments_from_python_are_refused_at_once():
