@@ -243,8 +243,8 @@ from corecap.config import TestHooks
 capture = cli.capture
 
 
-def paused(cfg, log):
-    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log)
+def paused(cfg, log, **kwargs):
+    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log, **kwargs)
 
 
 if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
@@ -366,7 +366,7 @@ def test_sigterm_is_a_request_never_an_exception(monkeypatch):
 
     seen = {}
 
-    def fake_capture(cfg, log, stop):
+    def fake_capture(cfg, log, stop, terminal=None):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # the handler runs here, and raises nothing
         seen["first"] = stop.reason

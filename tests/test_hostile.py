@@ -369,7 +369,7 @@ def _damage_meta(txn, meta_db, mutation) -> None:
 def _damage_states(store: str, pointer: bytes, how) -> None:
     segment, offset, length = POINTER.unpack(pointer)
     path = segment_path(store, segment)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or offset + length > os.path.getsize(path):  # a pointer damaged earlier
         return
     with open(path, "r+b") as f:
         f.seek(offset)
