@@ -91,6 +91,36 @@ def test_workers_started_elsewhere(monkeypatch):
     assert _problems() == ["MultiprocExecutor no longer defines _init_executor (corecap starts the workers by wrapping it)"]
 
 
+def _start_workers_in_a_fresh_pool(self, start_worker, unready_workers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # made here, by the thread that unshared
+        unready_workers.extend(pool.map(start_worker, range(2)))
+
+
+def _start_workers_in_a_kept_pool(self, start_worker, unready_workers):
+    unready_workers.extend(self._pool.map(start_worker, range(2)))  # threads made long before
+
+
+def test_workers_started_from_a_pool_made_in_init_executor(monkeypatch):
+    """vLLM 0.33's way: the pool's threads inherit the namespace of the thread that creates them."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    monkeypatch.setattr(MultiprocExecutor, "_start_workers_concurrently", _start_workers_in_a_fresh_pool, raising=False)
+    assert _problems() == []
+    (note,) = [r.note for r in contract.check_contract() if r.name.startswith("MultiprocExecutor")]
+    assert note.startswith("GPU workers may start from a thread pool made in _init_executor")
+
+
+def test_workers_started_from_a_pool_made_before(monkeypatch):
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    monkeypatch.setattr(MultiprocExecutor, "_start_workers_concurrently", _start_workers_in_a_kept_pool, raising=False)
+    assert _problems() == [
+        "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: they may escape the private network"
+    ]
+
+
 def test_engine_core_without_a_block_hasher(monkeypatch):
     from vllm.v1.engine.core import EngineCore
 
@@ -256,7 +286,7 @@ def test_run_stops_before_any_worker_starts(monkeypatch, request_without_block_h
         run(_run_config(tiny_model, tmp_path), log=lambda line: None)
     assert time.monotonic() - t < 60  # liveness: the checks run before anything slow
     assert str(e.value) == (
-        f"corecap's contract with vLLM moved: {dist} {version}: Request() no longer accepts block_hasher "
+        f"the installed vLLM does not fit corecap: {dist} {version}: Request() no longer accepts block_hasher "
         f"(known to work: {known_good_line()}; see `corecap doctor`)"
     )
     assert started == [] and not (tmp_path / "store").exists()
@@ -268,7 +298,7 @@ def test_cli_run_stops_with_one_line(request_without_block_hasher, tiny_model, t
     cfg = _run_config(tiny_model, tmp_path)
     result = CliRunner().invoke(main, ["run", "--model", tiny_model, "--data", cfg.data, "--store", cfg.store])
     assert result.exit_code == 2
-    assert result.output.strip().splitlines()[-1].startswith("corecap: error: corecap's contract with vLLM moved: ")
+    assert result.output.strip().splitlines()[-1].startswith("corecap: error: the installed vLLM does not fit corecap: ")
     assert "Request() no longer accepts block_hasher" in result.output
 
 

@@ -33,7 +33,7 @@ class Note(str):
 
 
 class _Gone(Exception):
-    """A method corecap calls is no longer there (the message names it)."""
+    """A method corecap calls is no longer there."""
 
 
 CHECKS: list = []  # (name, fn()): no engine configuration needed
@@ -48,17 +48,28 @@ def _check(name: str, configured: bool = False):
     return register
 
 
-# --- helpers -----------------------------------------------------------------------------------
+def run_check(name: str, fn, *args) -> Result:
+    try:
+        out = fn(*args)
+    except _Gone as e:
+        return Result(name, str(e))
+    except Exception as e:  # an import or attribute that moved: say which
+        return Result(name, f"{type(e).__name__}: {e}")
+    return Result(name, None, str(out)) if isinstance(out, Note) else Result(name, out)
 
 
-def _params(fn) -> dict[str, inspect.Parameter]:
-    return dict(inspect.signature(fn).parameters)
+def check_contract(vllm_config=None) -> list[Result]:
+    """Without `vllm_config`: every check that needs no engine configuration. With it: the
+    checks of what that configuration makes vLLM build (the worker, the runner, the model)."""
+    if vllm_config is None:
+        return [run_check(name, fn) for name, fn in CHECKS]
+    return [run_check(name, fn, vllm_config) for name, fn in CONFIGURED_CHECKS]
 
 
 def _signature_problem(label: str, fn, passed: set[str]) -> str | None:
     """What a call of `fn` with keywords `passed` would trip on: a name it no longer accepts, or a
     parameter it now requires that corecap does not pass."""
-    params = _params(fn)
+    params = inspect.signature(fn).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return None
     gone = sorted(passed - set(params))
@@ -109,9 +120,22 @@ def _import(qualname: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _worker_sources(cls) -> list:
-    """The classes of `cls`'s MRO that vLLM's worker package defines (where the tap points are)."""
-    return [c for c in cls.__mro__ if c.__module__.startswith("vllm.v1.worker")]
+def _using(cls, name: str) -> list:
+    """The functions of `cls`'s vLLM worker classes whose code names `name` (no source parsed)."""
+
+    def names(code) -> set:
+        return set(code.co_names).union(*(names(c) for c in code.co_consts if inspect.iscode(c)))
+
+    return [
+        f for c in cls.__mro__ if c.__module__.startswith("vllm.v1.worker")
+        for f in map(inspect.unwrap, (f for f in vars(c).values() if inspect.isfunction(f))) if name in names(f.__code__)
+    ]
+
+
+def _reads_aux_flag(cls) -> str | None:
+    if [f for f in _using(cls, "use_aux_hidden_state_outputs") if f.__name__ != "__init__"]:
+        return None
+    return f"{cls.__name__} no longer reads use_aux_hidden_state_outputs (how corecap asks for the aux hidden states)"
 
 
 # --- the install, the engine's arguments, EngineCore, Request, the scheduler -------------------
@@ -223,10 +247,13 @@ def _executor():
         return "MultiprocExecutor no longer sets is_failed (how corecap tells a dead worker)"
     _method(MultiprocExecutor, "shutdown")
     problem = _signature_problem("MultiprocExecutor.collective_rpc", _method(MultiprocExecutor, "collective_rpc"), {"self", "method", "args"})
-    if problem is None and "ThreadPoolExecutor" in source:
-        return Note("GPU workers may start from a thread pool made inside _init_executor (vLLM 0.33+): "
-                    "its threads inherit the driver thread's network namespace")
-    return problem
+    pool = getattr(MultiprocExecutor, "_start_workers_concurrently", None)
+    if problem or (pool is None and "ThreadPoolExecutor" not in source):
+        return problem
+    if pool is None or "ThreadPoolExecutor(" not in inspect.getsource(pool):  # threads made before the unshare
+        return "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: they may escape the private network"
+    return Note("GPU workers may start from a thread pool made in _init_executor (vLLM 0.33+): its threads, "
+                "and so the workers, inherit the driver thread's network namespace")
 
 
 @_check("worker extension hook: worker_extension_cls mixed in by init_worker")
@@ -251,8 +278,7 @@ def _aux_semantics():
     holder = EagleModelMixin()
     holder._set_aux_hidden_state_layers((0, 3))
     if tuple(holder.aux_hidden_state_layers) != (0, 3):
-        return (f"EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores {holder.aux_hidden_state_layers} "
-                "(corecap zips the aux outputs with its sorted layers)")
+        return f"EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores {holder.aux_hidden_state_layers} (corecap zips the aux outputs with its sorted layers)"
     out: list = []
     h, r = torch.ones(2), torch.full((2,), 2.0)
     holder._maybe_add_hidden_state(out, 0, h, None)  # the embeddings: no residual yet
@@ -326,20 +352,20 @@ def runner_v1_problem(cls) -> str | None:
     name = cls.__name__
     for method in ("_model_forward", "execute_model", "sample_tokens", "get_model"):
         _method(cls, method)
-    classes = _worker_sources(cls)
     calls = [
-        n for c in classes for n in ast.walk(_tree(c))
+        n for f in _using(cls, "_model_forward") for n in ast.walk(_tree(f))
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_model_forward"
     ]
     if not calls:
         return f"{name} no longer calls self._model_forward (the V1 tap wraps it)"
     if not all({"input_ids", "positions"} <= {k.arg for k in call.keywords} for call in calls):
         return f"{name} no longer passes input_ids= and positions= to _model_forward (the V1 tap reads them)"
-    if not any("self.use_aux_hidden_state_outputs" in inspect.getsource(c) for c in classes):
-        return f"{name} no longer reads use_aux_hidden_state_outputs (how corecap asks for the aux hidden states)"
-    if not isinstance(inspect.getattr_static(InputBatch, "req_ids", None), property) and "req_ids" not in _fields(InputBatch):
-        return "the V1 InputBatch has no req_ids (the V1 tap orders the step's requests by it)"
-    return _signature_problem(f"{name}.sample_tokens", cls.sample_tokens, {"self", "grammar_output"})
+    has_req_ids = isinstance(inspect.getattr_static(InputBatch, "req_ids", None), property) or "req_ids" in _fields(InputBatch)
+    return _first(
+        _reads_aux_flag(cls),
+        None if has_req_ids else "the V1 InputBatch has no req_ids (the V1 tap orders the step's requests by it)",
+        _signature_problem(f"{name}.sample_tokens", cls.sample_tokens, {"self", "grammar_output"}),
+    )
 
 
 def runner_v2_problem(cls) -> str | None:
@@ -350,14 +376,12 @@ def runner_v2_problem(cls) -> str | None:
     name = f"{cls.__name__} (V2)"
     if hasattr(cls, "_model_forward"):
         return f"{name} now has _model_forward: corecap's tap would take it for a V1 runner"
-    if "dummy_run" not in _params(_method(cls, "execute_model", name)):
+    if "dummy_run" not in inspect.signature(_method(cls, "execute_model", name)).parameters:
         return f"{name}.execute_model() no longer accepts dummy_run (the V2 tap skips dummy runs by it)"
-    source = "\n".join(inspect.getsource(c) for c in _worker_sources(cls))
-    if "self.execute_model_state = ExecuteModelState(" not in source:
+    if not any("self.execute_model_state = ExecuteModelState(" in inspect.getsource(f) for f in _using(cls, "ExecuteModelState")):
         return f"{name}.execute_model no longer leaves self.execute_model_state (the V2 tap reads it)"
-    if "self.use_aux_hidden_state_outputs" not in source:
-        return f"{name} no longer reads use_aux_hidden_state_outputs (how corecap asks for the aux hidden states)"
     return _first(
+        _reads_aux_flag(cls),
         _lacks("ExecuteModelState has no field", {"input_batch", "hidden_states", "aux_hidden_states"}, _fields(v2.ExecuteModelState)),
         _lacks("the V2 InputBatch has no field", {"req_ids", "num_scheduled_tokens", "input_ids", "positions"}, _fields(InputBatch)),
     )
@@ -373,25 +397,3 @@ def _model(vllm_config):
     if not supports_eagle3(cls) or not callable(getattr(cls, "set_aux_hidden_state_layers", None)):
         return f"{where} does not implement SupportsEagle3: vLLM cannot return its aux hidden states, which corecap captures"
     return Note(where)
-
-
-# --- running the checks ------------------------------------------------------------------------
-
-
-def run_check(name: str, fn, *args) -> Result:
-    try:
-        out = fn(*args)
-    except _Gone as e:
-        return Result(name, str(e))
-    except Exception as e:  # an import or attribute that moved: say which
-        return Result(name, f"{type(e).__name__}: {e}")
-    return Result(name, None, str(out)) if isinstance(out, Note) else Result(name, out)
-
-
-def check_contract(vllm_config=None) -> list[Result]:
-    """Without `vllm_config`: every check that needs no engine configuration. With it: the
-    checks of what that configuration makes vLLM build (the worker, the runner, the model)."""
-    if vllm_config is None:
-        return [run_check(name, fn) for name, fn in CHECKS]
-    return [run_check(name, fn, vllm_config) for name, fn in CONFIGURED_CHECKS]
-

@@ -129,4 +129,4 @@ def moved_line(results: list) -> str | None:
 def _stop_if_moved(results: list) -> None:
     line = moved_line(results)
     if line:
-        raise CorecapError(f"corecap's contract with vLLM moved: {line}")
+        raise CorecapError(f"the installed vLLM does not fit corecap: {line}")

