@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 import time
@@ -254,6 +255,7 @@ def doctor(model) -> None:
     without a GPU or weights (`corecap run` does the same first). Exit 0: all good; 1: something
     moved (named, with the vLLM versions known to work)."""
     started = time.perf_counter()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report
     from corecap._vllm.doctor import doctor as check
 
     report = check(model, started)
