@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from corecap._vllm import contract
 from corecap._vllm.doctor import checked_vllm_config, doctor
-from corecap._vllm.versions import known_good_line, version_warning
+from corecap._vllm.versions import installed_dist, known_good_line, version_warning
 from corecap.errors import CorecapError
 
 pytestmark = pytest.mark.matrix
@@ -315,3 +315,26 @@ def test_untested_version_warns_and_goes_on(monkeypatch, tiny_model):
     dist, _ = contract.installed_vllm()
     assert log == [f"warning: {dist} 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}"]
     assert config.model_config.max_model_len == 65
+
+
+def test_doctor_on_a_vllm_that_does_not_import(monkeypatch):
+    """PyPI's torchvision beside the CPU torch breaks `import vllm`: doctor says so, in one line."""
+    import sys
+
+    from corecap.cli import main
+
+    class Broken:
+        def find_spec(self, name, path=None, target=None):
+            if name == "vllm":
+                raise RuntimeError("operator torchvision::nms does not exist")
+
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    result = CliRunner().invoke(main, ["doctor"])
+    dist, version = installed_dist()
+    assert result.exit_code == 1, result.output
+    assert result.output.splitlines()[1] == (
+        f"moved  {dist} {version}: `import vllm` fails: RuntimeError: operator torchvision::nms does not exist; "
+        "PyPI's torchvision/torchaudio/torchcodec do not match a CPU torch: uninstall them"
+    )

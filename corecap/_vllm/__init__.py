@@ -14,9 +14,9 @@ from corecap._vllm.options import build_vllm_config, effective_settings, environ
 
 
 def vllm_version() -> str:
-    import vllm
+    from corecap._vllm.versions import import_vllm
 
-    return vllm.__version__
+    return import_vllm().__version__
 
 
 __all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "checked_vllm_config", "effective_settings", "environment", "vllm_version"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata as md
 import inspect
 import json
 import os
@@ -19,8 +20,8 @@ import time
 from dataclasses import dataclass
 
 from corecap._vllm import contract
-from corecap._vllm.versions import installed_vllm, known_good_line, version_warning
 from corecap._vllm.options import build_vllm_config, environment
+from corecap._vllm.versions import installed_dist, installed_vllm, known_good_line, version_warning, vllm_import_problem
 from corecap.config import EngineOptions
 from corecap.errors import CorecapError
 
@@ -46,10 +47,8 @@ class Report:
         return sum(1 for r in self.results if r.problem)
 
     def lines(self) -> list[str]:
-        import torch
-
         warning = version_warning(self.dist, self.version)
-        out = [f"{self.dist} {self.version}, torch {torch.__version__}, Python {platform.python_version()}: "
+        out = [f"{self.dist} {self.version}, torch {md.version('torch')}, Python {platform.python_version()}: "
                + (f"warning: {warning}" if warning else f"tested (known to work: {known_good_line()})")]
         for r in self.results:
             if r.problem:
@@ -67,8 +66,9 @@ def doctor(model: str | None = None, started: float | None = None) -> Report:
     """Check the installed vLLM against corecap's contract; no GPU, no weights, no engine.
     `started`: the time.perf_counter() before the caller imported corecap (and so torch)."""
     t0 = time.perf_counter() if started is None else started
-    import vllm  # noqa: F401  (timed apart: most of doctor's time on a slow machine)
-
+    problem = vllm_import_problem()  # timed apart: most of doctor's time on a slow machine
+    if problem:
+        return Report(*installed_dist(), [contract.Result("import vllm", problem)], model or "-", time.perf_counter() - t0, 0.0, 0.0)
     t1 = time.perf_counter()
     for module in _contract_modules():
         try:
