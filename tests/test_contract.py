@@ -261,8 +261,8 @@ def test_doctor_on_a_broken_install(monkeypatch, request_without_block_hasher):
 def test_doctor_reports_its_time_apart_from_the_import():
     report = doctor()
     assert report.num_moved == 0 and report.import_s >= 0 and report.modules_s >= 0
-    # Liveness, not a benchmark: with vLLM imported, the checks themselves take well under this.
-    assert report.checks_s < 30
+    # Liveness, not a benchmark: with vLLM imported, the checks take under a second on 2 cores.
+    assert report.checks_s < 120
 
 
 def _run_config(tiny_model, tmp_path):
