@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
+import time
 
 import click
 
@@ -267,6 +269,23 @@ def merge(out, inputs) -> None:
     from corecap.store.merge import merge_stores
 
     click.echo(merge_stores(out, inputs).line())
+
+
+@main.command()
+@click.option("--model", type=str, default=None, help="Model directory whose class to check too (default: a config-only Llama; no weights read).")
+@_one_line_errors
+def doctor(model) -> None:
+    """Check the installed vLLM against what corecap relies on in its internals, in seconds,
+    without a GPU or weights (`corecap run` does the same first). Exit 0: all good; 1: something
+    moved (named, with the vLLM versions known to work)."""
+    started = time.perf_counter()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report
+    from corecap._vllm.doctor import doctor as check
+
+    report = check(model, started)
+    for line in report.lines():
+        click.echo(line)
+    sys.exit(1 if report.num_moved else 0)
 
 
 @main.command(context_settings=_PASS_THROUGH)

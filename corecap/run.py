@@ -114,13 +114,13 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
 def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, build_vllm_config, effective_settings, max_prompt_len
+    from corecap._vllm import Engine, checked_vllm_config, effective_settings, max_prompt_len
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    vllm_config = build_vllm_config(cfg.engine, model_dir)
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log)  # vLLM's contract first: corecap doctor
     log(effective_settings(vllm_config))
     max_len = max_prompt_len(vllm_config)
     read = dict(

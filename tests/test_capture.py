@@ -83,6 +83,7 @@ def test_duplicates_and_shared_prefix_are_consistent(exact_run):
     assert rel <= 1e-6
 
 
+@pytest.mark.matrix  # CI's one end-to-end run on every vLLM release of its version matrix (.ci/matrix.sh)
 def test_tensor_parallel_matches_hf(tp2_run, hf_model):
     cfg, summary, log = tp2_run
     assert "states to the store: shared-memory ring off (RunConfig.ring=False)" in log  # the socket path

