@@ -1,0 +1,420 @@
+"""`corecap export`: a store's samples in a trainer's own offline layout, streamed.
+
+    corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
+    corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
+
+The layouts are in corecap/store/layouts.py and docs/export.md. Everything is checked before
+anything is written: a store that lacks what the format needs (speculators: the `prenorm` layer;
+SpecForge: layer N and exactly three aux layers) or an unknown key is refused in one line that
+names what is missing and the `corecap run --layers` that would capture it.
+
+One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
+blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
+export is the i-th sample walked, and corecap_manifest.jsonl says which key it is. The walking
+thread reads each sample's header and encoded states; a pool of `workers` threads decodes them
+(fp8 dequantized), gathers and casts the layers and writes the sample's file, with at most
+2 × workers samples in flight, so memory stays at a few samples whatever the store's size.
+
+Everything goes to OUT.partial/ beside OUT, renamed to OUT when complete. Each sample's file is
+written under a temporary name, fsync'd and renamed, so a file that exists is complete. A rerun
+that finds OUT.partial from an interrupted export of the same store (the same keys) with the same
+options keeps those files and writes the rest; anything else in it is replaced. A complete OUT is
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+
+from corecap import __version__
+from corecap.config import PRENORM, Layer, layer_order, parse_layers
+from corecap.errors import CorecapError
+from corecap.progress import Progress
+from corecap.store import FP8, Store, StoreMeta, decode_header, decode_sample
+from corecap.store.format import stored_bytes
+from corecap.store.codec import DTYPES
+from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, fsync_dir
+
+EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over
+MANIFEST = "corecap_manifest.jsonl"
+INFO = "corecap_export.json"
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    fmt: str
+    aux_layers: tuple[int, ...]
+    final_layer: Layer  # speculators: PRENORM; SpecForge: N
+    positions: tuple[int, ...]  # indices into the stored layers: the aux layers, then the final one
+    dtype: str
+    notes: tuple[str, ...]  # what the user should know (dtype, lossy fp8)
+
+    def draft_config(self) -> dict:
+        """The layer ids each trainer's draft config names (docs/export.md, "Layer indices")."""
+        if self.fmt == "specforge":  # SGLang's id j is captured before layer j + 1: HF index - 1
+            return {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in self.aux_layers]}
+        return {"target_layer_ids": list(self.aux_layers)}  # vLLM's ids are HF's indices
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    out: str
+    plan: ExportPlan
+    num_samples: int
+    num_tokens: int
+    num_kept: int  # sample files an interrupted export had already written
+    num_no_mask: int  # samples without a loss mask, exported with all ones
+    num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
+    nbytes: int  # bytes of the sample files written by this run
+    seconds: float
+
+    def line(self) -> str:
+        rate = self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
+        per_s = (self.num_samples - self.num_kept) / self.seconds if self.seconds else 0.0
+        kept = f", {self.num_kept} kept from an interrupted export" if self.num_kept else ""
+        return (
+            f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens) in {self.plan.fmt}'s layout{kept}; "
+            f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s ({rate:.2f} GB/s, {per_s:.1f} samples/s)"
+        )
+
+    def notes(self) -> list[str]:
+        out = list(self.plan.notes)
+        if self.num_no_mask:
+            out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: exported with all ones (every token trained on)")
+        if self.num_nonfinite:
+            out.append(f"{self.num_nonfinite} samples flagged NaN/Inf at capture (--nonfinite store) were left out")
+        name, ids = next(iter(self.plan.draft_config().items()))
+        if self.plan.fmt == "specforge":
+            out.append(f"SpecForge draft config: \"{name}\": {ids} (SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
+        else:
+            out.append(f"speculators: --target-layer-ids {' '.join(map(str, ids))} (vLLM's ids, equal to HF's indices)")
+        return out
+
+
+def _run_flag(layers) -> str:
+    return "corecap run --layers " + ",".join(str(k) for k in sorted(set(layers), key=layer_order))
+
+
+def _three(have, num_layers: int) -> list[int]:
+    """Three aux layers SpecForge can name (1..N-1): those in `have` first (EAGLE-3's 2, N//2,
+    N-3 among them before others), then EAGLE-3's, then any."""
+    eagle3 = (2, num_layers // 2, num_layers - 3)
+    valid = [k for k in have if 1 <= k < num_layers]
+    order = [k for k in eagle3 if k in valid] + valid + list(eagle3) + list(range(1, num_layers))
+    pick = []
+    for k in order:
+        if 1 <= k < num_layers and k not in pick:
+            pick.append(k)
+    return sorted(pick[:3])
+
+
+def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = None, dtype: str = "auto") -> ExportPlan:
+    """What the export writes, or a CorecapError saying what the store lacks for `fmt`."""
+    if fmt not in LAYOUTS:
+        raise CorecapError(f"--format {fmt!r}: expected one of {list(LAYOUTS)}")
+    if dtype not in DTYPE_CHOICES:
+        raise CorecapError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+    num_layers, stored = meta.model.num_layers, tuple(meta.layers)
+    ints = [k for k in stored if k != PRENORM]
+    if fmt == "speculators":
+        final = PRENORM
+        if PRENORM not in stored:
+            raise CorecapError(
+                f"{path}: --format speculators needs the '{PRENORM}' layer (the last decoder layer's output before the "
+                f"final norm, which speculators applies itself); the store has layers {list(stored)}: capture it with "
+                f"`{_run_flag(ints + [PRENORM])}`"
+            )
+    else:
+        final = num_layers
+        if num_layers not in stored:
+            raise CorecapError(
+                f"{path}: --format specforge needs layer {num_layers} (the final hidden state after the norm, SpecForge's "
+                f"hidden_state); the store has layers {list(stored)}: capture it with `{_run_flag(ints + [num_layers])}`"
+            )
+    if aux_layers is None:
+        aux = tuple(k for k in ints if k != num_layers)
+    else:
+        aux = parse_layers(aux_layers)
+        if len(set(aux)) != len(aux) or PRENORM in aux:
+            raise CorecapError(f"--aux-layers {aux_layers!r}: expected distinct HF indices (the final state is added by the format)")
+        missing = [k for k in aux if k not in stored]
+        if missing:
+            raise CorecapError(
+                f"--aux-layers {aux_layers!r}: the store has no layer {missing[0]} (it has {list(stored)}): capture it with "
+                f"`{_run_flag(list(stored) + list(missing))}`"
+            )
+        aux = tuple(sorted(aux))
+    if fmt == "specforge":
+        if len(aux) != 3:
+            given = f"{path}: --format specforge trains on exactly 3 aux layers, the store gives {len(aux)} ({list(aux)}, besides {num_layers} and {PRENORM})"
+            if len(aux) > 3:
+                pick = _three(aux, num_layers)
+                raise CorecapError(f"{given}: choose three with --aux-layers, e.g. --aux-layers {','.join(map(str, pick))}")
+            keep = [PRENORM] if PRENORM in stored else []
+            raise CorecapError(f"{given}: capture three with `{_run_flag(_three(aux, num_layers) + [num_layers] + keep)}`")
+        if not all(1 <= k < num_layers for k in aux):
+            raise CorecapError(
+                f"{path}: SpecForge names aux layers by HF index - 1 (0..{num_layers - 2}), so HF layers {list(aux)} cannot all "
+                f"be named: choose --aux-layers among 1..{num_layers - 1}"
+            )
+    elif not aux:
+        raise CorecapError(
+            f"{path}: --format speculators needs at least one aux layer besides {PRENORM}; the store has {list(stored)}: "
+            f"capture some with `{_run_flag([2, num_layers // 2, num_layers - 3, PRENORM])}`"
+        )
+    notes = []
+    if dtype == "auto":
+        dtype = "bfloat16" if fmt == "specforge" else meta.dtype
+        why = "SpecForge's target head runs in bfloat16 and fails on other dtypes" if fmt == "specforge" else (
+            "the stored dtype; speculators casts to its --hidden-states-dtype, bfloat16 by default")
+        notes.append(f"hidden states exported in {dtype} ({why}; --dtype to choose)")
+    elif fmt == "specforge" and dtype != "bfloat16":
+        notes.append(f"hidden states exported in {dtype}: SpecForge's trainer needs bfloat16 (its target head fails on {dtype})")
+    if DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
+        notes.append(f"hidden states rounded from the stored {meta.dtype} to {dtype}")
+    if meta.codec == FP8:
+        notes.append(f"the store holds lossy fp8 states ({FP8}): exported dequantized, not the captured values")
+    positions = tuple(stored.index(k) for k in aux + (final,))
+    return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))
+
+
+def export_store(
+    store_path: str, out: str, fmt: str, *, aux_layers: str | None = None, dtype: str = "auto",
+    keys: list[str] | None = None, workers: int | None = None, progress: bool | None = False, log=lambda line: None,
+) -> ExportSummary:
+    """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring)."""
+    workers = workers or min(8, os.cpu_count() or 1)
+    out = os.path.abspath(out)
+    partial = out + ".partial"
+    with Store.open(store_path) as store:
+        plan = plan_export(store.meta, store.path, fmt, aux_layers, dtype)
+        LAYOUTS[fmt].check_available()
+        if os.path.lexists(out):
+            raise CorecapError(f"{out}: already exists (a finished export?); remove it or choose another --out")
+        try:
+            with store.env.begin(buffers=True) as txn:
+                num_rows, digest = _select(txn, store, keys)
+                options = _options(store, plan, num_rows, digest)
+                lock, resumed = _open_partial(partial, options, log)
+                try:
+                    log(f"exporting {num_rows} samples of {store.path} to {out} ({fmt}): aux layers {list(plan.aux_layers)} "
+                        f"+ {plan.final_layer}, {plan.dtype}" + (" (resuming an interrupted export)" if resumed else ""))
+                    summary = _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, Progress(num_rows, progress))
+                    _finish(partial, out, options, summary)
+                finally:
+                    os.close(lock)
+        except lmdb.Error as e:
+            raise CorecapError(f"{store.path}: the LMDB itself is damaged ({e})") from None
+    return summary
+
+
+def _select(txn, store: Store, keys: list[str] | None) -> tuple[int, str]:
+    """(rows, a digest of the exported keys in row order), every key checked to exist."""
+    digest = hashlib.blake2b(digest_size=16)
+    if keys is None:
+        num = 0
+        for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False):
+            digest.update(bytes(k) + b"\0")
+            num += 1
+    else:
+        seen = set()
+        for key in keys:
+            if key in seen:
+                raise CorecapError(f"--keys: key {key!r} is listed twice")
+            seen.add(key)
+            if txn.get(key.encode(), db=store.headers_db) is None:
+                raise CorecapError(f"--keys: {store.path} has no sample with key {key!r}")
+            digest.update(key.encode() + b"\0")
+        num = len(keys)
+    if num == 0:
+        raise CorecapError(f"{store.path}: no samples to export")
+    return num, digest.hexdigest()
+
+
+def _options(store: Store, plan: ExportPlan, num_rows: int, digest: str) -> dict:
+    """What decides the exported bytes: an interrupted export is resumed only if all agree."""
+    meta = store.meta
+    return {
+        "export_version": EXPORT_VERSION, "format": plan.fmt, "store": os.path.abspath(store.path),
+        "config_hash": meta.model.config_hash, "weights_fingerprint": meta.model.weights_fingerprint,
+        "num_layers": meta.model.num_layers, "store_layers": list(meta.layers), "store_dtype": meta.dtype, "codec": meta.codec,
+        "aux_layers": list(plan.aux_layers), "final_layer": plan.final_layer, "dtype": plan.dtype,
+        "num_rows": num_rows, "keys_digest": digest,
+    }
+
+
+def _open_partial(partial: str, options: dict, log) -> tuple[int, bool]:
+    """OUT.partial locked for this export: (its directory's fd, whether earlier files are kept)."""
+    import fcntl
+
+    os.makedirs(partial, exist_ok=True)
+    fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise CorecapError(f"{partial}: another corecap export is writing there") from None
+    try:
+        with open(os.path.join(partial, INFO)) as f:
+            earlier = json.load(f).get("options")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    resumed = earlier == options
+    if not resumed and os.listdir(partial):
+        log(f"corecap: note: {partial}: an interrupted export of other samples or options was left there: starting over")
+    for entry in os.scandir(partial):
+        if not resumed:
+            shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
+    if resumed:  # files being written when it stopped
+        for root, _, files in os.walk(partial):
+            for name in files:
+                if name.endswith(TMP_SUFFIX):
+                    os.unlink(os.path.join(root, name))
+    else:
+        _write_json(os.path.join(partial, INFO), {"complete": False, "options": options})
+    return fd, resumed
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path + TMP_SUFFIX, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(path + TMP_SUFFIX, path)
+
+
+def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
+    layout = LAYOUTS[plan.fmt](partial)
+    layout.begin()
+    dtype = DTYPES[plan.dtype]
+    num_stored = len(store.meta.layers)
+    start = time.monotonic()
+    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "nbytes": 0}
+    pending: deque = deque()  # (num_tokens, future), in row order
+
+    def collect_oldest() -> None:
+        num_tokens, future = pending.popleft()
+        nbytes = future.result()
+        counts["nbytes"] += nbytes
+        progress.update(1, num_tokens, nbytes)
+
+    walk = (bytes(k).decode() for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
+    manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")
+    try:
+        for key in walk:
+            header_value = txn.get(key.encode(), db=store.headers_db)
+            value = txn.get(key.encode(), db=store.samples_db)
+            if header_value is None or value is None:
+                raise CorecapError(f"{store.path}: sample {key!r} has {'no header' if header_value is None else 'no states'} (a damaged store: corecap verify)")
+            header = decode_header(key, header_value)
+            stored_bytes(header)  # the header is consistent (token count, sizes) before it is used
+            if header.nonfinite:
+                counts["nonfinite"] += 1
+                continue
+            ids = np.frombuffer(header.input_ids, dtype="<i4")
+            if header.loss_mask is None:
+                counts["no_mask"] += 1
+                mask = np.ones(len(ids), dtype=np.uint8)
+            else:
+                mask = np.frombuffer(header.loss_mask, dtype=np.uint8)
+                if len(mask) != len(ids):
+                    raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries for {len(ids)} tokens")
+            row = layout.num_rows
+            layout.add_row(ids, mask)
+            relative = layout.path(row)
+            manifest.write(json.dumps({"row": row, "key": key, "num_tokens": header.num_tokens, "file": relative}) + "\n")
+            counts["tokens"] += header.num_tokens
+            path = os.path.join(partial, relative)
+            if resumed and os.path.exists(path):
+                counts["kept"] += 1
+                progress.update(1, header.num_tokens)
+                continue
+            states = store.states(key, header, value)
+            future = pool.submit(_export_one, layout, path, key, bytes(header_value), states, num_stored, ids, mask, plan.positions, dtype)
+            pending.append((header.num_tokens, future))
+            while len(pending) >= 2 * workers:
+                collect_oldest()
+        while pending:
+            collect_oldest()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        manifest.close()
+        progress.close()
+        raise
+    pool.shutdown(wait=True)
+    progress.close()
+    manifest.flush()
+    os.fsync(manifest.fileno())
+    manifest.close()
+    os.rename(os.path.join(partial, MANIFEST + TMP_SUFFIX), os.path.join(partial, MANIFEST))
+    layout.finish()
+    for directory in layout.dirs():
+        fsync_dir(directory)
+    return ExportSummary(
+        out, plan, layout.num_rows, counts["tokens"], counts["kept"], counts["no_mask"], counts["nonfinite"],
+        counts["nbytes"], time.monotonic() - start,
+    )
+
+
+def _export_one(layout, path, key, header_value, states, num_stored, ids, mask, positions, dtype) -> int:
+    """On a pool thread: decode one sample (checksum checked, fp8 dequantized) and write its file."""
+    sample = decode_sample(key, header_value, states, num_stored)
+    return layout.write(path, ids, mask, sample.hidden_states, positions, dtype)
+
+
+def _finish(partial: str, out: str, options: dict, summary: ExportSummary) -> None:
+    """The description beside the data, then OUT.partial → OUT."""
+    plan = summary.plan
+    _write_json(os.path.join(partial, INFO), {
+        "complete": True,
+        "options": options,
+        "corecap_version": __version__,
+        "num_samples": summary.num_samples,
+        "num_tokens": summary.num_tokens,
+        "layers": [_describe(k, k in plan.aux_layers, options["num_layers"]) for k in plan.aux_layers + (plan.final_layer,)],
+        "draft_config": plan.draft_config(),
+        "dtype": plan.dtype,
+        "notes": summary.notes(),
+        "manifest": MANIFEST,
+    })
+    fsync_dir(partial)
+    if os.path.lexists(out):
+        raise CorecapError(f"{out}: appeared while exporting; the export is complete in {partial}")
+    os.rename(partial, out)
+    fsync_dir(os.path.dirname(out))
+
+
+def _describe(layer: Layer, aux: bool, num_layers: int) -> dict:
+    """One exported layer in every convention (docs/export.md, "Layer indices")."""
+    if layer == PRENORM:
+        return {"layer": PRENORM, "role": "final", "meaning": f"output of decoder layer {num_layers} before the final norm",
+                "vllm_id": num_layers, "specforge_id": None}
+    if not aux:
+        return {"layer": layer, "role": "final", "meaning": f"HF hidden_states[{layer}]: after the final norm",
+                "vllm_id": None, "specforge_id": None}
+    meaning = "the token embeddings" if layer == 0 else f"output of decoder layer {layer}"
+    return {"layer": layer, "role": "aux", "meaning": f"HF hidden_states[{layer}]: {meaning}",
+            "vllm_id": layer, "specforge_id": layer - 1 if layer >= 1 else None}
+
+
+def read_keys(path: str) -> list[str]:
+    """The keys of a --keys file: one per line, blank lines skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorecapError(f"--keys {path}: cannot read ({e})") from None
+
