@@ -73,6 +73,8 @@ class Store:
         try:
             env = cls._open_env(path, readonly=True)
         except lmdb.Error as e:
+            if "already open in this process" in str(e):  # py-lmdb's guard: LMDB's locks are per process
+                raise CorecapError(f"{path}: the store is already open in this process (LMDB allows one open at a time)") from None
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
         return cls(path, env, _read_meta(env, path))
 
