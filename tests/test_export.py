@@ -21,7 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from corecap.cli import main
-from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, write_captured_store
+from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, record_error, relative_errors, write_captured_store
 
 AUX = (1, 2, 3)  # CAPTURED_LAYERS but N and prenorm
 
@@ -82,6 +82,12 @@ def test_speculators_loader_reads_the_store(tmp_path, captured, verifier):
         collate = CollateFn(max_len=256, hidden_size=VERIFIER_HIDDEN, num_target_layers=len(AUX), dtype=torch.float32, preprocess=shift_batch)
         batch = collate([dataset[i] for i in range(len(dataset))])
     assert batch["error_records"] == 0
+    # token_freq.pt, as speculators' own prepare_data counts it from the same table.
+    from datasets import load_from_disk
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    save_token_frequency_distribution(load_from_disk(str(out)), tmp_path / "freq.pt")
+    assert torch.load(out / "token_freq.pt") == torch.load(tmp_path / "freq.pt")
     # shift_batch: input_ids[1:], aux[:-1], last[1:]; documents packed one after another.
     at = 0
     for row in rows:
@@ -133,6 +139,7 @@ def test_speculators_teacher_logits_equal_hf(tmp_path, captured, verifier):
     ref = _shifted_logits(captured, _manifest(out))
     with torch.no_grad():
         logits = teacher(batch["verifier_last_hidden_states"][0, : len(ref)])
+    record_error("export: speculators teacher logits", *relative_errors(logits[None], ref[None]))
     assert _relative(logits, ref) < 1e-5, _relative(logits, ref)
 
 
@@ -234,7 +241,18 @@ def test_specforge_teacher_logits_equal_hf(tmp_path, captured, verifier):
             ref = captured[rows[int(sample_id.split(":")[1])]["key"]][2]
             n = ref["logits"].shape[0]
             logits = batch.tensors["target"][j, :n] @ weight.T
+            record_error("export: SpecForge teacher logits", *relative_errors(logits[None], ref["logits"][None]))
             assert _relative(logits, ref["logits"]) < 1e-5, _relative(logits, ref["logits"])
+
+
+def test_a_pre_norm_hidden_state_gives_specforge_wrong_logits(tmp_path, captured, verifier):
+    """And for SpecForge: the residual stream before the norm as its hidden_state (lm_head only)."""
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier, replace={VERIFIER_LAYERS: "prenorm"})
+    out = tmp_path / "sf"
+    _ok(store, out, "specforge", "--dtype", "float32")
+    rows, weight = _manifest(out), _lm_head(verifier)
+    got = torch.cat([torch.load(out / r["file"])["hidden_state"][0] for r in rows]) @ weight.T
+    assert _relative(got, torch.cat([captured[r["key"]][2]["logits"] for r in rows])) > 0.05
 
 
 def test_specforge_default_export_is_bfloat16_and_trains(tmp_path, captured, verifier):
@@ -362,6 +380,24 @@ def test_missing_or_damaged_stores_and_existing_outputs_are_refused(tmp_path, ca
     result = _export(store, tmp_path / "out", "speculators")
     assert result.exit_code == 2 and "checksum mismatch" in result.output, result.output
     assert not os.path.exists(tmp_path / "out")  # never renamed: the partial export stays partial
+
+
+def test_samples_flagged_nonfinite_are_left_out_and_a_partial_file_is_refused(tmp_path, captured, verifier):
+    from corecap.store import Store, encode_sample
+
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier)
+    with Store.open(store) as s:
+        meta = s.meta
+    bad = torch.full((5, 3, VERIFIER_HIDDEN), float("nan"))
+    with Store.create_or_open(store, meta) as s:  # as `corecap run --nonfinite store` keeps them
+        s.put_many([encode_sample("aaa-nan", np.arange(3), bad, CAPTURED_LAYERS, nonfinite=True)])
+    result = _ok(store, tmp_path / "sf", "specforge")
+    assert "1 sample flagged NaN/Inf at capture (--nonfinite store) left out" in result.output
+    assert [r["key"] for r in _manifest(tmp_path / "sf")] == sorted(captured)
+    (tmp_path / "x.partial").write_text("")
+    result = _export(store, tmp_path / "x", "specforge")
+    assert result.exit_code == 2 and "x.partial: exists and is not a directory" in result.output
+    assert not (tmp_path / "x").exists() and (tmp_path / "x.partial").read_text() == ""
 
 
 def test_the_speculators_format_names_its_missing_extra(tmp_path, captured, verifier, monkeypatch):

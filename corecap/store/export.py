@@ -42,7 +42,7 @@ from corecap.progress import Progress
 from corecap.store import Store, decode_header, decode_sample
 from corecap.store.codec import DTYPES
 from corecap.store.format import stored_bytes
-from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, fsync_dir
+from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, commit_file, fsync_dir
 from corecap.store.trainers import ExportPlan, describe_layer, plan_export
 
 EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over
@@ -67,7 +67,7 @@ class ExportSummary:
         per_s = (self.num_samples - self.num_kept) / self.seconds if self.seconds else 0.0
         kept = f", {self.num_kept} kept from an interrupted export" if self.num_kept else ""
         return (
-            f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens) in {self.plan.fmt}'s layout{kept}; "
+            f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens) in the {self.plan.fmt} layout{kept}; "
             f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s ({rate:.2f} GB/s, {per_s:.1f} samples/s)"
         )
 
@@ -76,7 +76,7 @@ class ExportSummary:
         if self.num_no_mask:
             out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: exported with all ones (every token trained on)")
         if self.num_nonfinite:
-            out.append(f"{self.num_nonfinite} samples flagged NaN/Inf at capture (--nonfinite store) were left out")
+            out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture (--nonfinite store) left out")
         name, ids = next(iter(self.plan.draft_config().items()))
         if self.plan.fmt == "specforge":
             out.append(f"SpecForge draft config: \"{name}\": {ids} (SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
@@ -91,22 +91,22 @@ def export_store(
 ) -> ExportSummary:
     """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring)."""
     workers = workers or min(8, os.cpu_count() or 1)
-    out = os.path.abspath(out)
+    shown, out = out, os.path.abspath(out)  # messages name OUT as given
     partial = out + ".partial"
     with Store.open(store_path) as store:
         plan = plan_export(store.meta, store.path, fmt, aux_layers, dtype)
         LAYOUTS[fmt].check_available()
         if os.path.lexists(out):
-            raise CorecapError(f"{out}: already exists (a finished export?); remove it or choose another --out")
+            raise CorecapError(f"{shown}: already exists (a finished export?); remove it or choose another --out")
         try:
             with store.env.begin(buffers=True) as txn:
                 num_rows, digest = _select(txn, store, keys)
                 options = _options(store, plan, num_rows, digest)
                 lock, resumed = _open_partial(partial, options, log)
                 try:
-                    log(f"exporting {num_rows} samples of {store.path} to {out} ({fmt}): aux layers {list(plan.aux_layers)} "
+                    log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): aux layers {list(plan.aux_layers)} "
                         f"+ {plan.final_layer}, {plan.dtype}" + (" (resuming an interrupted export)" if resumed else ""))
-                    summary = _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, Progress(num_rows, progress))
+                    summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers, Progress(num_rows, progress))
                     _finish(partial, out, options, summary)
                 finally:
                     os.close(lock)
@@ -154,6 +154,8 @@ def _open_partial(partial: str, options: dict, log) -> tuple[int, bool]:
     """OUT.partial locked for this export: (its directory's fd, whether earlier files are kept)."""
     import fcntl
 
+    if os.path.lexists(partial) and not os.path.isdir(partial):
+        raise CorecapError(f"{partial}: exists and is not a directory (corecap export writes OUT there first); remove it")
     os.makedirs(partial, exist_ok=True)
     fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -202,12 +204,13 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
 
     def collect_oldest() -> None:
         num_tokens, future = pending.popleft()
-        nbytes = future.result()
+        nbytes = future.result().result()  # written, then synced and renamed
         counts["nbytes"] += nbytes
         progress.update(1, num_tokens, nbytes)
 
     walk = (bytes(k).decode() for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
+    syncs = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export-sync")  # waits for the disk
     manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")
     try:
         for key in walk:
@@ -239,7 +242,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 progress.update(1, header.num_tokens)
                 continue
             states = store.states(key, header, value)
-            future = pool.submit(_export_one, layout, path, key, bytes(header_value), states, num_stored, ids, mask, plan.positions, dtype)
+            future = pool.submit(_export_one, layout, syncs, path, key, bytes(header_value), states, num_stored, ids, mask, plan.positions, dtype)
             pending.append((header.num_tokens, future))
             while len(pending) >= 2 * workers:
                 collect_oldest()
@@ -247,10 +250,12 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
             collect_oldest()
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
+        syncs.shutdown(wait=True)
         manifest.close()
         progress.close()
         raise
     pool.shutdown(wait=True)
+    syncs.shutdown(wait=True)
     progress.close()
     manifest.flush()
     os.fsync(manifest.fileno())
@@ -265,10 +270,13 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     )
 
 
-def _export_one(layout, path, key, header_value, states, num_stored, ids, mask, positions, dtype) -> int:
-    """On a pool thread: decode one sample (checksum checked, fp8 dequantized) and write its file."""
+def _export_one(layout, syncs, path, key, header_value, states, num_stored, ids, mask, positions, dtype):
+    """On a pool thread: decode one sample (checksum checked, fp8 dequantized) and write its file
+    under a temporary name; returns the future of its fsync and rename, on another thread."""
     sample = decode_sample(key, header_value, states, num_stored)
-    return layout.write(path, ids, mask, sample.hidden_states, positions, dtype)
+    tmp = path + TMP_SUFFIX
+    layout.write(tmp, ids, mask, sample.hidden_states, positions, dtype)
+    return syncs.submit(commit_file, tmp, path)
 
 
 def _finish(partial: str, out: str, options: dict, summary: ExportSummary) -> None:

@@ -4,6 +4,7 @@
 speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
     DIR/                      a HF `datasets` directory (`save_to_disk` after `set_format("torch")`):
                               columns input_ids, loss_mask (lists of int64), seq_len (int64)
+    DIR/token_freq.pt         {token id: count} over the trained-on tokens (its draft vocabulary)
     DIR/hidden_states/hs_{row}.safetensors
                               hidden_states [T, L, H]: the aux layers ascending, then the verifier's
                               last state BEFORE its final norm (speculators applies the norm itself);
@@ -20,7 +21,9 @@ Every file is unshifted (row t holds token t's states): both trainers shift them
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 
 import numpy as np
 import torch
@@ -33,11 +36,10 @@ _TABLE_DIR = ".rows"  # the speculators table while rows are added (save_to_disk
 _TABLE_BATCH = 1024
 
 
-def write_atomically(path: str, write) -> int:
-    """`write(tmp_path)`, then fsync and rename to `path`: a file that exists is complete and
-    durable. Returns its size."""
-    tmp = path + TMP_SUFFIX
-    write(tmp)
+def commit_file(tmp: str, path: str) -> int:
+    """fsync the finished temporary file and rename it to `path`: a file that exists is complete
+    and durable. Returns its size. (Apart from the writing so that a worker thread goes on
+    decoding while another waits for the disk.)"""
     fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -46,6 +48,24 @@ def write_atomically(path: str, write) -> int:
         os.close(fd)
     os.rename(tmp, path)
     return size
+
+
+_scratch = threading.local()
+
+
+def scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype, slot: int) -> torch.Tensor:
+    """A tensor of exactly `shape` over this thread's reused buffer number `slot`. A fresh 64 MiB
+    tensor costs more in page faults than copying a sample into it (50-150 ms against 10-15 ms
+    here), and glibc maps every allocation that large anew. The tensor's storage is exactly its
+    own bytes, so torch.save writes no more than them; it is valid until the slot is reused."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(slot)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = buffers[slot] = bytearray(nbytes + nbytes // 4)  # room for somewhat longer samples
+    return torch.frombuffer(memoryview(buffer)[:nbytes], dtype=dtype).view(shape)
 
 
 def fsync_dir(path: str) -> None:
@@ -65,6 +85,7 @@ class Speculators:
         self.root = root
         self.num_rows = 0
         self._batch: list[tuple[np.ndarray, np.ndarray]] = []
+        self._freq = np.zeros(0, dtype=np.int64)  # token id → times trained on (token_freq.pt)
         self._writer = None
         self._sink = None
 
@@ -87,20 +108,23 @@ class Speculators:
     def dirs(self) -> list[str]:
         return [os.path.join(self.root, "hidden_states")]
 
-    def write(self, path: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> int:
+    def write(self, tmp: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> None:
         from safetensors.torch import save_file
 
         # [T, L, H] gathered and cast in one copy per layer, from the stored [L_stored, T, H].
-        hs = torch.empty((states.shape[1], len(positions), states.shape[2]), dtype=dtype)
+        hs = scratch_tensor((states.shape[1], len(positions), states.shape[2]), dtype, 0)
         for j, p in enumerate(positions):
             hs[:, j].copy_(states[p])
-        tensors = {"hidden_states": hs, "token_ids": torch.from_numpy(ids.astype(np.int64))}
-        return write_atomically(path, lambda tmp: save_file(tensors, tmp))
+        save_file({"hidden_states": hs, "token_ids": torch.from_numpy(ids.astype(np.int64))}, tmp)
 
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """The row's entry in the table, in row order (rows are added by one thread)."""
         self._batch.append((ids, mask))
         self.num_rows += 1
+        counts = np.bincount(ids[mask.astype(bool)].astype(np.int64))
+        if len(counts) > len(self._freq):
+            self._freq = np.concatenate([self._freq, np.zeros(len(counts) - len(self._freq), np.int64)])
+        self._freq[: len(counts)] += counts
         if len(self._batch) >= _TABLE_BATCH:
             self._flush()
 
@@ -147,6 +171,10 @@ class Speculators:
             if bars:
                 ds_utils.enable_progress_bars()
         shutil.rmtree(table_dir)
+        # What speculators' prepare_data also leaves: the trained-on tokens' counts, from which its
+        # trainer builds the draft vocabulary (--draft-vocab-size).
+        ids = np.flatnonzero(self._freq)
+        torch.save(dict(zip(ids.tolist(), self._freq[ids].tolist())), os.path.join(self.root, "token_freq.pt"))
 
 
 def _table_schema():
@@ -179,14 +207,14 @@ class SpecForge:
     def dirs(self) -> list[str]:
         return sorted(os.path.join(self.root, d) for d in self._made)
 
-    def write(self, path: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> int:
+    def write(self, tmp: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> None:
         *aux, final = positions
         num_tokens, hidden = states.shape[1], states.shape[2]
-        aux_state = torch.empty((1, num_tokens, len(aux) * hidden), dtype=dtype)
+        aux_state = scratch_tensor((1, num_tokens, len(aux) * hidden), dtype, 0)
         for j, p in enumerate(aux):
             aux_state[0, :, j * hidden : (j + 1) * hidden].copy_(states[p])
-        # A fresh tensor, not a view: torch.save would store the whole [L, T, H] storage of a view.
-        hidden_state = torch.empty((1, num_tokens, hidden), dtype=dtype)
+        # A tensor of its own, not a view of the states: torch.save stores a view's whole storage.
+        hidden_state = scratch_tensor((1, num_tokens, hidden), dtype, 1)
         hidden_state[0].copy_(states[final])
         record = {
             "input_ids": torch.from_numpy(ids.astype(np.int64)),
@@ -194,7 +222,7 @@ class SpecForge:
             "aux_hidden_state": aux_state,
             "hidden_state": hidden_state,
         }
-        return write_atomically(path, lambda tmp: torch.save(record, tmp))
+        torch.save(record, tmp)
 
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         directory = os.path.dirname(self.path(self.num_rows))
