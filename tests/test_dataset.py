@@ -84,19 +84,29 @@ def test_fp8_stores_are_dequantized(tmp_path, captured, verifier):
             ds[0]
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_dataloader_workers_and_distributed_sampler(tmp_path, captured, verifier, context):
+def test_dataloader_workers_and_distributed_sampler(tmp_path, captured, verifier):
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     ds = corecap.StoreDataset(store, layers=[1, "prenorm"])
-    ds[0]  # the parent opens its environment first: each worker must open its own
+    ds[0]  # the parent reads first: forked workers must not share its LMDB environment
     seen = []
     for rank in range(2):
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=2, multiprocessing_context=context)
-        for item in loader:
+        for item in torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=2):
             _check(item, captured, (1, "prenorm"))
             seen.append(item["key"])
     assert sorted(seen) == sorted(captured)  # 12 samples over 2 ranks: each exactly once
+
+
+def test_spawned_dataloader_workers(tmp_path, captured, verifier):
+    """Spawned workers get the dataset pickled, and open the store themselves."""
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier)
+    ds = corecap.StoreDataset(store, layers="2")
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    keys = []
+    for item in loader:
+        _check(item, captured, (2,))
+        keys.append(item["key"])
+    assert keys == sorted(captured)  # unshuffled: the store's key order
 
 
 _HALF_COMMIT = """
@@ -146,7 +156,7 @@ path, layers, hidden = sys.argv[1], eval(sys.argv[2]), int(sys.argv[3])
 with Store.open(path) as s:
     meta = s.meta
 with Store.create_or_open(path, meta) as store:
-    for i in range(400):
+    for i in range(150):
         n = 64 + i % 50
         states = torch.full((len(layers), n, hidden), float(i))
         store.put_many([encode_sample(f"w{i:04d}", np.full(n, i % 256), states, layers)])
@@ -154,7 +164,7 @@ with Store.create_or_open(path, meta) as store:
 
 
 def test_reading_while_another_process_commits(tmp_path, captured, verifier):
-    """A writer process commits 400 samples one by one; datasets made meanwhile see a growing
+    """A writer process commits 150 samples one by one; datasets made meanwhile see a growing
     prefix of whole samples, each exactly what was written (its checksum checked on decode)."""
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -176,4 +186,4 @@ def test_reading_while_another_process_commits(tmp_path, captured, verifier):
         writer.kill()
         writer.wait()
     assert sizes == sorted(sizes) and len(set(sizes)) > 1  # read while it grew
-    assert len(corecap.StoreDataset(store)) == len(captured) + 400
+    assert len(corecap.StoreDataset(store)) == len(captured) + 150
