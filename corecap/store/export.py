@@ -104,6 +104,9 @@ def export_store(
                 options = _options(store, plan, num_rows, digest)
                 lock, resumed = _open_partial(partial, options, log)
                 try:
+                    for note in plan.notes:
+                        if note.startswith("warning: "):
+                            log(f"corecap: {note}")
                     log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): aux layers {list(plan.aux_layers)} "
                         f"+ {plan.final_layer}, {plan.dtype}" + (" (resuming an interrupted export)" if resumed else ""))
                     summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers, Progress(num_rows, progress))

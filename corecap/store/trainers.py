@@ -115,9 +115,9 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     elif fmt == "specforge" and dtype != "bfloat16":
         notes.append(f"hidden states exported in {dtype}: SpecForge's trainer needs bfloat16 (its target head fails on {dtype})")
     if DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
-        notes.append(f"hidden states rounded from the stored {meta.dtype} to {dtype}")
+        notes.append(f"warning: hidden states rounded from the stored {meta.dtype} to {dtype}")
     if meta.codec == FP8:
-        notes.append(f"the store holds lossy fp8 states ({FP8}): exported dequantized, not the captured values")
+        notes.append(f"warning: the store holds lossy fp8 states ({FP8}): exported dequantized, not the captured values")
     positions = tuple(stored.index(k) for k in aux + (final,))
     return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))
 
