@@ -2,7 +2,8 @@
 hs_{i}.safetensors files (an export of the same store), each through DataLoader(num_workers=2,
 batch_size=None): StoreDataset, speculators' ArrowDataset (what its trainer reads) and a bare
 safetensors.load_file of each hs file (the files' floor). Warm (page cache) and cold (every file
-dropped from the page cache with posix_fadvise before each pass). Then, on one thread, the time
+dropped from the page cache with posix_fadvise before each pass); and StoreDataset over the same
+samples stored with the raw codec (decoding is then a CRC). Then, on one thread, the time
 per sample split into reading the bytes and decoding them, to show which dominates.
 
 EAGLE-3-sized samples: 2,048 tokens x 4 layers (2,16,29,prenorm) x 4,096, bf16, activation-like.
@@ -114,11 +115,15 @@ def main() -> int:
     try:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "spec")
         build_store(store, "speculators", 0, args.samples, args.tokens)
+        raw = os.path.join(tmp, "store-raw")  # the same samples stored uncompressed: decoding is then a CRC
+        build_store(raw, "speculators", 0, args.samples, args.tokens, codec="raw")
         export_store(store, out, "speculators", workers=2)
         store_files = glob.glob(os.path.join(store, "*.bin")) + [os.path.join(store, "data.mdb")]
+        raw_files = glob.glob(os.path.join(raw, "*.bin")) + [os.path.join(raw, "data.mdb")]
         spec_files = glob.glob(os.path.join(out, "hidden_states", "*.safetensors")) + glob.glob(os.path.join(out, "*.arrow"))
         datasets = {
             "StoreDataset": (corecap.StoreDataset(store), store_files),
+            "StoreDataset, raw codec": (corecap.StoreDataset(raw), raw_files),
             "speculators ArrowDataset": (ArrowDataset(max_len=args.tokens, datapath=out, on_missing="raise"), spec_files),
             "safetensors.load_file": (HsFiles(out, args.samples), spec_files),
         }
@@ -140,8 +145,10 @@ def main() -> int:
                       f"GB/s of states {min(per_s) * sample_gb:.2f}-{max(per_s) * sample_gb:.2f}", flush=True)
         for cold in (False, True):
             r, d, mb = split_store(store, cold)
+            rr, rd, rmb = split_store(raw, cold)
             f, fmb = split_files(out, args.samples, cold)
             print(f"one thread, {'cold' if cold else 'warm'}: store read {r:.1f} ms ({mb:.1f} MB) + decode {d:.1f} ms = {r + d:.1f} ms;"
+                  f" raw store read {rr:.1f} ms ({rmb:.1f} MB) + decode {rd:.1f} ms = {rr + rd:.1f} ms;"
                   f" hs file load_file + read {f:.1f} ms ({fmb:.1f} MB)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

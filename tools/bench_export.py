@@ -39,13 +39,13 @@ LAYERS = {"speculators": (2, 16, 29, "prenorm"), "specforge": (2, 16, 29, 32)}
 _DISTINCT = 8  # distinct state tensors, reused under other keys (encoding is the slow part of building)
 
 
-def build_store(path: str, fmt: str, first: int, count: int, tokens: int) -> None:
+def build_store(path: str, fmt: str, first: int, count: int, tokens: int, codec: str = "zstd-planes") -> None:
     """Samples first..first+count-1 (keys s000000...), committed 8 at a time."""
     layers = LAYERS[fmt]
     identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, NUM_LAYERS, HIDDEN, 128256)
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
-        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="bench", vllm_version="none", codec="zstd-planes",
+        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="bench", vllm_version="none", codec=codec,
     )
     g = torch.Generator().manual_seed(0)
     scale = torch.exp(torch.randn(HIDDEN, generator=g))  # activations: a few channels much larger
@@ -54,7 +54,7 @@ def build_store(path: str, fmt: str, first: int, count: int, tokens: int) -> Non
         states = (torch.randn(len(layers), tokens, HIDDEN, generator=g) * scale).bfloat16()
         ids = np.random.default_rng(i).integers(0, 128256, size=tokens).astype(np.int32)
         mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)
-        base.append(encode_sample("x", ids, states, layers, codec="zstd-planes", loss_mask=mask))
+        base.append(encode_sample("x", ids, states, layers, codec=codec, loss_mask=mask))
     encoder = msgspec.msgpack.Encoder()
     with Store.create_or_open(path, meta) as store:
         batch = []
