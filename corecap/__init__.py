@@ -3,7 +3,8 @@
     corecap run --model DIR --data FILE.jsonl --store out.lmdb --layers 2,16,29,32,prenorm
     corecap get KEY --store out.lmdb --out sample.safetensors
 
-From Python: `corecap.capture(...)` (corecap/api.py).
+From Python: `corecap.capture(...)` (corecap/api.py); `corecap.StoreDataset(store)`, a torch
+Dataset over a store (corecap/store/dataset.py).
 """
 
 __version__ = "0.2.0"
@@ -18,4 +19,8 @@ def __getattr__(name: str):
         from corecap.api import capture
 
         return capture
+    if name == "StoreDataset":
+        from corecap.store.dataset import StoreDataset
+
+        return StoreDataset
     raise AttributeError(f"module 'corecap' has no attribute {name!r}")

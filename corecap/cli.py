@@ -288,6 +288,29 @@ def doctor(model) -> None:
     sys.exit(1 if report.num_moved else 0)
 
 
+@main.command()
+@click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
+@click.option("--format", "fmt", type=click.Choice(["speculators", "specforge"]), required=True,
+              help="speculators 0.9.0 (needs the 'prenorm' layer) or SpecForge 0.2.0 (needs layer N and three aux layers).")
+@click.option("--out", type=str, required=True, help="Output directory (must not exist; written as OUT.partial, then renamed).")
+@click.option("--aux-layers", type=str, default=None, help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
+              help="Hidden states' dtype (auto: bfloat16 for SpecForge, which trains on nothing else; the stored dtype for speculators).")
+@click.option("--keys", "keys_file", type=str, default=None, help="Export only these keys (a file, one per line), in its order.")
+@click.option("--workers", type=_Min1, default=None, help="Threads that decode and write samples (default: the cores, at most 8).")
+@click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
+@_one_line_errors
+def export(store, fmt, out, aux_layers, dtype, keys_file, workers, progress) -> None:
+    """Write a store's samples in a trainer's offline layout (docs/export.md); an interrupted export resumes."""
+    from corecap.store.export import export_store, read_keys
+
+    keys = read_keys(keys_file) if keys_file else None
+    summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers, progress=progress, log=_log)
+    click.echo(summary.line())
+    for note in summary.notes():
+        click.echo(note)
+
+
 @main.command(context_settings=_PASS_THROUGH)
 @click.option("--store", type=str, default=None, help="Store whose trace.json to read (default: corecap.lmdb).")
 @click.option("--chrome", type=click.Path(dir_okay=False), default=None, help="Write Chrome trace events (Perfetto).")

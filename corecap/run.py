@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
+from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.trace.analysis import workers_line
@@ -205,7 +205,7 @@ class _Capture:
         self.end = time.time()
         return done
 
-    def _loop(self, sink: Sink, progress: "Progress") -> None:
+    def _loop(self, sink: Sink, progress: Progress) -> None:
         """Feed and step the engine until every sample still to do has been captured."""
         plan, engine = self.plan, self.engine
         samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.key not in plan.committed)
@@ -292,32 +292,3 @@ class _ResumeCheck:
                 f"{sample.where}: sample {sample.key!r} is already stored with input "
                 f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
             )
-
-
-class Progress:
-    """One self-rewriting line on a terminal (samples, tokens, tokens/s, ETA); silent in logs."""
-
-    def __init__(self, num_samples: int, enabled: bool | None, stream=None):
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total = num_samples
-        self.samples = self.tokens = 0
-        self.start = self.last = time.monotonic()
-
-    def update(self, samples: int, tokens: int) -> None:
-        self.samples += samples
-        self.tokens += tokens
-        now = time.monotonic()
-        if self.enabled and now - self.last >= 0.5:
-            self.last = now
-            rate = self.tokens / (now - self.start)
-            left = (now - self.start) / self.samples * (self.total - self.samples) if self.samples else float("nan")
-            self.stream.write(
-                f"\r{self.samples}/{self.total} samples, {self.tokens} tokens, {rate:,.0f} tokens/s, ETA {left:,.0f}s   "
-            )
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()

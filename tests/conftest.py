@@ -146,3 +146,108 @@ def tp2_run(tiny_model, tmp_path_factory):
     log: list[str] = []
     summary = run(cfg, log=log.append)
     return cfg, summary, log
+
+
+# --- a verifier and its captured states, for the exporters and StoreDataset (no engine) ----------
+
+VERIFIER_LAYERS = 4
+VERIFIER_HIDDEN = 64
+VERIFIER_VOCAB = 256
+CAPTURED_LAYERS = (1, 2, 3, VERIFIER_LAYERS, "prenorm")  # what `corecap run --layers 1,2,3,4,prenorm` stores
+CAPTURED_LENGTHS = (9, 23, 1, 40, 17, 5, 31, 12, 2, 26, 8, 19)  # 12 samples: data_10 sorts after data_2 only if padded
+
+
+@pytest.fixture(scope="session")
+def verifier(tmp_path_factory) -> str:
+    """A tiny Llama whose final norm is not all ones (a trainer that skips or doubles the norm
+    then gets other logits), saved with a safetensors index as real checkpoints have (SpecForge's
+    TargetHead reads only through one)."""
+    import transformers
+    from safetensors import safe_open
+
+    path = str(tmp_path_factory.mktemp("verifier"))
+    config = transformers.LlamaConfig(
+        vocab_size=VERIFIER_VOCAB, hidden_size=VERIFIER_HIDDEN, intermediate_size=128, num_hidden_layers=VERIFIER_LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(0.25 + 1.5 * torch.rand(VERIFIER_HIDDEN))
+    model.save_pretrained(path, safe_serialization=True)
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        weight_map = {}
+        for name in files:
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), name))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def verifier_model(verifier):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+
+
+def verifier_reference(model, token_ids) -> dict:
+    """HF's states for one sample, [layer] → [T, H] float32: hidden_states[k] for every k
+    (k = N is after the final norm), "prenorm" (the last decoder layer's output, taken with a
+    hook, before the norm) and the logits [T, V]."""
+    captured = []
+
+    def hook(module, args, output):
+        captured.append((output[0] if isinstance(output, tuple) else output).detach())
+
+    handle = model.model.layers[-1].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(map(int, token_ids))]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    ref = {k: h[0] for k, h in enumerate(out.hidden_states)}
+    ref["prenorm"] = captured[0][0]
+    ref["logits"] = out.logits[0]
+    return ref
+
+
+@pytest.fixture(scope="session")
+def captured(verifier, verifier_model):
+    """The samples a capture of the verifier at CAPTURED_LAYERS would store, by key, with HF's
+    reference for each: {key: (token_ids int32, loss_mask uint8 or None, reference)}. One place
+    to swap for a real `corecap run --layers 1,2,3,4,prenorm` once the workers capture prenorm."""
+    rng = np.random.default_rng(SEED)
+    out = {}
+    for i, num_tokens in enumerate(CAPTURED_LENGTHS):
+        key = f"sample-{(7 * i) % len(CAPTURED_LENGTHS):02d}-{i}"  # keys sort in another order than made
+        ids = rng.integers(0, VERIFIER_VOCAB, size=num_tokens).astype(np.int32)
+        mask = None if i % 3 == 0 else (rng.random(num_tokens) < 0.6).astype(np.uint8)
+        out[key] = (ids, mask, verifier_reference(verifier_model, ids))
+    return out
+
+
+def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.float32, codec: str = "zstd-planes",
+                         layers=CAPTURED_LAYERS, replace: dict | None = None) -> str:
+    """A store holding `captured` at `layers` in `dtype`, built without an engine (several
+    commits, as a run makes them). `replace` maps a stored layer to the reference layer whose
+    values it gets instead (to build deliberately wrong stores)."""
+    from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+
+    identity = ModelIdentity(verifier, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN, VERIFIER_VOCAB)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=tuple(layers), layer_meaning=LAYER_MEANING,
+        dtype=str(dtype).removeprefix("torch."), hidden_size=VERIFIER_HIDDEN, corecap_version="test", vllm_version="none",
+        codec=codec,
+    )
+    replace = replace or {}
+    records = []
+    for key, (ids, mask, ref) in captured.items():
+        states = torch.stack([ref[replace.get(k, k)] for k in layers]).to(dtype)
+        records.append(encode_sample(key, ids, states, tuple(layers), codec=codec, loss_mask=mask))
+    with Store.create_or_open(path, meta) as store:
+        store.put_many(records[:5])
+        store.put_many(records[5:])
+    return path

@@ -67,10 +67,10 @@ def test_no_import_circle():
 
 
 def test_layers_import_downwards():
-    """cli → api → run → the adapter, the sink, the data → transport → store → trace → config."""
+    """cli → api → run → the adapter, the sink, the data → transport → store → trace → progress → config."""
     order = ["corecap.cli", "corecap.api", "corecap.profile", "corecap.run", "corecap._vllm", "corecap.sink",
              "corecap.data", "corecap.model", "corecap.demo", "corecap.console", "corecap.transport", "corecap.store", "corecap.trace",
-             "corecap.config", "corecap.errors"]
+             "corecap.progress", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
         return max(i for i, prefix in enumerate(order) if module == prefix or module.startswith(prefix + "."))

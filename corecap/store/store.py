@@ -84,6 +84,8 @@ class Store:
         except lmdb.InvalidError as e:  # MDB_INVALID: not an LMDB file at all
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
         except lmdb.Error as e:
+            if "already open in this process" in str(e):  # py-lmdb's guard: LMDB's locks are per process
+                raise CorecapError(f"{path}: the store is already open in this process (LMDB allows one open at a time)") from None
             raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
         try:
             with lmdb_errors(path, "its metadata"):

@@ -1,0 +1,202 @@
+"""`corecap export`'s rate on this machine, against the two things it may be bound by: the disk
+(dd's fsync'd sequential write rate, on the same file system) and corecap's decode rate (the
+store's samples decoded on the same number of threads, nothing written). Also the same decode
+plus the layout's gather and cast (every copy the export makes, minus the file writes), to show
+what Python adds, and the export's peak RSS as the store doubles (a fresh process each time).
+
+EAGLE-3-sized samples: 2,048 tokens x 4 layers x 4,096, bf16, activation-like (per-channel
+scales, so zstd-planes compresses them as it does real states); speculators' store holds layers
+2,16,29,prenorm, SpecForge's 2,16,29,32.
+
+    flock /tmp/corecap-engine.lock python tools/bench_export.py --format speculators --samples 128 [--workers 2] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+import torch
+
+from corecap.store import (
+    FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Record, Store, StoreMeta, decode_header, decode_sample, encode_sample,
+)
+from corecap.store import layouts
+from corecap.store.codec import DTYPES
+
+TOKENS, HIDDEN, NUM_LAYERS = 2048, 4096, 32
+LAYERS = {"speculators": (2, 16, 29, "prenorm"), "specforge": (2, 16, 29, 32)}
+_DISTINCT = 8  # distinct state tensors, reused under other keys (encoding is the slow part of building)
+
+
+def build_store(path: str, fmt: str, first: int, count: int, tokens: int, codec: str = "zstd-planes") -> None:
+    """Samples first..first+count-1 (keys s000000...), committed 8 at a time."""
+    layers = LAYERS[fmt]
+    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, NUM_LAYERS, HIDDEN, 128256)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
+        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="bench", vllm_version="none", codec=codec,
+    )
+    g = torch.Generator().manual_seed(0)
+    scale = torch.exp(torch.randn(HIDDEN, generator=g))  # activations: a few channels much larger
+    base = []
+    for i in range(_DISTINCT):
+        states = (torch.randn(len(layers), tokens, HIDDEN, generator=g) * scale).bfloat16()
+        ids = np.random.default_rng(i).integers(0, 128256, size=tokens).astype(np.int32)
+        mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)
+        base.append(encode_sample("x", ids, states, layers, codec=codec, loss_mask=mask))
+    encoder = msgspec.msgpack.Encoder()
+    with Store.create_or_open(path, meta) as store:
+        batch = []
+        for i in range(first, first + count):
+            r = base[i % _DISTINCT]
+            key = f"s{i:06d}"
+            header = msgspec.structs.replace(decode_header("x", r.header), id=key)
+            batch.append(Record(key, encoder.encode(header), r.parts))
+            if len(batch) == 8:
+                store.put_many(batch)
+                batch = []
+        if batch:
+            store.put_many(batch)
+
+
+def dd_rate(directory: str, nbytes: int) -> float:
+    """GB/s of `dd conv=fsync` writing nbytes (16 MiB blocks) into directory."""
+    path = os.path.join(directory, "dd.bin")
+    count = max(1, nbytes // (16 << 20))
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"], check=True, capture_output=True)
+    seconds = time.perf_counter() - start
+    os.unlink(path)
+    return count * (16 << 20) / seconds / 1e9
+
+
+def decode_rate(path: str, workers: int, gather: str | None) -> tuple[float, float]:
+    """(GB/s of decoded states, samples/s) decoding every sample on `workers` threads as the
+    export does (the walking thread reads, a pool decodes); with `gather`, also building that
+    format's tensors (the export's copies and casts), never writing them."""
+    layout = layouts.LAYOUTS[gather]("/nonexistent") if gather else None
+    nbytes = num = 0
+    with Store.open(path) as store, store.env.begin(buffers=True) as txn, ThreadPoolExecutor(workers) as pool:
+        positions = tuple(range(len(store.meta.layers)))
+
+        def work(key, header_value, states):
+            s = decode_sample(key, header_value, states, len(positions))
+            if layout is not None:
+                _gather(layout, s, positions)
+            return s.header.payload_bytes
+
+        pending = deque()
+        start = time.perf_counter()
+        for k, header_value in txn.cursor(db=store.headers_db):
+            key = bytes(k).decode()
+            header = decode_header(key, header_value)
+            states = store.states(key, header, txn.get(bytes(k), db=store.samples_db))
+            pending.append(pool.submit(work, key, bytes(header_value), states))
+            while len(pending) >= 2 * workers:
+                nbytes += pending.popleft().result()
+                num += 1
+        while pending:
+            nbytes += pending.popleft().result()
+            num += 1
+        seconds = time.perf_counter() - start
+    return nbytes / seconds / 1e9, num / seconds
+
+
+def _gather(layout, sample, positions) -> None:
+    """The layout's own write, into /dev/null: every copy and cast the export makes but the disk's."""
+    layout.write("/dev/null", sample.input_ids, np.ones(len(sample.input_ids), np.uint8), sample.hidden_states, positions, DTYPES["bfloat16"])
+
+
+_CHILD = """
+import json, resource, sys, threading, time
+from corecap.store import export, layouts, store
+
+spent = {}  # stage -> seconds summed over the threads that ran it
+lock = threading.Lock()
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with lock:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    return wrapper
+
+export.decode_sample = timed("decode", export.decode_sample)
+export.commit_file = timed("fsync + rename", export.commit_file)
+layout = layouts.LAYOUTS[sys.argv[3]]
+layout.write = timed("gather + write", layout.write)
+store.Store.states = timed("read (walking thread)", store.Store.states)
+start = time.perf_counter()
+s = export.export_store(sys.argv[1], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]))
+print(json.dumps({"seconds": s.seconds, "wall": time.perf_counter() - start, "nbytes": s.nbytes, "samples": s.num_samples,
+                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "stage_ms_per_sample": {k: round(v / s.num_samples * 1e3, 1) for k, v in spent.items()}}))
+"""
+
+
+def export_once(store: str, out: str, fmt: str, workers: int) -> dict:
+    """One export in a fresh process: its rate and peak RSS."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", _CHILD, store, out, fmt, str(workers)], env=env, check=True, capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["gb_s"] = result["nbytes"] / result["seconds"] / 1e9
+    result["samples_s"] = result["samples"] / result["seconds"]
+    shutil.rmtree(out)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", choices=sorted(LAYERS), default="speculators")
+    ap.add_argument("--samples", type=int, default=128, help="the larger store; the smaller holds half")
+    ap.add_argument("--tokens", type=int, default=TOKENS)
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the store and the export go (one file system)")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench-export-", dir=args.dir)
+    try:
+        store = os.path.join(tmp, "store")
+        half = args.samples // 2
+        t = time.perf_counter()
+        build_store(store, args.format, 0, half, args.tokens)
+        print(f"built {half} samples of {args.tokens} x {len(LAYERS[args.format])} x {HIDDEN} bf16 in {time.perf_counter() - t:.0f}s", flush=True)
+        sample_bytes = args.tokens * len(LAYERS[args.format]) * HIDDEN * 2
+        rows = {}
+        rows["dd (before)"] = dd_rate(tmp, min(4 << 30, half * sample_bytes))
+        print(f"dd conv=fsync: {rows['dd (before)']:.3f} GB/s", flush=True)
+        for name, gather in (("decode", None), ("decode + gather", args.format)):
+            gb, per_s = decode_rate(store, args.workers, gather)
+            rows[name] = (gb, per_s)
+            print(f"{name} ({args.workers} threads): {gb:.3f} GB/s, {per_s:.1f} samples/s", flush=True)
+        small = export_once(store, os.path.join(tmp, "out"), args.format, args.workers)
+        print(f"export {half} samples: {json.dumps(small)}", flush=True)
+        build_store(store, args.format, half, args.samples - half, args.tokens)  # the store doubles
+        large = export_once(store, os.path.join(tmp, "out"), args.format, args.workers)
+        print(f"export {args.samples} samples: {json.dumps(large)}", flush=True)
+        gb, per_s = decode_rate(store, args.workers, None)
+        print(f"decode, {args.samples} samples ({args.workers} threads): {gb:.3f} GB/s, {per_s:.1f} samples/s", flush=True)
+        rows["dd (after)"] = dd_rate(tmp, min(4 << 30, half * sample_bytes))
+        print(f"dd conv=fsync (after): {rows['dd (after)']:.3f} GB/s", flush=True)
+        store_bytes = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store))
+        print(f"store: {store_bytes / 1e9:.2f} GB for {args.samples} samples ({sample_bytes * args.samples / store_bytes:.2f}x)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
