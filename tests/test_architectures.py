@@ -134,8 +134,10 @@ def test_shared_prefix_and_duplicates_agree(case):
     with Store.open(cfg.store) as store:
         d1, d2 = store.get("dup-1").hidden_states.float(), store.get("dup-2").hidden_states.float()
         pa, pb = store.get("prefix-a").hidden_states.float(), store.get("prefix-b").hidden_states.float()
-    assert float((d1 - d2).norm() / d1.norm()) <= 1e-5
-    assert float((pa[:, :120] - pb[:, :120]).norm() / pa[:, :120].norm()) <= 1e-5
+    # float32: the same to rounding; bfloat16: batch composition changes the kernels' blocking
+    same = 1e-5 if case.dtype == "float32" else 1e-2
+    assert float((d1 - d2).norm() / d1.norm()) <= same
+    assert float((pa[:, :120] - pb[:, :120]).norm() / pa[:, :120].norm()) <= same
 
 
 def test_a_refused_architecture_through_the_transformers_backend(tmp_path_factory):

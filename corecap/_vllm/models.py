@@ -24,6 +24,9 @@ import textwrap
 import types
 from itertools import islice
 
+from vllm.distributed import get_pp_group
+from vllm.sequence import IntermediateTensors
+
 PREFIX = "Capture__"
 _MODELS = "vllm.model_executor.models"
 
@@ -117,9 +120,6 @@ def is_override(cls) -> bool:
 
 def _capture_forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
     """_STANDARD_LOOP with EagleModelMixin's aux recording: after k layers, for each k asked."""
-    from vllm.distributed import get_pp_group
-    from vllm.sequence import IntermediateTensors
-
     if get_pp_group().is_first_rank:
         if inputs_embeds is not None:
             hidden_states = inputs_embeds
@@ -142,12 +142,14 @@ def _capture_forward(self, input_ids, positions, intermediate_tensors=None, inpu
     return (hidden_states, aux) if aux else hidden_states
 
 
-def _own_forward(name: str):
+def _own_forward(qualname: str):
     """A code object of its own per class: Dynamo caches compiled code by code object, and
     vLLM's compile wrapper swaps `type(self).forward.__code__` while it runs compiled bytecode."""
     code = _capture_forward.__code__
-    code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
-    return types.FunctionType(code, _capture_forward.__globals__, name, _capture_forward.__defaults__)
+    code = code.replace(co_name="forward", **({"co_qualname": qualname} if hasattr(code, "co_qualname") else {}))
+    forward = types.FunctionType(code, _capture_forward.__globals__, "forward", _capture_forward.__defaults__)
+    forward.__qualname__ = qualname
+    return forward
 
 
 def _build(name: str):
