@@ -17,8 +17,16 @@ Two independent definitions of a flip, both reported:
 - "hf margin": HF float32's gap between the k-th and (k+1)-th biased score is under --margin
   at some MoE layer (a near tie, where bf16 may flip), without needing vLLM's routing.
 
-Writes gpu_deepseek_exact.json to --out: per layer, the worst per-token error vs HF float32
-(and vs HF bf16) for flip-free tokens, for tokens after a flip, and their counts.
+Each definition is applied to a token's own routing ("own": what the issue asks) and to its
+causal past ("causal past": no flip at this token or an earlier one of its sample; strict, as
+attention carries a flipped token's change, diluted, to the tokens after it).
+
+Writes gpu_deepseek_exact_tpN.json to --out: per layer, the worst per-token error vs HF
+float32 (and vs HF bf16) of the flip-free and of the flipped tokens, and their counts. Expect
+flip-free tokens in the bf16 band (~1e-2, as Llama's and Qwen3's ≤ 1.3e-2 on the H200); the
+report's "baseline" is what bf16 alone does to this model (HF's bf16 run against its float32,
+split by HF bf16's own flips; on the CPU, at 4 samples: causal-past flip-free tokens ≤ 1.4e-2,
+own-flip-free ≤ 7.8e-2 at the deepest layers, 112 of 3,205 token-layers flipped).
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ def build_model(path: str) -> None:
             if "norm" in name:
                 param.copy_(param + 0.5 * torch.randn_like(param))  # pre-norm differs from N in more than scale
             elif param.dim() >= 2:
-                param.normal_(0, 0.04)
+                param.normal_(0, 0.02)  # 0.04: HF's own bf16 run 0.03 off its float32 on flip-free tokens
         for layer in model.model.layers[1:]:  # a routing bias as trained models have (a buffer in HF)
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.01)
     model.save_pretrained(path, safe_serialization=True)
@@ -79,7 +87,7 @@ def rows() -> list[dict]:
         {"id": "dup-1", "input_ids": dup},
         {"id": "dup-2", "input_ids": dup},
     ]
-    return out + [{"id": f"rand-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 300, size=24))]
+    return out + [{"id": f"rand-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 120, size=24))]
 
 
 LAYERS = (*range(NUM_LAYERS + 1), "prenorm")
@@ -158,18 +166,17 @@ def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str) ->
     return out
 
 
-def flips_in_causal_past(per_layer_flip: dict, moe_layers: list[int], num_tokens: int) -> np.ndarray:
-    """[len(LAYERS), T] bool: whether the state at that layer of that token depends on a flipped
-    routing (a flip at a MoE layer before it, at this token or an earlier one of the sample)."""
-    out = np.zeros((len(LAYERS), num_tokens), dtype=bool)
+def flip_masks(per_layer_flip: dict, moe_layers: list[int], num_tokens: int) -> dict[str, np.ndarray]:
+    """[len(LAYERS), T] bools per definition: "own": the token's own routing flipped at a MoE
+    layer before that state; "causal past": a flip there at this token or any earlier one of the
+    sample (attention carries a flipped token's change to the tokens after it, diluted)."""
+    own = np.zeros((len(LAYERS), num_tokens), dtype=bool)
     for j, k in enumerate(LAYERS):
         depth = NUM_LAYERS if k == "prenorm" else k
-        flipped = np.zeros(num_tokens, dtype=bool)
         for i in moe_layers:
-            if i < depth:  # layer i runs before the state after `depth` layers
-                flipped |= per_layer_flip[i]
-        out[j] = np.maximum.accumulate(flipped) if num_tokens else flipped  # attention carries it forward
-    return out
+            if i < depth:  # MoE layer i runs before the state after `depth` layers
+                own[j] |= per_layer_flip[i]
+    return {"own": own, "causal past": np.maximum.accumulate(own, axis=1)}
 
 
 def compare(model: str, data_rows: list[dict], store: str, routing_file: str | None, margin: float, device: str) -> dict:
@@ -197,13 +204,26 @@ def compare(model: str, data_rows: list[dict], store: str, routing_file: str | N
                 diff = got - ref[r["id"]]["states"]
                 per_token = (diff.norm(dim=-1) / ref[r["id"]]["states"].norm(dim=-1).clamp_min(1e-30)).numpy()  # [L, T]
                 for split, flips in splits.items():
-                    past = flips_in_causal_past(flips, ref32["moe_layers"], T)
-                    for j, k in enumerate(LAYERS):
-                        for group, mask in (("flip-free", ~past[j]), ("after a flip", past[j])):
-                            w = report.setdefault(f"vs HF {ref_dtype}", {}).setdefault(split, {}).setdefault(str(k), {}).setdefault(group, {"tokens": 0, "worst": 0.0})
-                            w["tokens"] += int(mask.sum())
-                            if mask.any():
-                                w["worst"] = max(w["worst"], float(per_token[j][mask].max()))
+                    for scope, flipped in flip_masks(flips, ref32["moe_layers"], T).items():
+                        for j, k in enumerate(LAYERS):
+                            for group, mask in (("flip-free", ~flipped[j]), ("flipped", flipped[j])):
+                                w = (report.setdefault(f"vs HF {ref_dtype}", {}).setdefault(f"{split}, {scope}", {})
+                                     .setdefault(str(k), {}).setdefault(group, {"tokens": 0, "worst": 0.0}))
+                                w["tokens"] += int(mask.sum())
+                                if mask.any():
+                                    w["worst"] = max(w["worst"], float(per_token[j][mask].max()))
+    # What bf16 alone does to this model: HF's bf16 run against HF's float32, split by HF bf16's own flips.
+    for r in data_rows:
+        ref32, ref16 = refs["float32"][r["id"]], refs["bfloat16"][r["id"]]
+        flips = {i: (ref16["experts"][i] != ref32["experts"][i]).any(-1).numpy() for i in ref32["moe_layers"]}
+        per_token = ((ref16["states"] - ref32["states"]).norm(dim=-1) / ref32["states"].norm(dim=-1).clamp_min(1e-30)).numpy()
+        for scope, flipped in flip_masks(flips, ref32["moe_layers"], len(r["input_ids"])).items():
+            for j, k in enumerate(LAYERS):
+                for group, mask in (("flip-free", ~flipped[j]), ("flipped", flipped[j])):
+                    w = report.setdefault("baseline: HF bf16 vs HF float32", {}).setdefault(scope, {}).setdefault(str(k), {}).setdefault(group, {"tokens": 0, "worst": 0.0})
+                    w["tokens"] += int(mask.sum())
+                    if mask.any():
+                        w["worst"] = max(w["worst"], float(per_token[j][mask].max()))
     if routing is None:
         report["vllm routing"] = "not available (see the routing run's log)"
     return report
@@ -213,7 +233,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--margin", type=float, default=4e-3, help="a near tie: top-k gap of the biased sigmoid scores below this")
+    ap.add_argument("--margin", type=float, default=5e-3, help="a near tie: top-k gap of the biased sigmoid scores below this")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--step", nargs="+", help=argparse.SUPPRESS)
