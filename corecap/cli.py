@@ -71,7 +71,7 @@ _ENGINE_OPTIONS = (
 )
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None, help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations (default: the built-in demo dataset)."),
-    click.option("--layers", type=str, default=None, help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N)."),
+    click.option("--layers", type=str, default=None, help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N,prenorm)."),
     click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None, help="Lossless codec for stored states (default: zstd-planes)."),
     click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True, help="fp8: lossy e4m3 with a per-row scale (half the bytes)."),
     click.option("--nonfinite", type=click.Choice(["stop", "store"]), default="stop", show_default=True, help="NaN/Inf in captured states: stop the run, or store and flag the sample."),

@@ -156,8 +156,12 @@ def parse_layers(text: str) -> tuple[Layer, ...]:
 
 
 def default_layers(num_layers: int) -> tuple[Layer, ...]:
-    """EAGLE-3's three (2, N//2, N-3) plus the final hidden state, clipped and de-duplicated."""
-    return tuple(sorted({min(max(k, 0), num_layers) for k in (2, num_layers // 2, num_layers - 3, num_layers)}))
+    """EAGLE-3's three (2, N//2, N-3), clipped and de-duplicated, then both final states: N (after
+    the final norm, SpecForge's target) and PRENORM (before it, speculators' verifier state).
+    Storing both lets a draft head be trained with either trainer without capturing again (on
+    a large model a capture costs days; one more layer costs 1/4 more bytes)."""
+    eagle3 = sorted({min(max(k, 0), num_layers) for k in (2, num_layers // 2, num_layers - 3, num_layers)})
+    return (*eagle3, PRENORM)
 
 
 def layer_order(layer: Layer) -> tuple[int, int]:

@@ -120,7 +120,7 @@ def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    vllm_config = checked_vllm_config(cfg.engine, model_dir, log)  # vLLM's contract first: corecap doctor
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)  # vLLM's contract, then the preflight
     log(effective_settings(vllm_config))
     max_len = max_prompt_len(vllm_config)
     read = dict(

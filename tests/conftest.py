@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from corecap.config import PRENORM
 from corecap.demo import build_tokenizer, build_tiny_llama
 
 SEED = 1234
@@ -40,10 +41,19 @@ def hf_model(tiny_model):
 
 
 def hf_hidden_states(hf_model, token_ids, layers) -> torch.Tensor:
-    """HF transformers' output_hidden_states at `layers`, [L, T, H], float32: the reference."""
-    with torch.no_grad():
-        out = hf_model(torch.tensor([list(map(int, token_ids))]), output_hidden_states=True)
-    return torch.stack([out.hidden_states[k][0] for k in layers])
+    """HF transformers' output_hidden_states at `layers`, [L, T, H], float32: the reference.
+    "prenorm" is the output of the last decoder layer, taken with a forward hook: HF's own
+    hidden_states[N] is after the final norm."""
+    seen = {}
+    hook = hf_model.model.layers[-1].register_forward_hook(
+        lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output)
+    )
+    try:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([list(map(int, token_ids))]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    return torch.stack([seen["prenorm"][0] if k == PRENORM else out.hidden_states[k][0] for k in layers])
 
 
 def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +121,7 @@ def exact_run(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exact")
     data = write_jsonl(tmp / "data.jsonl", exactness_rows(np.random.default_rng(SEED)))
     cfg = build(
-        model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 1, 2, 4, 7, 8),
+        model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 1, 2, 4, 7, 8, PRENORM),
         batch=4, max_batched_tokens=64, dtype="float32",
     )
     summary = run(cfg, log=RUN_LOGS.setdefault("exact", []).append)
@@ -140,7 +150,7 @@ def tp2_run(tiny_model, tmp_path_factory):
     # This run sends the states in the messages, not through the shared-memory ring, so that
     # the fallback path stays tested end to end.
     cfg = build(
-        model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 2, 5, 8),
+        model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 2, 5, 8, PRENORM),
         tp=2, batch=3, max_len=512, max_batched_tokens=64, dtype="float32", ring=False,
     )
     log: list[str] = []

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from conftest import RUN_LOGS, hf_hidden_states, record_error, relative_errors
+from conftest import NUM_LAYERS, RUN_LOGS, hf_hidden_states, record_error, relative_errors
+from corecap.config import PRENORM
 from corecap.store import Store, input_fingerprint
 
 pytestmark = pytest.mark.engine
@@ -70,6 +71,19 @@ def test_layers_are_distinct(exact_run, hf_model):
     for i in range(len(cfg.layers) - 1):
         a, b = hs[i], hs[i + 1]
         assert float((a - b).norm() / b.norm()) > 1e-2
+
+
+def test_prenorm_is_not_layer_n(exact_run):
+    """The pre-norm final state and HF's hidden_states[N] (after the final norm, whose weights
+    the tiny model draws at random) differ by far more than the tolerance: a capture that
+    returned one for the other fails here and against HF above."""
+    cfg, _ = exact_run
+    assert cfg.layers[-2:] == (NUM_LAYERS, PRENORM)
+    with Store.open(cfg.store) as store:
+        for key in ("long-chunked", "one-token", "rand-0"):
+            hs = store.get(key).hidden_states
+            per_token = (hs[-1] - hs[-2]).norm(dim=-1) / hs[-2].norm(dim=-1)
+            assert float(per_token.min()) > 1000 * TOLERANCE, key
 
 
 def test_duplicates_and_shared_prefix_are_consistent(exact_run):

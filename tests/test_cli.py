@@ -35,15 +35,18 @@ def test_demo_run_then_get(demo_store):
     keys = corecap("ls", cwd=cwd).stdout.split()
     assert len(keys) == 23 and "demo-long" in keys
     out = corecap("get", "demo-long", "--out", "x.safetensors", cwd=cwd).stdout
-    assert "demo-long:" in out and "layers [2, 4, 5, 8]" in out
+    # The default layers: EAGLE-3's three, N after the final norm and the pre-norm final state.
+    assert "demo-long:" in out and "layers [2, 4, 5, 8, 'prenorm']" in out
     from safetensors import safe_open
 
     with safe_open(str(cwd / "x.safetensors"), "pt") as f:
-        assert json.loads(f.metadata()["layers"]) == [2, 4, 5, 8]
+        assert json.loads(f.metadata()["layers"]) == [2, 4, 5, 8, "prenorm"]
         ids, hs = f.get_tensor("input_ids"), f.get_tensor("hidden_states")
-    assert ids.dtype == torch.int64 and hs.shape == (4, len(ids), 128)
+    assert ids.dtype == torch.int64 and hs.shape == (5, len(ids), 128)
+    assert float((hs[4] - hs[3]).norm() / hs[3].norm()) > 1e-2  # prenorm is not layer N again
     info = json.loads(corecap("info", cwd=cwd).stdout)
-    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8] and info["format_version"] == 3
+    assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8, "prenorm"] and info["format_version"] == 3
+    assert "prenorm = the residual stream after the last decoder layer, before the final norm" in info["layer_meaning"]
     assert info["model"]["weights_fingerprint"] and info["vllm_version"]
 
 

@@ -128,12 +128,12 @@ def test_resume_with_other_layers_is_an_error(tmp_path, tiny_model):
     store = str(tmp_path / "store")
     _store_with_one_sample(store, model_identity(tiny_model, "auto"), (1, 2))
     msg = _run_error(tmp_path, tiny_model, dtype="float32")
-    assert "store has layers=(1, 2), this run has (2, 4, 5, 8)" in msg
+    assert "store has layers=(1, 2), this run has (2, 4, 5, 8, 'prenorm')" in msg
 
 
 def test_default_layers():
     from corecap.config import default_layers
 
-    assert default_layers(32) == (2, 16, 29, 32)
-    assert default_layers(8) == (2, 4, 5, 8)
-    assert default_layers(2) == (0, 1, 2)
+    assert default_layers(32) == (2, 16, 29, 32, "prenorm")
+    assert default_layers(8) == (2, 4, 5, 8, "prenorm")
+    assert default_layers(2) == (0, 1, 2, "prenorm")

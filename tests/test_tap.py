@@ -171,3 +171,27 @@ def test_unarmed_tap_sends_nothing():
     tap.armed = False
     _step(runner, 4)
     assert tap.sender.chunks == [] and tap.pending is None and tap.num_steps == 0
+
+
+def test_where_each_layer_comes_from():
+    """k in 1..N-1 and prenorm from the aux outputs (prenorm = aux N), N from the main output,
+    0 from aux 0 on an EagleModelMixin decoder and from embed_input_ids elsewhere (DeepSeek,
+    the Transformers backend); a model that returns fewer aux states than asked is an error."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    from corecap._vllm.sources import LayerSources
+
+    class MixinDecoder(EagleModelMixin):
+        layers = [None] * NUM_LAYERS
+
+    layers = (0, 2, NUM_LAYERS, "prenorm")
+    own = LayerSources(SimpleNamespace(model=MixinDecoder()), layers, NUM_LAYERS)
+    other = LayerSources(SimpleNamespace(model=SimpleNamespace(layers=[None] * NUM_LAYERS)), layers, NUM_LAYERS)
+    assert own.aux_layers == (0, 2, NUM_LAYERS) and not own.embed_layer0
+    assert other.aux_layers == (2, NUM_LAYERS) and other.embed_layer0
+    hidden, embedded = torch.full((3, 8), 9.0), torch.full((3, 8), -1.0)
+    aux = [torch.full((3, 8), float(k)) for k in own.aux_layers]
+    assert [float(t[0, 0]) for t in own.select(hidden, aux, None)] == [0.0, 2.0, 9.0, float(NUM_LAYERS)]
+    assert [float(t[0, 0]) for t in other.select(hidden, aux[1:], embedded)] == [-1.0, 2.0, 9.0, float(NUM_LAYERS)]
+    with pytest.raises(RuntimeError, match="the model returned 1 auxiliary hidden states for the 2 corecap asked for"):
+        other.select(hidden, aux[1:2], embedded)

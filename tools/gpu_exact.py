@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 VOCAB = 1024
-LAYERS = (0, 1, 2, 4, 7, 8)
+LAYERS = (0, 1, 2, 4, 7, 8, "prenorm")  # prenorm: the last decoder layer's output (HF: a forward hook)
 VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"},
                "socket": {"CORECAP_RING_SLOTS": "0"}}
 
@@ -81,6 +81,7 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str) -> dict:
     refs = {}
     for ref_dtype in {"float32", dtype}:
         m = transformers.LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, ref_dtype)).cuda().eval()
+        m.model.layers[-1].register_forward_hook(lambda mod, a, o, m=m: setattr(m, "prenorm", o[0] if isinstance(o, tuple) else o))
         refs[ref_dtype] = m
     with Store.open(store) as s:
         assert sorted(s.keys()) == sorted(r["id"] for r in data_rows), "keys differ"
@@ -91,7 +92,7 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str) -> dict:
             for ref_dtype, m in refs.items():
                 with torch.no_grad():
                     hs = m(torch.tensor([r["input_ids"]], device="cuda"), output_hidden_states=True).hidden_states
-                ref = torch.stack([hs[k][0] for k in LAYERS]).float()
+                ref = torch.stack([m.prenorm[0] if k == "prenorm" else hs[k][0] for k in LAYERS]).float()
                 diff = got - ref
                 per_sample = (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
                 per_token = (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item()

@@ -104,15 +104,16 @@ def _contract_modules() -> list[str]:
     return sorted({n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm.")})
 
 
-def checked_vllm_config(options: EngineOptions, model: str, log):
+def checked_vllm_config(options: EngineOptions, model: str, log, layers=None):
     """The start of a run: vLLM's contract checked (a CorecapError naming what moved), an untested
-    version warned about, then the engine configuration (no weights) and what it makes vLLM build."""
+    version warned about, then the engine configuration (no weights) and what it makes vLLM build;
+    `layers`: what the preflight checks the model class can give (build_vllm_config)."""
     dist, version = installed_vllm()
     warning = version_warning(dist, version)
     if warning:
         log(f"warning: {warning}")
     _stop_if_moved(contract.check_contract())
-    config = build_vllm_config(options, model)
+    config = build_vllm_config(options, model, layers)
     _stop_if_moved(contract.check_contract(config))
     return config
 

@@ -194,7 +194,7 @@ class Engine:
             if self._interrupted:
                 raise CorecapError(self._interrupted) from None
             if "Worker failed with error" in str(e):  # a worker raised: vLLM passes its message on
-                raise CorecapError(f"a vLLM worker failed during an engine step: {worker_error(e)}") from None
+                raise CorecapError(self._step_failure(worker_error(e))) from None
             # vLLM reports a dead worker as whatever its RPC saw ("cancelled", a timeout...):
             # name the worker instead, once vLLM's monitor has noticed.
             deadline = time.monotonic() + _DEAD_WORKER_GRACE_S
@@ -204,6 +204,13 @@ class Engine:
                     raise CorecapError(f"{problem} during an engine step") from None
                 time.sleep(0.1)
             raise
+
+    def _step_failure(self, cause: str) -> str:
+        """One line naming the rank: corecap's tap says whose error it is; for vLLM's own, it is
+        the rank vLLM reads step results from (its `output_rank`)."""
+        if cause.startswith("worker rank "):
+            return f"{cause} (during an engine step)"
+        return f"worker rank {getattr(self.executor, 'output_rank', 0)} failed during an engine step: {cause}"
 
     def _step(self) -> StepTiming:
         """Fill the pipeline, then wait for the oldest batch's output and update the scheduler."""

@@ -15,7 +15,7 @@ import re
 import shutil
 
 from corecap.errors import CorecapError
-from corecap.config import REFUSED, EngineOptions, check_engine_arg
+from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
 from corecap.transport.wire import private_ipc_dir
 
 WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
@@ -96,7 +96,7 @@ def parse_extra_args(argv: tuple[str, ...]) -> dict:
     return {k: v for k, v in vars(given).items() if vars(defaults).get(k) != v}
 
 
-def engine_args(options: EngineOptions, model: str):
+def engine_args(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None):
     """vLLM's EngineArgs for `options`, with what corecap controls set by corecap."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -108,6 +108,8 @@ def engine_arg_values(options: EngineOptions, model: str) -> dict:
     from vllm.engine.arg_utils import EngineArgs
 
     extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
+    if layers is not None:
+        extra["additional_config"] = _with_layers(extra.get("additional_config"), layers)
     for name in extra:
         check_engine_arg(name)
     fields = set(EngineArgs.__dataclass_fields__)
@@ -146,13 +148,30 @@ def engine_arg_values(options: EngineOptions, model: str) -> dict:
     return args
 
 
-def build_vllm_config(options: EngineOptions, model: str):
-    """The VllmConfig vLLM's LLM class would build for `options` (no weights load). Sets what the
-    workers read from the environment: call it inside `environment()`."""
+def _with_layers(additional_config, layers: tuple[Layer, ...]) -> dict:
+    """The capture's layers in vLLM's `additional_config`, which vLLM hashes into the key of its
+    compile cache: the compiled graph returns the aux layers it was traced with, and vLLM 0.26
+    on the GPU reloads a saved graph for an equal key, so a run with other --layers must not
+    have an equal key (the layers are set on the model after it is built, not in the config)."""
+    if additional_config is None:
+        additional_config = {}
+    if not isinstance(additional_config, dict):
+        raise CorecapError(f"--additional-config: expected a JSON object, got {type(additional_config).__name__}")
+    return {**additional_config, "corecap_layers": list(layers)}
+
+
+def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None):
+    """The VllmConfig vLLM's LLM class would build for `options` (no weights load), once the
+    preflight (corecap/_vllm/preflight.py) has found how to capture `layers` from the model
+    class vLLM will build (None: the layers are not known yet; refused only for an architecture
+    corecap cannot capture at all). Sets what the workers read from the environment: call it
+    inside `environment()`."""
     from vllm.usage.usage_lib import UsageContext
 
+    from corecap._vllm.preflight import plan_capture
+
     world = options.tensor_parallel_size * options.pipeline_parallel_size
-    args = engine_args(options, model)
+    args = engine_args(options, model, layers)
     try:
         config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
     except CorecapError:
@@ -166,6 +185,11 @@ def build_vllm_config(options: EngineOptions, model: str):
                 f"({key} in {model}/config.json)"
             ) from None
         raise CorecapError(f"vLLM refused the engine configuration: {_first_line(e)}") from None
+    plan = plan_capture(config, layers)
+    if plan.override is not None:
+        _use_override(config, plan.override)
+    _cpu_rotary_without_custom_op(config)
+    _cpu_mla_moe_without_inductor(config)
     if cpu_platform() and world > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", split_cores(world))
     _room_for_the_sampled_token(config)
@@ -173,10 +197,51 @@ def build_vllm_config(options: EngineOptions, model: str):
     return config
 
 
+def _use_override(vllm_config, target: str) -> None:
+    """Have vLLM build corecap's subclass (corecap/_vllm/models.py) for this architecture, in
+    every process that resolves it (the workers register it from the config they are given).
+    Set on the built configuration rather than by building it again: a new override class is
+    inspected by vLLM in a subprocess first, 12-14 s per architecture on a loaded 2-core CPU."""
+    model_config = vllm_config.model_config
+    model_config.model_class_overrides = {**model_config.model_class_overrides, model_config.architecture: target}
+
+
+def _cpu_rotary_without_custom_op(vllm_config) -> None:
+    """vllm-cpu's rotary-embedding kernel (`torch.ops._C.rotary_embedding`, used when custom ops
+    are on: --enforce-eager) assumes a [tokens, heads * head_size] query. MLA (DeepSeek-V2/V3,
+    Kimi) passes a [tokens, heads, rope_dim] view: the kernel then takes every head for a token
+    of its own, rotates it by the position of another token (reading past the positions) and
+    misreads the key's row stride. States came out up to 0.29 off HF per token. vLLM's native
+    rotary (what compiled runs use anyway) is exact, so on the CPU it replaces the kernel for
+    MLA models. The CUDA kernel takes the strides it is given and is not affected."""
+    if not (cpu_platform() and vllm_config.model_config.use_mla):
+        return
+    custom_ops = vllm_config.compilation_config.custom_ops
+    if "+rotary_embedding" in custom_ops:
+        raise CorecapError(
+            "--compilation-config custom_ops '+rotary_embedding': vllm-cpu's rotary kernel gives wrong states "
+            f"for {vllm_config.model_config.architecture}'s multi-head rotary layout (MLA); leave it out"
+        )
+    if "-rotary_embedding" not in custom_ops:
+        custom_ops.append("-rotary_embedding")
+
+
 def max_prompt_len(vllm_config) -> int:
     """The longest sample a run with this config captures (the user's --max-len, or the model's
     own limit): see _room_for_the_sampled_token."""
     return vllm_config.model_config.max_model_len - 1
+
+
+def _cpu_mla_moe_without_inductor(vllm_config) -> None:
+    """On vllm-cpu, Inductor's code for an MLA model with MoE layers (DeepSeek-V2/V3, Kimi) gives
+    wrong states from the first MoE layer on: 0.27-0.55 off HF per token, varying from run to
+    run, whatever custom ops are on (the same model all dense compiles exactly, and so does its
+    MoE layer compiled alone). The same graph traced by Dynamo and run without Inductor (vLLM's
+    own CPU CI setting) is exact, so such models compile with the "eager" backend here. This
+    costs Inductor's fusions only, on a platform where vLLM's DeepSeek path is a reference."""
+    model_config, compilation = vllm_config.model_config, vllm_config.compilation_config
+    if cpu_platform() and model_config.use_mla and model_config.is_moe and not model_config.enforce_eager and compilation.backend == "inductor":
+        compilation.backend = "eager"
 
 
 def _room_for_the_sampled_token(vllm_config) -> None:
@@ -210,10 +275,15 @@ def effective_settings(vllm_config) -> str:
     """The engine settings a run ends up with, in one line (the run's first log line)."""
     sched, model, cache = vllm_config.scheduler_config, vllm_config.model_config, vllm_config.cache_config
     parallel, compilation = vllm_config.parallel_config, vllm_config.compilation_config
+    backend = "" if compilation.backend in ("inductor", "") else f", backend {compilation.backend}"
     compiled = "eager" if model.enforce_eager else (
-        f"compiled (mode {getattr(compilation, 'mode', getattr(compilation, 'level', '?'))}), "
+        f"compiled (mode {getattr(compilation, 'mode', getattr(compilation, 'level', '?'))}{backend}), "
         f"CUDA graphs {getattr(compilation, 'cudagraph_mode', '?')}"
     )
+    from corecap._vllm.preflight import plan_capture
+
+    layers = (vllm_config.additional_config or {}).get("corecap_layers") if isinstance(vllm_config.additional_config, dict) else None
+    capture = plan_capture(vllm_config, None if layers is None else tuple(layers)).line()
     return (
         f"engine: {sched.max_num_batched_tokens} tokens per step, {sched.max_num_seqs} sequences in flight, "
         f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
@@ -221,4 +291,5 @@ def effective_settings(vllm_config) -> str:
         f"{compiled}, "
         f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}"
         + (f", quantization {model.quantization}" if model.quantization else "")
+        + f"; {capture}"
     )

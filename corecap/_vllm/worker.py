@@ -4,8 +4,10 @@ vLLM mixes `CaptureExtension` into its worker class (`worker_extension_cls`); th
 calls `corecap_install` once, after the model is loaded and before the engine profiles,
 compiles or captures CUDA graphs. Capture comes through the model's own outputs, not forward
 hooks (hooks added after compilation never fire): we ask the model for its EAGLE-3 auxiliary
-hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` interface), so
-the compiled graph returns them, and we tap the model runner (`_Tap._patch`) to copy them out.
+hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` interface, or
+corecap's own for the decoders without it: corecap/_vllm/models.py), so the compiled graph
+returns them, and we tap the model runner (`_Tap._patch`) to copy them out. Which layer comes
+from where is `LayerSources` (corecap/_vllm/sources.py).
 
 Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
 buffer (cheap, on the compute stream), copies it on a side stream into a free slot of a
@@ -38,6 +40,7 @@ import msgspec
 import torch
 import zmq
 
+from corecap._vllm.sources import LayerSources, model_num_layers
 from corecap.transport import ring, wire
 
 _MAX_IN_FLIGHT = 3
@@ -54,11 +57,14 @@ class CaptureExtension:
         config = self.vllm_config
         itemsize = torch.empty(0, dtype=config.model_config.dtype).element_size()
         slot_bytes = config.scheduler_config.max_num_batched_tokens * len(spec["layers"]) * config.model_config.get_hidden_size() * itemsize
-        tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0}, rank=self.rank)
+        try:
+            tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0}, rank=self.rank)
+        except Exception as e:  # vLLM passes str(e) on: say whose it is
+            raise RuntimeError(f"worker rank {self.rank}: installing the capture failed: {_one_line(e)}") from e
         self.corecap_tap = tap
         sender = tap.sender
         return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__,
-                "ring": None if sender is None else sender.ring_status}
+                "ring": None if sender is None else sender.ring_status, "sources": tap.sources.describe()}
 
     def corecap_arm(self) -> None:
         """Start capturing: the engine's own warm-up steps (fake requests) come before this."""
@@ -89,10 +95,9 @@ def _pause(step: int, pause_file: str) -> None:
         time.sleep(0.01)
 
 
-def model_num_layers(model) -> int:
-    holder = model.get_language_model() if hasattr(model, "get_language_model") else model
-    holder = getattr(holder, "model", holder)
-    return len(holder.layers)
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:500]
 
 
 class _Tap:
@@ -100,12 +105,13 @@ class _Tap:
         self.rank = rank
         self.layers = tuple(spec["layers"])
         model = runner.get_model()
+        self.model = model
         self.num_layers = model_num_layers(model)
-        # Index k < N is the residual stream after k decoder layers (HF hidden_states[k]);
-        # k == N is the final norm's output, which is the model's main output.
-        self.aux_layers = tuple(k for k in self.layers if k < self.num_layers)
-        self.want_final = self.num_layers in self.layers
+        self.sources = LayerSources(model, self.layers, self.num_layers)
+        self.aux_layers = self.sources.aux_layers
         if self.aux_layers:
+            if not hasattr(model, "set_aux_hidden_state_layers"):  # the driver's preflight rules this out
+                raise RuntimeError(f"{type(model).__name__} has no EAGLE-3 auxiliary outputs (set_aux_hidden_state_layers)")
             model.set_aux_hidden_state_layers(self.aux_layers)
         # Both runner generations then unpack (hidden, aux) themselves, in real, dummy and
         # CUDA-graph capture runs alike (as they do for an EAGLE-3 drafter).
@@ -217,9 +223,16 @@ class _Tap:
     def _guarded(self, fn, *args) -> None:
         try:
             fn(*args)
-        except BaseException as e:
-            self.sender.fail(f"capture failed: {e!r}\n{traceback.format_exc()}")
-            raise
+        except Exception as e:
+            self._fail(e)
+
+    def _fail(self, e: Exception):
+        """Report a capture error to the sink (rank 0) and raise it, one line naming this rank,
+        to vLLM, which passes its text on to the driver."""
+        message = f"capture failed: {_one_line(e)}"
+        if self.sender is not None:
+            self.sender.fail(f"{message}\n{traceback.format_exc()}")
+        raise RuntimeError(f"worker rank {self.rank}: {message}") from e
 
     def _missed(self, num_tokens: int) -> None:
         import vllm
@@ -231,7 +244,7 @@ class _Tap:
         )
         if self.sender is not None:
             self.sender.fail(message)
-        raise RuntimeError(message)
+        raise RuntimeError(f"worker rank {self.rank}: {message}")
 
     def _guarded_capture(self, *args) -> None:
         if not self.armed:
@@ -240,15 +253,21 @@ class _Tap:
         self.num_steps += 1
         if self.num_steps == self.pause_at_step and self.pause_file and self.rank == 0:
             _pause(self.num_steps, self.pause_file)
+        embedded = None
+        if self.sources.embed_layer0:  # on every rank: the vocabulary-parallel embedding all-reduces
+            input_ids = args[4]
+            try:
+                with torch.inference_mode():  # the V2 tap runs after the runner's own inference_mode
+                    embedded = None if input_ids is None else self.model.embed_input_ids(input_ids)
+            except Exception as e:
+                self._fail(e)
         if self.sender is None:
             return
         self.flush()  # never two steps pending
-        self._guarded(self._capture, *args)
+        self._guarded(self._capture, *args, embedded)
 
-    def _capture(self, req_ids, counts, hidden, aux, input_ids, positions) -> None:
-        by_layer = dict(zip(self.aux_layers, aux))
-        if self.want_final:
-            by_layer[self.num_layers] = hidden
+    def _capture(self, req_ids, counts, hidden, aux, input_ids, positions, embedded) -> None:
+        selected = self.sources.select(hidden, aux, embedded)
         num_tokens = sum(counts)
         segments = tuple(wire.Segment(r, n) for r, n in zip(req_ids, counts))
         if input_ids is None:
@@ -257,7 +276,7 @@ class _Tap:
             positions = positions[0]
         # Fresh buffers on the compute stream: the model's outputs may be static (CUDA graph)
         # buffers that the next step overwrites.
-        states = torch.stack([by_layer[k][:num_tokens] for k in self.layers])
+        states = torch.stack([t[:num_tokens] for t in selected])
         ids = input_ids[:num_tokens].to(torch.int32, copy=True)
         pos = positions[:num_tokens].to(torch.int32, copy=True)
         ready = None
