@@ -9,6 +9,8 @@ without loading weights.
 
 from corecap._vllm.engine import CaptureSpec, Engine, StepTiming
 from corecap._vllm.options import build_vllm_config, effective_settings, environment, max_prompt_len
+from corecap._vllm.parallel import check_pipeline, placement
+from corecap._vllm.replicas import Replicas
 
 
 def vllm_version() -> str:
@@ -17,4 +19,7 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
-__all__ = ["CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "effective_settings", "environment", "max_prompt_len", "vllm_version"]
+__all__ = [
+    "CaptureSpec", "Engine", "Replicas", "StepTiming", "build_vllm_config", "check_pipeline", "effective_settings",
+    "environment", "max_prompt_len", "placement", "vllm_version",
+]
