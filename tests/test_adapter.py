@@ -127,3 +127,34 @@ def test_worker_fetches_async_output_before_replying():
     except ImportError:
         pytest.skip("no V1 GPU runner in this vLLM")
     assert {"grammar_output"} <= _params(GPUModelRunner.sample_tokens)
+
+
+def test_what_data_and_pipeline_parallelism_and_nodes_rely_on():
+    """-dp drops vLLM's environment cache between engine builds; -pp widens the last stage's
+    receive buffer for the relayed aux states and checks the decoder's relay flag; nodes run
+    the multiproc executor headless and read the parallel layout (corecap/_vllm/replicas.py,
+    parallel.py, stage.py, nodes.py)."""
+    import vllm.envs
+    from vllm.config import ParallelConfig
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.llama import LlamaModel
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
+
+    assert callable(vllm.envs.disable_envs_cache) and callable(vllm.envs.enable_envs_cache)
+    assert "monitor_workers" in _params(MultiprocExecutor.__init__)
+    assert {"nnodes", "node_rank", "master_addr", "master_port"} <= set(ParallelConfig.__dataclass_fields__)
+    assert isinstance(inspect.getattr_static(ParallelConfig, "local_world_size"), property)
+    assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
+    assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
+    assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
+    # the executor's output rank (TP rank 0 of the last stage) is the rank corecap's tap sends from
+    from types import SimpleNamespace
+
+    from corecap._vllm.engine import output_rank
+
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (4, 2)):
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1, world_size=tp * pp)
+        executor = SimpleNamespace(world_size=tp * pp, parallel_config=parallel)
+        assert MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel)) == tp * (pp - 1)

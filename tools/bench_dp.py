@@ -8,8 +8,11 @@ pass, not the driver, sets the pace on 2 cores) and 512-token random prompts, la
 2,4,5,8, prefix caching off. The dataset of `-dp N` holds N times the prompts of `-dp 1`
 (calibrated so that `-dp 1` captures for about --seconds), so every run captures that long.
 Rates come from the run's trace: tokens over the time from the first engine step to the last
-sample reassembled ("capture"), and to the last commit ("durable"). `dp1-1core` is one engine
-pinned to one core (VLLM_CPU_OMP_THREADS_BIND=0): what one replica gets under `-dp 2` here.
+sample reassembled ("capture"), and to the last commit ("durable"). `dp1` leaves the cores to
+vLLM, which on this 2-core x86 machine keeps one for the driver and gives the worker the other;
+`dp1-1core` pins one engine to one core (VLLM_CPU_OMP_THREADS_BIND=0: what each replica gets
+under `-dp 2`), `dp1-2cores` gives one engine both (0-1: the same cores as `-dp 2`, in one
+engine). The binding each run got (vLLM's "core ids" lines) is in its record.
 Every result is a JSON line in DIR/bench_dp.jsonl.
 """
 
@@ -25,6 +28,7 @@ import tempfile
 import time
 
 PROMPT_LEN = 512
+PINNED = {"dp1-1core": "0", "dp1-2cores": "0-1"}
 LAYERS = (2, 4, 5, 8)
 
 
@@ -66,14 +70,12 @@ def one(args) -> dict:
     first_step = trace["steps"][0]["start"]
     capture_end = max(c["t_done"] for c in trace["chunks"])
     durable_end = max(c["end"] for c in trace["commits"])
-    with open(os.path.join(store, "corecap.log")) if os.path.exists(os.path.join(store, "corecap.log")) else open(os.devnull) as f:
-        binding = [line.strip() for line in f if "core ids=" in line]
     shutil.rmtree(store, ignore_errors=True)
     tokens = summary.num_tokens
     return {
         "capture_tok_s": tokens / (capture_end - first_step), "durable_tok_s": tokens / (durable_end - first_step),
         "capture_s": capture_end - first_step, "tokens": tokens, "samples": summary.num_committed, "wall_s": wall,
-        "replicas": sorted({s.get("replica", 0) for s in trace["steps"]}), "binding": binding,
+        "replicas": sorted({s.get("replica", 0) for s in trace["steps"]}),
     }
 
 
@@ -92,7 +94,7 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-dp-")
-    modes = [m if m.startswith("dp") else f"dp{m}" for m in args.dp.split(",")] + ["dp1-1core"]
+    modes = [m if m.startswith("dp") else f"dp{m}" for m in args.dp.split(",")] + ["dp1-1core", "dp1-2cores"]
     try:
         # Calibrate: a short -dp 1 run gives the rate; then -dp 1 gets --seconds worth of prompts.
         model, data = build_inputs(workdir, 16)
@@ -113,14 +115,15 @@ def main() -> None:
 
 def _run(args, mode: str, model: str, data: str, workdir: str) -> dict:
     env = dict(os.environ)
-    if mode == "dp1-1core":
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    if mode in PINNED:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = PINNED[mode]
     cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not results:
         raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(results[-1])
+    binding = sorted({line.split("] ", 1)[-1].strip() for line in proc.stderr.splitlines() if "core ids=" in line})
+    return {**json.loads(results[-1]), "binding": binding}
 
 
 if __name__ == "__main__":
