@@ -188,6 +188,24 @@ def run(ctx, store, verbose, **options) -> None:
 
 
 @main.command()
+@click.option("--master-addr", required=True, help="Node 0's address, as its `corecap run --master-addr` gives it.")
+@click.option("--master-port", type=click.IntRange(1, 65533), default=29501, show_default=True,
+              help="As node 0's --master-port; corecap's own channel is the port after it.")
+@click.option("--node-rank", type=_Min1, required=True, help="This node's rank, 1 to --nnodes minus 1.")
+@click.option("--model", type=str, default=None, help="This node's copy of the model (default: node 0's path); must be the same model.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True, help="Seconds to wait for node 0.")
+@_one_line_errors
+def worker(master_addr, master_port, node_rank, model, timeout) -> None:
+    """Run this node's share of an engine that spans nodes (node 0 runs `corecap run --nnodes N
+    --master-addr ADDR ...` and holds the store): the engine options come from node 0; the
+    versions and the model are checked against node 0's before any weights load
+    (docs/multinode.md)."""
+    from corecap._vllm.nodes import follow
+
+    follow(master_addr, master_port, node_rank, model, timeout, log=_log)
+
+
+@main.command()
 @click.argument("key")
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write a .safetensors file.")

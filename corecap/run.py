@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
+
+import msgspec
 
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
@@ -85,6 +88,8 @@ class _Plan:
     todo: int
     vllm_config: object
     layers: tuple
+    identity: object  # store.ModelIdentity
+    devices: list  # per replica: the environment its workers start with (_vllm.placement)
 
 
 def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
@@ -114,14 +119,17 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
 def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, checked_vllm_config, effective_settings, max_prompt_len
+    from corecap._vllm import Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes, placement
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
     vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)  # vLLM's contract, then the preflight
-    log(effective_settings(vllm_config))
+    check_pipeline(vllm_config, vllm_version)
+    devices = placement(vllm_config, cfg.engine.data_parallel_size)
+    nodes.cluster(vllm_config)  # node 0 only
+    log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""))
     max_len = max_prompt_len(vllm_config)
     read = dict(
         tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size, max_len=max_len,
@@ -144,7 +152,7 @@ def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
         f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
         f"{dataset.num_samples - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
-    return _Plan(cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers)
+    return _Plan(cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices)
 
 
 class _Capture:
@@ -156,17 +164,26 @@ class _Capture:
         self.workers: list[dict] = []
         self.start = self.end = time.time()
         self.engine = None
+        from corecap._vllm import nodes
+
+        self.nodes = None  # the other nodes of an engine across nodes (_vllm.nodes.Leader)
+        self.cluster = nodes.cluster(plan.vllm_config)  # (nnodes, master_addr, master_port) or None
 
     def run(self) -> Done:
         """Capture every sample still to do; on any failure or stop, commit what is complete,
         shut everything down and raise one CorecapError saying how many samples were kept."""
+        from corecap._vllm import nodes
+        from corecap._vllm.engine import output_rank
+
         cfg = self.cfg
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes)
+        tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes, tcp)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:
                 cleanup.callback(record.close)
                 cleanup.callback(sink.close)
+                cleanup.callback(self._close_nodes)  # after the engine: the other nodes' workers go last
                 cleanup.callback(self._shutdown_engine)
                 try:
                     return self._run(sink, record)
@@ -179,20 +196,27 @@ class _Capture:
                             result.encodes, result.writes, self.workers)
 
     def _run(self, sink: Sink, record: shm.ShmRecord) -> Done:
-        from corecap._vllm import CaptureSpec, Engine
+        from corecap._vllm import CaptureSpec, Replicas
 
         plan, cfg = self.plan, self.cfg
         hooks = cfg.test_hooks
         capture = CaptureSpec(
-            layers=plan.layers, ipc_path=sink.capture_path, ring=cfg.ring, private_network=cfg.private_network,
+            layers=plan.layers, ipc_path=sink.capture_path, ring=cfg.ring,
+            private_network=cfg.private_network and self.cluster is None,  # other nodes must reach them
             pause_at_step=hooks.pause_at_step if hooks else 0, pause_file=hooks.pause_file if hooks else "",
+            remote_address=sink.tcp_address,
         )
+        if self.cluster:
+            self._join_nodes()
+            self.nodes.watch(on_death=self._node_died)
         record.watch()
-        self.engine = Engine(plan.vllm_config, plan.model_dir, capture)
+        first = plan.vllm_config if len(plan.devices) == 1 else None
+        self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first)
         record.stop_watching()
         sink.watch(on_death=self.engine.interrupt)
         self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")
-        self.log(f"vLLM's workers in a private network namespace: {self.engine.network_status()}")
+        network = f"off: the engine spans {self.cluster[0]} nodes" if self.cluster else self.engine.network_status()
+        self.log(f"vLLM's workers in a private network namespace: {network}")
         self.log(f"capturing {plan.todo} samples")
         self.start = time.time()
         progress = Progress(plan.todo, cfg.progress, self.terminal)
@@ -209,7 +233,7 @@ class _Capture:
         """Feed and step the engine until every sample still to do has been captured."""
         plan, engine = self.plan, self.engine
         samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.key not in plan.committed)
-        queued = 2 * engine.vllm_config.scheduler_config.max_num_seqs  # fed, without holding the whole dataset
+        queued = 2 * engine.max_num_seqs  # fed, without holding the whole dataset
         # Reading, announcing and adding requests happens between steps, while the batch in flight
         # runs: a little at a time, enough for the batches the next step schedules.
         feed_tokens = (engine.steps_in_flight + 1) * engine.token_budget
@@ -241,10 +265,36 @@ class _Capture:
             elif time.monotonic() - last_progress > self.cfg.stall_timeout:
                 raise CorecapError(f"no progress for {self.cfg.stall_timeout:.0f}s: the engine schedules nothing")
 
+    def _join_nodes(self) -> None:
+        """Wait for every other node's `corecap worker`, each checked against this node's
+        versions and model, and given this run's engine options (before any weights load)."""
+        from corecap._vllm import nodes, vllm_version
+
+        nnodes, address, port = self.cluster
+        identity = self.plan.identity
+        plan = nodes.Plan(msgspec.to_builtins(self.cfg.engine), identity.path, identity.config_hash, identity.weights_fingerprint, list(self.plan.layers))
+        self.nodes = nodes.Leader(nnodes, address, port, plan, (__version__, vllm_version()), self.cfg.stall_timeout, self.log)
+
+    def _node_died(self, why: str) -> None:
+        """Another node's worker died, or its `corecap worker` is gone: end the engine's wait.
+        While the engine starts, its workers wait for the missing ranks: end them instead."""
+        if self.engine is not None:
+            self.engine.interrupt(why)
+            return
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            if child.name != "corecap-sink":
+                child.kill()
+
+    def _close_nodes(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
+
     def _problem(self) -> str | None:
         if self.stop.reason is not None:
             raise Interrupted(self.stop.reason)
-        return self.engine.problem()
+        return self.engine.problem() or (self.nodes.problem() if self.nodes is not None else None)
 
     def _failed(self, e: BaseException, sink: Sink) -> BaseException:
         """The one error a failed run raises, once the sink has committed what is complete."""
@@ -259,7 +309,8 @@ class _Capture:
         if not isinstance(e, CorecapError):
             return e
         # The sink's own report names the cause best (a worker's error reaches it first).
-        reason = result.message if isinstance(result, Failed) else str(e)
+        node = self.nodes.problem() if self.nodes is not None else None
+        reason = result.message if isinstance(result, Failed) else node or str(e)
         kept = result.num_committed if result is not None else 0
         return CorecapError(f"{reason} (kept {kept} complete samples committed this run; rerun to resume)")
 

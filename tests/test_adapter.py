@@ -5,6 +5,8 @@ when vLLM moves it. CI runs this file on every vLLM release of its version matri
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from corecap._vllm import contract
@@ -78,3 +80,34 @@ def test_worker_extension_names_do_not_clash():
 
     names = [n for n in vars(CaptureExtension) if not n.startswith("__")]
     assert names and all(n.startswith("corecap_") for n in names)
+
+
+def test_what_data_and_pipeline_parallelism_and_nodes_rely_on():
+    """-dp drops vLLM's environment cache between engine builds; -pp widens the last stage's
+    receive buffer for the relayed aux states and checks the decoder's relay flag; nodes run
+    the multiproc executor headless and read the parallel layout (corecap/_vllm/replicas.py,
+    parallel.py, stage.py, nodes.py)."""
+    import vllm.envs
+    from vllm.config import ParallelConfig
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.llama import LlamaModel
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
+
+    assert callable(vllm.envs.disable_envs_cache) and callable(vllm.envs.enable_envs_cache)
+    assert "monitor_workers" in inspect.signature(MultiprocExecutor.__init__).parameters
+    assert {"nnodes", "node_rank", "master_addr", "master_port"} <= set(ParallelConfig.__dataclass_fields__)
+    assert isinstance(inspect.getattr_static(ParallelConfig, "local_world_size"), property)
+    assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
+    assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
+    assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
+    # the executor's output rank (TP rank 0 of the last stage) is the rank corecap's tap sends from
+    from types import SimpleNamespace
+
+    from corecap._vllm.engine import output_rank
+
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (4, 2)):
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1, world_size=tp * pp)
+        executor = SimpleNamespace(world_size=tp * pp, parallel_config=parallel)
+        assert MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel)) == tp * (pp - 1)

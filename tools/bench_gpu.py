@@ -7,6 +7,10 @@ random tokens, layers 2,16,29,32, prefix caching off; plus the disk's fsync'd se
         --modes dd,store,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR]
 
 A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-prompts-double check).
+`--dp N` (a multi-GPU machine): corecap runs N engine replicas, one per GPU, into one store
+(`-dp N`), and plain vLLM, which refuses offline data parallelism for a dense model, runs N
+processes at once, one per GPU (CUDA_VISIBLE_DEVICES=k), each with its share of the prompts:
+their summed tokens/s is the N-replica baseline. --prompts is the total over the replicas.
 `plain-sync` is plain vLLM with async scheduling off, as corecap steps it. `corecap-socket` sends
 the states through ZeroMQ instead of the shared-memory ring (CORECAP_RING_SLOTS=0);
 `corecap-earlycopy` starts each step's device-to-host copy before the step's output has reached
@@ -205,7 +209,7 @@ def mode_corecap(args) -> dict:
     cfg = build(
         model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
         max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
-        load_format="dummy", memory_utilization=ENGINE["gpu_memory_utilization"], **extra,
+        load_format="dummy", memory_utilization=ENGINE["gpu_memory_utilization"], dp=args.dp, **extra,
     )
     t0 = time.perf_counter()
     summary = run(cfg, log=lambda m: print(m, flush=True))
@@ -235,6 +239,7 @@ def mode_corecap(args) -> dict:
         "raw_bytes_per_token": summary.raw_bytes / tokens,
         "codec": extra.get("codec", "default"), "trace": name, "workers": trace.get("workers", []),
         "crc32": crc32.__module__,  # zlib_ng.zlib_ng, or zlib where zlib-ng's wheel did not come along
+        "dp": args.dp, "replicas_stepped": sorted({s.get("replica", 0) for s in trace["steps"]}),
     }
 
 
@@ -275,6 +280,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas, one GPU each (corecap -dp N; plain: N processes)")
     args = ap.parse_args()
     os.makedirs(MODEL_DIR, exist_ok=True)
     with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
@@ -286,10 +292,13 @@ def main() -> None:
     for r in range(args.repeat):
         for mode in args.modes.split(","):
             mode, _, num = mode.partition("@")
-            cmd = [sys.executable, __file__, "--one", mode, "--prompts", num or str(args.prompts), "--out", args.out]
+            cmd = [sys.executable, __file__, "--one", mode, "--prompts", num or str(args.prompts), "--out", args.out, "--dp", str(args.dp)]
             if args.codec:
                 cmd += ["--codec", args.codec]
             t = time.time()
+            if args.dp > 1 and mode in ("plain", "plain-sync"):
+                _plain_replicas(args, mode, int(num or args.prompts), r)
+                continue
             try:
                 env = {**os.environ, **MODE_ENV.get(mode, {})}
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -300,6 +309,28 @@ def main() -> None:
                 emit(args.out, {"mode": mode, "repeat": r, "rc": rc, "seconds": round(time.time() - t), "stderr_tail": (err or "")[-3000:]})
             else:
                 print(f"{mode}: ok in {time.time() - t:.0f}s", flush=True)
+
+
+def _plain_replicas(args, mode: str, prompts: int, repeat: int) -> None:
+    """Plain vLLM's N-replica baseline: N processes at once, one GPU and 1/N of the prompts each."""
+    share = prompts // args.dp
+    procs = []
+    for k in range(args.dp):
+        cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(share), "--out", os.path.join(args.out, f"replica{k}")]
+        os.makedirs(cmd[-1], exist_ok=True)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    results = []
+    for k, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=args.timeout)
+        lines = [json.loads(x.removeprefix("RESULT ")) for x in out.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            emit(args.out, {"mode": mode, "dp": args.dp, "replica": k, "repeat": repeat, "rc": proc.returncode, "stderr_tail": err[-3000:]})
+            return
+        results.append(lines[-1])
+    emit(args.out, {"mode": mode, "dp": args.dp, "prompts": share * args.dp, "repeat": repeat,
+                    "tok_s": sum(r["tok_s"] for r in results), "seconds_max": max(r["seconds"] for r in results),
+                    "per_replica_tok_s": [r["tok_s"] for r in results]})
 
 
 if __name__ == "__main__":

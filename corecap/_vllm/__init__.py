@@ -11,6 +11,8 @@ names the releases they were tested on.
 from corecap._vllm.doctor import checked_vllm_config
 from corecap._vllm.engine import CaptureSpec, Engine, StepTiming
 from corecap._vllm.options import build_vllm_config, effective_settings, environment, max_prompt_len
+from corecap._vllm.parallel import check_pipeline, placement
+from corecap._vllm.replicas import Replicas
 
 
 def vllm_version() -> str:
@@ -20,6 +22,6 @@ def vllm_version() -> str:
 
 
 __all__ = [
-    "CaptureSpec", "Engine", "StepTiming", "build_vllm_config", "checked_vllm_config", "effective_settings", "environment",
-    "max_prompt_len", "vllm_version",
+    "CaptureSpec", "Engine", "Replicas", "StepTiming", "build_vllm_config", "check_pipeline", "checked_vllm_config",
+    "effective_settings", "environment", "max_prompt_len", "placement", "vllm_version",
 ]

@@ -33,6 +33,9 @@ class CaptureSpec:
     ipc_path: str  # the sink's socket
     ring: bool = True  # states through a shared-memory ring, else inside the messages
     private_network: bool = True
+    replica: int = 0  # which data-parallel replica these workers belong to
+    sender_rank: int = 0  # the rank that sends the states: TP rank 0 of the last pipeline stage
+    remote_address: str = ""  # tcp:// address of the sink, for a sender on another node
     pause_at_step: int = 0  # config.TestHooks
     pause_file: str = ""
 
@@ -50,6 +53,7 @@ class StepTiming:
     num_tokens: int = 0
     num_reqs: int = 0
     in_flight: int = 0  # batches at the workers while this one's output was awaited, itself included
+    replica: int = 0  # the data-parallel replica that ran it
     finished: list[str] = field(default_factory=list)
 
 
@@ -75,6 +79,13 @@ def _capture_executor_class(model: str, capture: CaptureSpec):
             self.corecap_workers = self.collective_rpc("corecap_install", args=(dataclasses.asdict(capture),))
 
     return CaptureExecutor
+
+
+def output_rank(vllm_config) -> int:
+    """The rank whose output the executor reads (vLLM's `_get_output_rank`): TP rank 0 of the
+    last pipeline stage, which with pipeline parallelism also holds every stage's aux states."""
+    parallel = vllm_config.parallel_config
+    return parallel.world_size - parallel.tensor_parallel_size * getattr(parallel, "prefill_context_parallel_size", 1)
 
 
 def worker_error(e: BaseException) -> str:
@@ -112,6 +123,8 @@ class Engine:
         from vllm.v1.engine.core import EngineCore
 
         self.vllm_config = vllm_config
+        self.replica = capture.replica
+        capture = dataclasses.replace(capture, sender_rank=output_rank(vllm_config))
         try:
             self.core = EngineCore(vllm_config, _capture_executor_class(model, capture), log_stats=False)
             self.executor = self.core.model_executor
@@ -122,7 +135,10 @@ class Engine:
             raise CorecapError(f"vLLM's engine failed to start: {worker_error(e)}") from None
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
-        self.steps_in_flight = STEPS_IN_FLIGHT
+        self.tokens: dict[str, int] = {}  # unfinished request → its prompt's length
+        self.num_outstanding_tokens = 0
+        # Pipeline parallelism needs a batch per stage in flight to keep every stage busy.
+        self.steps_in_flight = max(STEPS_IN_FLIGHT, vllm_config.parallel_config.pipeline_parallel_size)
         self.in_flight: deque[_Batch] = deque()  # oldest first
         self._interrupted: str | None = None
         self._lock = threading.Lock()
@@ -151,8 +167,9 @@ class Engine:
         return self.executor.collective_rpc("corecap_stats")
 
     def worker_pids(self) -> list[tuple[int, int]]:
-        """(rank, pid) of every worker process."""
-        return [(w["rank"], w["pid"]) for w in self.executor.corecap_workers]
+        """(rank, pid) of every worker process on this node (another node's `corecap worker`
+        watches its own: corecap/_vllm/nodes.py)."""
+        return [(w["rank"], w["pid"]) for w in self.executor.corecap_workers if not w.get("node_rank")]
 
     def problem(self) -> str | None:
         """A sentence naming a dead worker, or None while all are alive."""
@@ -184,6 +201,8 @@ class Engine:
         )
         self.core.add_request(request)
         self.num_unfinished += 1
+        self.tokens[req_id] = len(token_ids)
+        self.num_outstanding_tokens += len(token_ids)
 
     def step(self) -> StepTiming:
         try:
@@ -228,6 +247,9 @@ class Engine:
         timing.num_reqs = len(batch.scheduler_output.num_scheduled_tokens)
         timing.finished = [o.request_id for eo in outputs.values() for o in eo.outputs if o.finish_reason is not None]
         self.num_unfinished -= len(timing.finished)
+        for req_id in timing.finished:
+            self.num_outstanding_tokens -= self.tokens.pop(req_id, 0)
+        timing.replica = self.replica
         return timing
 
     def _fill(self, timing: StepTiming) -> None:

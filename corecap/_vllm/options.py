@@ -16,30 +16,15 @@ import shutil
 
 from corecap.errors import CorecapError
 from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
+from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
 from corecap.transport.wire import private_ipc_dir
 
 WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
 _CPU_MEMORY_SHARE = 0.2  # vLLM's KV cache as a share of RAM on a CPU machine (its own default: 4 GiB)
 
 
-def cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def split_cores(num_parts: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND value giving each rank its own cores, e.g. '0|1'."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < num_parts:
-        raise CorecapError(f"{num_parts} ranks (tensor x pipeline parallel) need at least {num_parts} CPU cores, found {len(cores)}")
-    per = len(cores) // num_parts
-    groups = [cores[i * per : (i + 1) * per] for i in range(num_parts)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-
-
 # What a run sets in the process environment for vLLM and its workers; `environment` restores it.
-_RUN_ENVIRONMENT = ("VLLM_RPC_BASE_PATH", "VLLM_CPU_OMP_THREADS_BIND", "TRITON_F32_DEFAULT")
+_RUN_ENVIRONMENT = ("VLLM_RPC_BASE_PATH", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES", "TRITON_F32_DEFAULT")
 
 
 @contextlib.contextmanager
@@ -57,16 +42,8 @@ def environment():
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        import vllm.envs
-
-        disable = getattr(vllm.envs, "disable_envs_cache", None)
-        if disable is not None:
-            disable()
+        restore_environment(saved)
+        drop_envs_cache()
         if rpc_dir is not None:
             shutil.rmtree(rpc_dir, ignore_errors=True)
 
@@ -100,11 +77,12 @@ def engine_args(options: EngineOptions, model: str, layers: tuple[Layer, ...] | 
     """vLLM's EngineArgs for `options`, with what corecap controls set by corecap."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(**engine_arg_values(options, model))
+    return EngineArgs(**engine_arg_values(options, model, layers))
 
 
-def engine_arg_values(options: EngineOptions, model: str) -> dict:
-    """EngineArgs' field → value for `options` (corecap/_vllm/contract.py checks the names)."""
+def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None) -> dict:
+    """EngineArgs' field → value for `options` (corecap/_vllm/contract.py checks the names); the
+    capture's `layers` go into the compile cache's key (`_with_layers`)."""
     from vllm.engine.arg_utils import EngineArgs
 
     extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
@@ -116,7 +94,9 @@ def engine_arg_values(options: EngineOptions, model: str) -> dict:
     unknown = sorted(set(extra) - fields)
     if unknown:
         raise CorecapError(f"engine argument {unknown[0]!r}: not one of vLLM's EngineArgs")
-    memory = options.gpu_memory_utilization or (_CPU_MEMORY_SHARE if cpu_platform() else None)
+    memory = options.gpu_memory_utilization
+    if cpu_platform():  # the replicas share the RAM: the run's share, split between them
+        memory = (memory or _CPU_MEMORY_SHARE) / options.data_parallel_size
     args = dict(
         model=model,
         tokenizer=options.tokenizer,
@@ -170,7 +150,6 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
 
     from corecap._vllm.preflight import plan_capture
 
-    world = options.tensor_parallel_size * options.pipeline_parallel_size
     args = engine_args(options, model, layers)
     try:
         config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
@@ -190,8 +169,6 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
         _use_override(config, plan.override)
     _cpu_rotary_without_custom_op(config)
     _cpu_mla_moe_without_inductor(config)
-    if cpu_platform() and world > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", split_cores(world))
     _room_for_the_sampled_token(config)
     _float32_without_tf32(config)
     return config

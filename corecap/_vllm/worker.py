@@ -41,6 +41,7 @@ import torch
 import zmq
 
 from corecap._vllm.sources import LayerSources, model_num_layers
+from corecap._vllm.stage import pipeline_stage, sink_address
 from corecap.transport import ring, wire
 
 _MAX_IN_FLIGHT = 3
@@ -57,13 +58,15 @@ class CaptureExtension:
         config = self.vllm_config
         itemsize = torch.empty(0, dtype=config.model_config.dtype).element_size()
         slot_bytes = config.scheduler_config.max_num_batched_tokens * len(spec["layers"]) * config.model_config.get_hidden_size() * itemsize
+        spec = {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0, "ipc_path": sink_address(config, spec)}
         try:
-            tap = _Tap(runner, {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0}, rank=self.rank)
+            tap = _Tap(runner, spec, rank=self.rank)
+            pipeline_stage(runner, tap)
         except Exception as e:  # vLLM passes str(e) on: say whose it is
             raise RuntimeError(f"worker rank {self.rank}: installing the capture failed: {_one_line(e)}") from e
         self.corecap_tap = tap
         sender = tap.sender
-        return {"pid": os.getpid(), "rank": self.rank, "runner": type(runner).__name__,
+        return {"pid": os.getpid(), "rank": self.rank, "node_rank": getattr(config.parallel_config, "node_rank", 0), "runner": type(runner).__name__,
                 "ring": None if sender is None else sender.ring_status, "sources": tap.sources.describe()}
 
     def corecap_arm(self) -> None:
@@ -123,7 +126,9 @@ class _Tap:
         self.pending = None  # this step's states, until the step's output has reached the host
         self.pause_at_step, self.pause_file = spec.get("pause_at_step", 0), spec.get("pause_file", "")
         self.captured = False  # in the current execute_model
-        self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"], spec.get("ring", True)) if rank == 0 else None
+        self.sender_rank = spec.get("sender_rank", 0)
+        self.passive = False  # a pipeline stage before the last: its states travel on inside vLLM
+        self.sender = _Sender(spec["ipc_path"], rank, spec["slot_bytes"], spec.get("ring", True)) if rank == self.sender_rank else None
         self._patch(runner)
 
     def _patch(self, runner) -> None:
@@ -161,7 +166,9 @@ class _Tap:
             def tapped_model_forward(*args, **kwargs):
                 output = model_forward(*args, **kwargs)
                 scheduler_output, self.scheduler_output = self.scheduler_output, None
-                if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
+                if self.passive:  # its output is intermediate tensors for the next stage
+                    self.captured = True
+                elif scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
                     hidden, aux = output if self.aux_layers else (output, [])
                     counts = scheduler_output.num_scheduled_tokens
                     req_ids = self.runner.input_batch.req_ids[: len(counts)]
@@ -251,7 +258,7 @@ class _Tap:
             return
         self.captured = True
         self.num_steps += 1
-        if self.num_steps == self.pause_at_step and self.pause_file and self.rank == 0:
+        if self.num_steps == self.pause_at_step and self.pause_file and self.rank == self.sender_rank:
             _pause(self.num_steps, self.pause_file)
         embedded = None
         if self.sources.embed_layer0:  # on every rank: the vocabulary-parallel embedding all-reduces
@@ -304,19 +311,24 @@ class _Sender:
     """Copies device tensors to host off the compute stream and pushes them to the driver."""
 
     def __init__(self, ipc_path: str, rank: int, slot_bytes: int = 0, use_ring: bool = True):
+        """`ipc_path`: the sink's capture socket on this machine, or a `tcp://` address of it on
+        another node (multi-node: no shared memory there, the states go in the messages)."""
         self.rank = rank
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, _MAX_IN_FLIGHT)
         self.sock.setsockopt(zmq.LINGER, 10_000)
-        self.sock.connect(f"ipc://{ipc_path}")
+        remote = ipc_path.startswith("tcp://")
+        self.sock.connect(ipc_path if remote else f"ipc://{ipc_path}")
         self.queue: queue.Queue = queue.Queue(maxsize=_MAX_IN_FLIGHT)
         self.copy_stream = None
         self.lock = threading.Lock()
         self.ring = None
         self.ring_wait_s = 0.0  # time spent waiting for the sink to free a slot
         self.ring_status = "off (RunConfig.ring=False)" if not use_ring else "off (no slot size)"
-        if use_ring and slot_bytes > 0:
+        if remote:
+            self.ring_status = f"off: the sink is on another node ({ipc_path})"
+        elif use_ring and slot_bytes > 0:
             try:
                 self.ring = ring.RingWriter(slot_bytes, _RING_SLOTS, cuda=torch.cuda.is_available())
             except ring.RingUnavailable as e:
@@ -326,7 +338,7 @@ class _Sender:
                 atexit.register(self.ring.unlink)
                 free = self.ctx.socket(zmq.PULL)
                 free.setsockopt(zmq.LINGER, 0)
-                free.bind(f"ipc://{os.path.join(os.path.dirname(ipc_path), ring.FREE_SOCKET)}")
+                free.bind(f"ipc://{os.path.join(os.path.dirname(ipc_path), ring.free_socket(self.ring.path))}")
                 threading.Thread(target=self._free_loop, args=(free,), daemon=True, name="corecap-ring").start()
         threading.Thread(target=self._loop, daemon=True, name="corecap-sender").start()
 

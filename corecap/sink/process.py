@@ -91,14 +91,18 @@ class SinkSpec:
     num_threads: int
     buffer_bytes: int
     parent_pid: int
+    tcp_address: str = ""  # also receive states there (from a worker on another node)
 
 
 class Sink:
     """The driver's handle on the sink process."""
 
-    def __init__(self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int):
+    def __init__(self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = ""):
+        """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
+        worker of an engine whose last pipeline stage is on another node ('' : none)."""
         self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
+        self.tcp_address = tcp_address
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PUSH)
         self.control.bind(f"ipc://{os.path.join(self.dir, _CONTROL)}")
@@ -106,7 +110,7 @@ class Sink:
         self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid())
+        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
         self.proc.start()
         self.result: Status | None = None
@@ -247,8 +251,13 @@ class _Loop:
         self.data = ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.RCVHWM, 2)
         self.data.bind(f"ipc://{os.path.join(spec.ipc_dir, CAPTURE)}")
-        self.free = ctx.socket(zmq.PUSH)  # slots of the worker's ring go back once reassembled
-        self.free.connect(f"ipc://{os.path.join(spec.ipc_dir, ring.FREE_SOCKET)}")
+        if spec.tcp_address:
+            try:
+                self.data.bind(spec.tcp_address)
+            except zmq.ZMQError as e:
+                raise CorecapError(f"the sink cannot listen on {spec.tcp_address} for the other node's states ({e})") from None
+        self.ctx = ctx
+        self.free: dict[str, zmq.Socket] = {}  # ring → where its slots go back once reassembled
         self.rings = ring.RingReader()
         self.writer = None
         self.collector = None
@@ -307,7 +316,17 @@ class _Loop:
             self._on_control(self.control.recv())
         self.collector.take(msg, t_recv)
         if msg.header.ring:
-            self.free.send(msg.header.slot.to_bytes(4, "little"))
+            self._free_socket(msg.header.ring).send(msg.header.slot.to_bytes(4, "little"))
+
+    def _free_socket(self, ring_path: str) -> zmq.Socket:
+        """The socket back to the worker that owns this ring (each replica's sender has one;
+        `ring.RingReader` has already checked that the path names a corecap ring)."""
+        sock = self.free.get(ring_path)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(f"ipc://{os.path.join(self.spec.ipc_dir, ring.free_socket(ring_path))}")
+            self.free[ring_path] = sock
+        return sock
 
     def close_writer_after_failure(self) -> int:
         """Commit what is complete (the writer stops by itself if the store failed)."""

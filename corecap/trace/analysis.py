@@ -236,7 +236,8 @@ def workers_line(workers: list[dict]) -> str:
 
 
 def _worker_words(stats: dict) -> str:
-    parts = [f"rank {stats['rank']}: {stats['steps']} steps captured"]
+    replica = f"replica {stats['replica']} " if "replica" in stats else ""
+    parts = [f"{replica}rank {stats['rank']}: {stats['steps']} steps captured"]
     if "ring_wait_s" in stats:
         parts.append(f"{stats['ring_wait_s']:.1f}s waiting for a free ring slot")
     if "cuda_alloc_retries" in stats:

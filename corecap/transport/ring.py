@@ -26,7 +26,13 @@ import torch
 
 DIRECTORY = "/dev/shm"
 PREFIX = "corecap-ring-"
-FREE_SOCKET = "ring-free.sock"  # in the capture socket's directory; the worker binds it
+
+
+def free_socket(ring_path: str) -> str:
+    """The name of the socket over which the sink hands a ring's slots back, in the capture
+    socket's directory; the ring's worker binds it. One per ring: several engine replicas (or
+    pipeline stages) push to one sink, each from a ring of its own."""
+    return f"free-{os.path.basename(ring_path).removeprefix(PREFIX)}.sock"
 
 
 class RingUnavailable(OSError):
