@@ -109,7 +109,7 @@ def mode_store(args) -> dict:
         with Store.create_or_open(path, meta) as store:
             t = time.perf_counter()
             nbytes = 0
-            if pipelined:  # as corecap/writer.py: write batch i+1 while batch i is synced and committed
+            if pipelined:  # as corecap/sink/writer.py: write batch i+1 while batch i is synced and committed
                 import queue
 
                 q: queue.Queue = queue.Queue(maxsize=1)
