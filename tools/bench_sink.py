@@ -42,13 +42,13 @@ LAYER_IDS = (2, 16, 29, 32)
 FP8_SHAPES = ((4, 256, 2048), (4, 1024, 4096))  # Llama-3.2-1B's 256-token samples; the 8B shape above
 
 
-def timed(fn, repeat: int) -> list[float]:
+def timed(fn, repeat: int, clock=time.perf_counter) -> list[float]:
     fn()  # warm: allocator, zstd contexts
     out = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return sorted(out)
 
 
@@ -129,13 +129,15 @@ def bench_fp8(repeat: int) -> None:
         ids = np.arange(shape[1], dtype=np.int32)
         writer = types.SimpleNamespace(layers=LAYER_IDS, codec=FP8, nonfinite="stop", flagged=[])
         payload = codec.quantize_fp8(x)
-        times = {
-            "quantize": timed(lambda: codec.quantize_fp8(x), repeat),
-            "writer encode": timed(lambda: Writer._encode_checked(writer, "k", ids, x, None), repeat),
-            "dequantize": timed(lambda: codec.dequantize_fp8(payload, shape, torch.bfloat16), repeat),
+        runs = {
+            "quantize": lambda: codec.quantize_fp8(x),
+            "writer encode": lambda: Writer._encode_checked(writer, "k", ids, x, None),
+            "dequantize": lambda: codec.dequantize_fp8(payload, shape, torch.bfloat16),
         }
-        for name, t in times.items():
-            print(f"fp8 {'x'.join(map(str, shape))} bf16 ({x.nbytes / 1e6:.0f} MB): {name:<14} {ms(t)}")
+        for name, fn in runs.items():
+            # this thread's CPU time too: on a shared machine the wall clock counts other work
+            wall, cpu = timed(fn, repeat), timed(fn, repeat, time.thread_time)
+            print(f"fp8 {'x'.join(map(str, shape))} bf16 ({x.nbytes / 1e6:.0f} MB): {name:<14} wall {ms(wall)}; CPU {ms(cpu)}")
 
 
 def chunk(step: torch.Tensor) -> wire.DecodedChunk:

@@ -320,8 +320,8 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
             else:  # widen, then divide: the same float32 quotient as a mixed-dtype div, sooner
                 work[:n].copy_(x[start:end]).div_(scale[:, None])
             q[start:end].copy_(work[:n])
-        bad = (row_max >= inf).view(num_layers, num_tokens).sum(dim=1)
-        if bad.any():  # NaN and Inf rows made garbage above; the payload is dropped
+        if int(row_max.max()) >= inf:  # NaN and Inf rows made garbage above; the payload is dropped
+            bad = (row_max >= inf).view(num_layers, num_tokens).sum(dim=1)
             i = int(bad.nonzero()[0])
             raise NonFiniteStates(f"fp8: layer index {i} has {int(bad[i])} rows with NaN or Inf; fp8 needs finite states")
     payload[num_values:] = scales.numpy().view(np.uint8)
