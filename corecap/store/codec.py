@@ -173,8 +173,9 @@ def max_encoded_bytes(nbytes: int, itemsize: int, codec: str) -> int:
     return _HEAD.size + itemsize * _PLANE.size + nbytes
 
 
-def decode(buf, dtype: str, nbytes: int, codec: str) -> bytearray:
-    """Inverse of `encode`: a writable buffer of exactly `nbytes` (the original size)."""
+def decode(buf, dtype: str, nbytes: int, codec: str):
+    """Inverse of `encode`: a writable buffer of exactly `nbytes` (the original size): a
+    bytearray (raw) or a flat uint8 numpy array (zstd-planes)."""
     itemsize = _check_args(dtype, codec)
     mv = memoryview(buf).cast("B")
     if nbytes < 0 or nbytes % itemsize:
@@ -237,15 +238,25 @@ def check_planes(buf, dtype: str, nbytes: int) -> list[tuple[int, memoryview]]:
     return planes
 
 
-def _decode_planes(mv: memoryview, dtype: str, nbytes: int) -> bytearray:
+def _decode_planes(mv: memoryview, dtype: str, nbytes: int) -> np.ndarray:
+    """The planes put back together, into a buffer that is not zero-filled first (its pages are
+    faulted in by the first write: the zero-fill cost as much as the copy). Two-byte values
+    (bf16, fp16) are put together by word shifts (plane k is byte k of each little-endian value),
+    2.5x faster than a strided byte copy per plane."""
     planes = check_planes(mv, dtype, nbytes)
     itemsize = len(planes)
     plane_bytes = nbytes // itemsize
-    out = bytearray(nbytes)
-    columns = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    for k, (method, payload) in enumerate(planes):
-        plane = payload if method == _STORED else _unzstd(payload, plane_bytes, k, mv.nbytes, nbytes)
-        columns[:, k] = np.frombuffer(plane, dtype=np.uint8)
+    data = [np.frombuffer(payload if method == _STORED else _unzstd(payload, plane_bytes, k, mv.nbytes, nbytes), dtype=np.uint8)
+            for k, (method, payload) in enumerate(planes)]
+    if itemsize == 2:
+        words = data[1].astype("<u2")
+        words <<= 8
+        words |= data[0]
+        return words.view(np.uint8)
+    out = np.empty(nbytes, dtype=np.uint8)
+    columns = out.reshape(-1, itemsize)
+    for k, plane in enumerate(data):
+        columns[:, k] = plane
     return out
 
 
