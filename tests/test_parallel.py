@@ -285,9 +285,10 @@ def test_a_core_list_that_does_not_match_the_ranks_is_refused(tiny_model, tmp_pa
     _refused(tiny_model, tmp_path, r"VLLM_CPU_OMP_THREADS_BIND='0\|1\|0': 3 core lists, expected one per rank \(-dp 2 x", dp=2)
 
 
-def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny_model, tmp_path):
+def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny_model, tmp_path, monkeypatch):
     """vLLM before 0.32 drops a non-last stage's aux states; a model whose decoder does not relay
-    them (here Mixtral) cannot be captured with -pp either."""
+    them (Llama with its relay flag off) cannot be captured with -pp either, nor one that takes
+    corecap's own aux outputs (Mixtral: the preflight refuses it)."""
     import transformers
 
     from corecap._vllm import build_vllm_config, check_pipeline, environment
@@ -303,8 +304,12 @@ def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=2, max_position_embeddings=512, architectures=["MixtralForCausalLM"],
         ).save_pretrained(mixtral)
-        config = build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
-        with pytest.raises(CorecapError, match=r"^-pp 2: MixtralForCausalLM in vLLM 0\.32\.0 does not pass a pipeline stage's hidden states on"):
+        with pytest.raises(CorecapError, match=r"^MixtralForCausalLM: corecap's auxiliary outputs for MixtralForCausalLM do not cross pipeline stages"):
+            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
+        from vllm.model_executor.models.llama import LlamaModel
+
+        monkeypatch.setattr(LlamaModel, "supports_aux_hidden_states_over_pp", False)
+        with pytest.raises(CorecapError, match=r"^-pp 2: LlamaForCausalLM in vLLM 0\.32\.0 does not pass a pipeline stage's hidden states on"):
             check_pipeline(config, "0.32.0")
 
 
