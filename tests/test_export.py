@@ -131,14 +131,19 @@ def _shifted_logits(captured, rows) -> torch.Tensor:
     return torch.cat([captured[r["key"]][2]["logits"][1:] for r in rows])
 
 
-def test_speculators_teacher_logits_equal_hf(tmp_path, captured, verifier):
-    store = write_captured_store(str(tmp_path / "s"), captured, verifier)
+def _speculators_logits(tmp_path, captured, verifier, replace=None):
+    """speculators' teacher logits from its loader's batch of an export, and HF's in that order."""
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier, replace=replace)
     out = tmp_path / "spec"
     _ok(store, out, "speculators")
     batch, teacher = _speculators_batch(out), _speculators_teacher(verifier)
     ref = _shifted_logits(captured, _manifest(out))
     with torch.no_grad():
-        logits = teacher(batch["verifier_last_hidden_states"][0, : len(ref)])
+        return teacher(batch["verifier_last_hidden_states"][0, : len(ref)]), ref
+
+
+def test_speculators_teacher_logits_equal_hf(tmp_path, captured, verifier):
+    logits, ref = _speculators_logits(tmp_path, captured, verifier)
     record_error("export: speculators teacher logits", *relative_errors(logits[None], ref[None]))
     assert _relative(logits, ref) < 1e-5, _relative(logits, ref)
 
@@ -146,13 +151,7 @@ def test_speculators_teacher_logits_equal_hf(tmp_path, captured, verifier):
 def test_a_post_norm_last_state_gives_speculators_wrong_logits(tmp_path, captured, verifier):
     """The check above can see the difference: the final norm's output in the prenorm slot (what
     HF's hidden_states[N] is) gets normed twice by speculators, and its logits are far off."""
-    store = write_captured_store(str(tmp_path / "s"), captured, verifier, replace={"prenorm": VERIFIER_LAYERS})
-    out = tmp_path / "spec"
-    _ok(store, out, "speculators")
-    batch, teacher = _speculators_batch(out), _speculators_teacher(verifier)
-    ref = _shifted_logits(captured, _manifest(out))
-    with torch.no_grad():
-        logits = teacher(batch["verifier_last_hidden_states"][0, : len(ref)])
+    logits, ref = _speculators_logits(tmp_path, captured, verifier, replace={"prenorm": VERIFIER_LAYERS})
     assert _relative(logits, ref) > 0.05, _relative(logits, ref)
 
 
