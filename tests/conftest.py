@@ -23,6 +23,21 @@ MAX_POSITIONS = 512  # the tiny model's context: exact_run captures a sample of 
 ERRORS: dict[str, dict[str, float]] = {}
 
 
+def pytest_sessionstart(session):
+    """What runs killed before this session left in /dev/shm goes first (a run would remove it and
+    say so on its first line), so each test sees only what its own session's runs left."""
+    from corecap.transport import shm
+
+    removed = shm.remove_left_behind()
+    if removed.num_files:
+        print(f"before the tests: {removed.line()}")
+
+
+def engine_line(lines: list[str]) -> str:
+    """A run's first line after any line saying what killed runs left in /dev/shm."""
+    return next(line for line in lines if not line.startswith("removed "))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-llama"))

