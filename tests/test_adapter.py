@@ -111,3 +111,16 @@ def test_what_data_and_pipeline_parallelism_and_nodes_rely_on():
         parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1, world_size=tp * pp)
         executor = SimpleNamespace(world_size=tp * pp, parallel_config=parallel)
         assert MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel)) == tp * (pp - 1)
+
+
+def test_what_prefix_caching_relies_on():
+    """corecap/_vllm/prefix.py: hit lengths in NewRequestData, evict_blocks, get_cached_block,
+    num_computed_tokens advanced at schedule time; the engine checks the same at its start."""
+    from corecap._vllm.prefix import block_size, contract_problem
+
+    assert contract_problem() is None
+    from types import SimpleNamespace
+
+    on = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=32))
+    off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=32))
+    assert block_size(on) == 32 and block_size(off) == 0

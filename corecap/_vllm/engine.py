@@ -146,6 +146,9 @@ class Engine:
         self._lock = threading.Lock()
         self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix.py
         if prefix.block_size(vllm_config):
+            problem = prefix.contract_problem()
+            if problem:
+                raise CorecapError(f"--enable-prefix-caching: {problem} in this vLLM (corecap/_vllm/prefix.py)")
             max_blocks = capture.prefix_states_bytes // prefix.block_bytes(vllm_config, len(capture.layers))
             self.prefix = prefix.PrefixTracker(self.core.scheduler, max_blocks)
 
