@@ -86,6 +86,13 @@ def tight_run(tiny_model, prefix_data, tmp_path_factory):
                 num_gpu_blocks_override=16, prefix_states_bytes=5 * BLOCK_BYTES)
 
 
+@pytest.fixture(scope="module")
+def tp2_on_run(tiny_model, prefix_data, tmp_path_factory):
+
+    assert len(os.sched_getaffinity(0)) >= 2, "--tp 2 needs 2 CPU cores"  # a failure, not a skip (conftest.tp2_run)
+    return _run("tp2", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=True, tp=2)
+
+
 def _prefix_counts(name: str) -> tuple[int, int]:
     line = next(x for x in RUN_LOG[name] if x.startswith("prefix cache: "))
     hits, evicted = re.match(r"prefix cache: (\d+) prompt tokens taken from it; (\d+) blocks evicted", line).groups()
@@ -107,9 +114,9 @@ def _assert_same_store(reference: str, got: str) -> None:
             assert rel <= 1e-6 and float(per_token) <= 1e-6, (key, rel, float(per_token))
 
 
-@pytest.mark.parametrize("name", ["on", "tight"])
-def test_caching_on_equals_caching_off(name, off_run, on_run, tight_run, hf_model):
-    cfg, summary = {"on": on_run, "tight": tight_run}[name]
+@pytest.mark.parametrize("name", ["on", "tight", "tp2"])
+def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
+    cfg, summary = request.getfixturevalue(f"{name}_run" if name != "tp2" else "tp2_on_run")
     off_cfg, off_summary = off_run
     assert summary.num_committed == off_summary.num_committed == NUM_SAMPLES
     assert any("prefix caching on" in line for line in RUN_LOG[name])
@@ -122,13 +129,14 @@ def test_caching_on_equals_caching_off(name, off_run, on_run, tight_run, hf_mode
             assert per_sample.max() <= 1e-4 and per_token.max() <= 1e-4, key
 
 
-def test_the_cache_was_used_and_evicted(on_run, tight_run):
+def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run):
     """Not vacuous: the roomy run took most shared blocks from the cache; the tight one fewer,
     and evicted blocks from vLLM for its states budget."""
     on_hits, on_evicted = _prefix_counts("on")
     tight_hits, tight_evicted = _prefix_counts("tight")
     # shared-1..7, chunked, shared-late: 3 system blocks each; dup-2/3: 2; x-96: 2, x-50: 1, x-more: 5; turns: 2+3
     assert on_hits >= 30 * BLOCK and on_evicted == 0
+    assert _prefix_counts("tp2") == (on_hits, 0)  # the same schedule: TP changes no scheduling decision
     assert 0 < tight_hits < on_hits and tight_evicted > 0
     assert not any("prefix cache" in line for line in RUN_LOG["off"])
 
