@@ -4,8 +4,8 @@ exactly, states within 1e-6) and HF transformers (1e-4). The dataset has a prefi
 batches and steps, identical prompts, a shared part that ends mid-block, prompts that are all
 prefix of another, chunked prefill through a cached prefix and multi-turn samples; it runs with
 room to spare, and again with a KV cache and a states budget too small for the shared prefixes
-(vLLM evicts on its own, and corecap evicts from vLLM for its budget). Then a prefix-caching run
-is SIGKILLed mid-capture and resumed."""
+(vLLM evicts on its own, and corecap evicts from vLLM for its budget), with --tp 2 and with -dp 2.
+Then a prefix-caching run is SIGKILLed mid-capture and resumed."""
 
 from __future__ import annotations
 
@@ -93,6 +93,14 @@ def tp2_on_run(tiny_model, prefix_data, tmp_path_factory):
     return _run("tp2", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=True, tp=2)
 
 
+@pytest.fixture(scope="module")
+def dp2_run(tiny_model, prefix_data, tmp_path_factory):
+    """Two replicas, each with a vLLM prefix cache of its own, one sink's states cache, and a
+    budget of 3 blocks each: both replicas produce, hit and drop the same hashes."""
+    return _run("dp2", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=True, dp=2,
+                prefix_states_bytes=6 * BLOCK_BYTES)
+
+
 def _prefix_counts(name: str) -> tuple[int, int]:
     line = next(x for x in RUN_LOG[name] if x.startswith("prefix cache: "))
     hits, evicted = re.match(r"prefix cache: (\d+) prompt tokens taken from it; (\d+) blocks evicted", line).groups()
@@ -114,7 +122,7 @@ def _assert_same_store(reference: str, got: str) -> None:
             assert rel <= 1e-6 and float(per_token) <= 1e-6, (key, rel, float(per_token))
 
 
-@pytest.mark.parametrize("name", ["on", "tight", "tp2"])
+@pytest.mark.parametrize("name", ["on", "tight", "tp2", "dp2"])
 def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
     cfg, summary = request.getfixturevalue(f"{name}_run" if name != "tp2" else "tp2_on_run")
     off_cfg, off_summary = off_run
@@ -129,7 +137,7 @@ def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
             assert per_sample.max() <= 1e-4 and per_token.max() <= 1e-4, key
 
 
-def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run):
+def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run, dp2_run):
     """Not vacuous: the roomy run took most shared blocks from the cache; the tight one fewer,
     and evicted blocks from vLLM for its states budget."""
     on_hits, on_evicted = _prefix_counts("on")
@@ -138,6 +146,8 @@ def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run):
     assert on_hits >= 30 * BLOCK and on_evicted == 0
     assert _prefix_counts("tp2") == (on_hits, 0)  # the same schedule: TP changes no scheduling decision
     assert 0 < tight_hits < on_hits and tight_evicted > 0
+    dp2_hits, dp2_evicted = _prefix_counts("dp2")
+    assert dp2_hits > 0 and dp2_evicted > 0
     assert not any("prefix cache" in line for line in RUN_LOG["off"])
 
 
