@@ -112,6 +112,9 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
     rest = {k: v for k, v in options.items() if k not in _ENGINE_NAMES}
     if rest["store_dtype"] == "fp8" and rest["codec"] is not None:
         raise CorecapError("--store-dtype fp8 and --codec exclude each other (fp8 is its own encoding)")
+    if rest["store_dtype"] == "fp8" and rest["nonfinite"] == "store":
+        raise CorecapError("--nonfinite store and --store-dtype fp8 exclude each other (fp8 cannot hold NaN or Inf): "
+                           "store such samples lossless, or stop at them")
     return RunConfig(
         data=rest["data"],
         store=store,

@@ -9,7 +9,7 @@ from. Each input line {"store": PATH, "keys": [its original keys], "scratch": DI
 a clean store to merge into, "into_keys": [its keys]} gets one output line: per reader in READERS, {"ok": what it read} or {"error": the CorecapError's message} or
 {"crash": a traceback}, and the process's peak RSS so far. A reader compares what it read with
 the reference itself ("right" or "wrong: ...") and returns plain JSON; the test asserts the rest.
-To fuzz another reader (export, StoreDataset), add a function to READERS.
+To fuzz another reader, add a function to READERS.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import sys
 import traceback
 
@@ -117,6 +118,50 @@ def _files(path: str) -> dict:
     return out
 
 
+def read_dataset(path: str, line: dict, reference: dict):
+    """Every key through corecap.StoreDataset, compared with the reference as Store.get's are."""
+    from types import SimpleNamespace
+
+    from corecap import StoreDataset
+
+    dataset = StoreDataset(path)
+    out = {}
+    for key in line["keys"]:
+        try:
+            item = dataset[key]
+        except CorecapError as e:
+            out[key] = f"error: {e}"
+            continue
+        mask = item["loss_mask"].numpy().astype(np.uint8)
+        ref_mask = reference[key].get("loss_mask")
+        sample = SimpleNamespace(input_ids=item["input_ids"].numpy().astype(np.int32), hidden_states=item["hidden_states"],
+                                 loss_mask=mask if ref_mask is not None else None)
+        out[key] = _compare(sample, reference[key]) if ref_mask is not None or mask.all() else "wrong: loss_mask"
+    return out
+
+
+def read_export(path: str, line: dict, reference: dict):
+    """`corecap export --format speculators`: refused in one line, or every exported file holds
+    its sample's ids and states ([T, L, H], the stored layers in order)."""
+    from safetensors.torch import load_file
+
+    from corecap.store.export import MANIFEST, export_store
+
+    out = os.path.join(line["scratch"], "export")
+    for leftover in (out, out + ".partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    export_store(path, out, "speculators", workers=2)
+    got = {}
+    with open(os.path.join(out, MANIFEST)) as f:
+        for row in map(json.loads, f):
+            tensors = load_file(os.path.join(out, row["file"]))
+            ref = reference[row["key"]]
+            right = torch.equal(tensors["token_ids"], ref["input_ids"].to(torch.int64)) and torch.equal(
+                tensors["hidden_states"].view(torch.uint8), ref["hidden_states"].transpose(0, 1).contiguous().view(torch.uint8))
+            got[row["key"]] = "right" if right else "wrong: exported states or ids"
+    return got
+
+
 READERS = {
     "get": read_get,
     "ls": read_ls,
@@ -124,6 +169,8 @@ READERS = {
     "verify": read_verify,
     "merge": read_merge,
     "merge_into": read_merge_into,
+    "dataset": read_dataset,
+    "export": read_export,
 }
 
 

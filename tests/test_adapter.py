@@ -82,35 +82,52 @@ def test_worker_extension_names_do_not_clash():
     assert names and all(n.startswith("corecap_") for n in names)
 
 
-def test_what_data_and_pipeline_parallelism_and_nodes_rely_on():
-    """-dp drops vLLM's environment cache between engine builds; -pp widens the last stage's
-    receive buffer for the relayed aux states and checks the decoder's relay flag; nodes run
-    the multiproc executor headless and read the parallel layout (corecap/_vllm/replicas.py,
-    parallel.py, stage.py, nodes.py)."""
+def test_what_data_parallelism_and_nodes_rely_on():
+    """-dp drops vLLM's environment cache between engine builds; nodes run the multiproc
+    executor headless and read the parallel layout (corecap/_vllm/replicas.py, nodes.py); the
+    executor's output rank (TP rank 0 of the last stage) is the rank corecap's tap sends from."""
+    from types import SimpleNamespace
+
     import vllm.envs
     from vllm.config import ParallelConfig
-    from vllm.distributed.utils import get_pp_indices
-    from vllm.model_executor.models.interfaces import EagleModelMixin
-    from vllm.model_executor.models.llama import LlamaModel
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
+
+    from corecap._vllm.engine import output_rank
 
     assert callable(vllm.envs.disable_envs_cache) and callable(vllm.envs.enable_envs_cache)
     assert "monitor_workers" in inspect.signature(MultiprocExecutor.__init__).parameters
     assert {"nnodes", "node_rank", "master_addr", "master_port"} <= set(ParallelConfig.__dataclass_fields__)
     assert isinstance(inspect.getattr_static(ParallelConfig, "local_world_size"), property)
-    assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
-    assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
-    assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
-    # the executor's output rank (TP rank 0 of the last stage) is the rank corecap's tap sends from
-    from types import SimpleNamespace
-
-    from corecap._vllm.engine import output_rank
-
     for tp, pp in ((1, 1), (2, 1), (1, 2), (4, 2)):
         parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1, world_size=tp * pp)
         executor = SimpleNamespace(world_size=tp * pp, parallel_config=parallel)
         assert MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel)) == tp * (pp - 1)
+
+
+def test_what_pipeline_parallelism_relies_on():
+    """From vLLM 0.32 on, -pp widens the last stage's receive buffer for the relayed aux states
+    and checks the decoder's relay flag (corecap/_vllm/parallel.py, stage.py); before 0.32 vLLM
+    drops a non-last stage's aux states, and -pp is refused before any weights load."""
+    from types import SimpleNamespace
+
+    import vllm
+
+    from corecap._vllm.parallel import _release, check_pipeline
+    from corecap.errors import CorecapError
+
+    if _release(vllm.__version__) < (0, 32):
+        config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2))
+        with pytest.raises(CorecapError, match=f"-pp 2: vLLM {vllm.__version__} drops the hidden states"):
+            check_pipeline(config, vllm.__version__)
+        return
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.llama import LlamaModel
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
+
+    assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
+    assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
+    assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
 
 
 def test_what_prefix_caching_relies_on():

@@ -116,9 +116,11 @@ def _check(case: Case, mode: str) -> None:
             record_error(f"{case.name} {case.dtype} {mode}", per_sample, per_token)
             # which layer is off, if one is: per layer, the worst token
             assert float(per_token.max()) <= tolerance, (row["id"], dict(zip(map(str, LAYERS), per_token.tolist())))
-        # the pre-norm final state is not layer N again (the norms' weights are random)
+        # the pre-norm final state is not layer N again (the norms' weights are random): apart by
+        # far more than the dtype's band (in bf16, whose band is 6e-2, by 0.5; Qwen3-Next's closest
+        # token was 0.93 apart)
         hs = store.get("long-chunked").hidden_states
-        assert float(((hs[-1] - hs[-2]).norm(dim=-1) / hs[-2].norm(dim=-1)).min()) > 100 * tolerance
+        assert float(((hs[-1] - hs[-2]).norm(dim=-1) / hs[-2].norm(dim=-1)).min()) > min(100 * tolerance, 0.5)
 
 
 def test_compiled_matches_hf(case):

@@ -204,9 +204,10 @@ def test_model_without_aux_hidden_states(monkeypatch, vllm_config):
         pass
 
     monkeypatch.setattr(utils, "get_model_architecture", lambda model_config: (PlainForCausalLM, "PlainForCausalLM"))
-    assert _problems(vllm_config) == [
-        f"PlainForCausalLM ({__name__}, for PlainForCausalLM) does not implement SupportsEagle3: "
-        "vLLM cannot return its aux hidden states, which corecap captures"
+    assert _problems(vllm_config) == [  # the preflight's refusal (corecap/_vllm/preflight.py)
+        "PlainForCausalLM: vLLM's PlainForCausalLM has no EAGLE-3 auxiliary outputs and corecap has none of its own "
+        "for it (PlainForCausalLM is not one of vLLM's own model classes); run with --model-impl transformers "
+        "(vLLM's Transformers backend has auxiliary outputs)"
     ]
 
 

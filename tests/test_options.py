@@ -158,6 +158,14 @@ def test_prefix_caching_is_switchable_with_vllms_spelling(given, tiny_model):
     assert not build().engine.enable_prefix_caching  # off unless asked (docs/benchmarks.md, "Prefix caching")
 
 
+def test_fp8_cannot_store_nonfinite_samples(given):
+    cfg, result = given("--store-dtype", "fp8", "--nonfinite", "store")
+    assert cfg is None and result.exit_code == 2 and result.output.count("\n") == 1
+    assert "--nonfinite store and --store-dtype fp8 exclude each other" in result.output
+    cfg, result = given("--store-dtype", "fp8")
+    assert cfg is not None and cfg.nonfinite == "stop"
+
+
 def test_refused_arguments_from_python_are_refused_at_once():
     with pytest.raises(CorecapError, match="--async-scheduling: corecap controls this engine argument"):
         build(async_scheduling=True)

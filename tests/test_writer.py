@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import time
+import zlib
 
 import lmdb
 import numpy as np
@@ -10,15 +12,17 @@ import pytest
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
+from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, ModelIdentity, Store, StoreMeta
+from corecap.store.codec import quantize_fp8
+from corecap.sink import writer
 from corecap.sink.writer import NonFiniteError, Writer, all_finite
 
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
 
 
-@pytest.fixture
-def store(tmp_path):
-    meta = StoreMeta(FORMAT_VERSION, IDENTITY, (2, 8), LAYER_MEANING, "float32", 16, "0", "0")
+@pytest.fixture(params=["raw"])
+def store(tmp_path, request):
+    meta = StoreMeta(FORMAT_VERSION, IDENTITY, (2, 8), LAYER_MEANING, "float32", 16, "0", "0", request.param)
     Store.create_or_open(str(tmp_path / "s"), meta).close()
     with Store.open_for_writing(str(tmp_path / "s")) as s:
         yield s
@@ -44,6 +48,27 @@ def test_nan_stops_by_default(store):
     with pytest.raises(NonFiniteError, match=r"sample 'bad': NaN/Inf in the captured states at layers \[8\]"):
         w.close()
     assert "bad" not in store
+
+
+@pytest.mark.parametrize("store", [FP8], indirect=True)
+def test_fp8_finds_nan_without_all_finite_and_stops_as_other_codecs_do(store, monkeypatch):
+    calls = []
+    monkeypatch.setattr(writer, "all_finite", lambda states: calls.append(1) or all_finite(states))
+    w = Writer(store, codec=FP8)
+    good = torch.randn(2, 4, 16)
+    w.put("good", np.arange(4), good)
+    deadline = time.monotonic() + 30  # a liveness bound: committed alone, before "bad" fails
+    while w.num_committed < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    bad = torch.randn(2, 4, 16)
+    bad[1, 2, 3] = float("inf")
+    w.put("bad", np.arange(4), bad)
+    with pytest.raises(NonFiniteError, match=r"sample 'bad': NaN/Inf in the captured states at layers \[8\]"):
+        w.close()
+    assert calls == [1]  # only for the sample that fp8 refused
+    assert "bad" not in store
+    stored = store.get("good")
+    assert stored.header.codec == FP8 and stored.header.checksum == zlib.crc32(quantize_fp8(good))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -78,7 +78,7 @@ def split_store(store: str, cold: bool) -> tuple[float, float, float]:
             t0 = time.perf_counter()
             hv = txn.get(key.encode(), db=s.headers_db)
             header = decode_header(key, hv)
-            states = s.states(key, header, txn.get(key.encode(), db=s.samples_db))
+            states = s.states(key, header, txn.get(key.encode(), db=s.samples_db), s.committed_end(txn))
             t1 = time.perf_counter()
             decode_sample(key, hv, states, len(s.meta.layers))
             t2 = time.perf_counter()

@@ -33,6 +33,7 @@ from corecap.store import (
 )
 from corecap.store import layouts
 from corecap.store.codec import DTYPES
+from corecap.store.format import header_crc
 
 TOKENS, HIDDEN, NUM_LAYERS = 2048, 4096, 32
 LAYERS = {"speculators": (2, 16, 29, "prenorm"), "specforge": (2, 16, 29, 32)}
@@ -62,6 +63,7 @@ def build_store(path: str, fmt: str, first: int, count: int, tokens: int, codec:
             r = base[i % _DISTINCT]
             key = f"s{i:06d}"
             header = msgspec.structs.replace(decode_header("x", r.header), id=key)
+            header = msgspec.structs.replace(header, header_crc=header_crc(header))  # over the new id too
             batch.append(Record(key, encoder.encode(header), r.parts))
             if len(batch) == 8:
                 store.put_many(batch)

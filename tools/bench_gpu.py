@@ -11,13 +11,21 @@ A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-promp
 (`-dp N`), and plain vLLM, which refuses offline data parallelism for a dense model, runs N
 processes at once, one per GPU (CUDA_VISIBLE_DEVICES=k), each with its share of the prompts:
 their summed tokens/s is the N-replica baseline. --prompts is the total over the replicas.
-`plain-sync` is plain vLLM with async scheduling off, as corecap steps it. `corecap-socket` sends
-the states through ZeroMQ instead of the shared-memory ring (CORECAP_RING_SLOTS=0);
-`corecap-earlycopy` starts each step's device-to-host copy before the step's output has reached
-the host (CORECAP_EARLY_COPY=1, the order before it was changed); `corecap-serial` keeps one
-engine step in flight instead of two (CORECAP_STEPS_IN_FLIGHT=1); `corecap-sinkthreads` runs
-the sink as before its thread settings changed: torch's thread per core instead of one, and
-serial copies (CORECAP_SINK_TORCH_THREADS=16, CORECAP_SINK_COPY_THREADS=1).
+`plain-sync` is plain vLLM with async scheduling off, as corecap steps it. `corecap-fp8` stores lossy
+fp8 (`--store-dtype fp8`), `corecap-raw` the raw codec (`--codec raw`), and `corecap-socket` sends
+the states inside the ZeroMQ messages instead of through the shared-memory ring
+(`RunConfig.ring=False`, which corecap's tests use; the CLI has no flag for it).
+
+Modes dropped (docs/benchmarks.md keeps their results, measured with environment switches
+the package no longer reads: it has no CORECAP_* switch but the cache location):
+`corecap-earlycopy` (CORECAP_EARLY_COPY=1: the device-to-host copy before the step's output),
+`corecap-serial` (CORECAP_STEPS_IN_FLIGHT=1: one engine step in flight) and
+`corecap-sinkthreads` (CORECAP_SINK_TORCH_THREADS=16, CORECAP_SINK_COPY_THREADS=1: the sink's old
+thread settings) measured orders and settings that are now fixed in the code
+(corecap/_vllm/worker.py, `STEPS_IN_FLIGHT` in corecap/_vllm/engine.py, `_TORCH_THREADS` and
+`copy_threads()` in corecap/sink/process.py); mode `store` no longer writes a format 1 store
+(states inline in LMDB, `store_format1_put_many_gb_s`): this corecap reads and writes formats 2
+and 3 only (corecap/store/format.py, `READABLE_VERSIONS`).
 Each mode runs in its own process (one engine per process); every result is a JSON line in
 DIR/bench_gpu.jsonl. Clocks: "capture" = until the last sample is handed to storage; "durable" =
 until everything is on disk (corecap: the last commit, states fdatasync'd and LMDB fsync'd;
@@ -75,7 +83,7 @@ def mode_dd(args) -> dict:
 def mode_store(args) -> dict:
     """4 GiB of raw 32 MiB samples (1,024 tokens x 4 layers x 4,096 x bf16), 2 per commit, into:
     corecap's store (states files + LMDB pointers) by put_many and by the writer's pipelined
-    append/commit; a format 1 store (states inline in LMDB); plain LMDB puts for comparison."""
+    append/commit; plain LMDB puts for comparison."""
     import threading
 
     import lmdb
@@ -94,15 +102,14 @@ def mode_store(args) -> dict:
     def batches():
         return [[dataclasses.replace(r, key=f"k{i}-{r.key}") for r in batch] for i in range(64)]
 
-    for name, version, pipelined in [("store_put_many", FORMAT_VERSION, False), ("store_pipelined", FORMAT_VERSION, True),
-                                     ("store_format1_put_many", 1, False)]:
+    for name, pipelined in [("store_put_many", False), ("store_pipelined", True)]:
         shutil.rmtree(path, ignore_errors=True)
-        meta = StoreMeta(version, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
+        meta = StoreMeta(FORMAT_VERSION, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
         todo = batches()
         with Store.create_or_open(path, meta) as store:
             t = time.perf_counter()
             nbytes = 0
-            if pipelined:  # as corecap/writer.py: write batch i+1 while batch i is synced and committed
+            if pipelined:  # as corecap/sink/writer.py: write batch i+1 while batch i is synced and committed
                 import queue
 
                 q: queue.Queue = queue.Queue(maxsize=1)
@@ -188,6 +195,15 @@ def mode_extract(args) -> dict:
             "bytes_per_token": nbytes / ((n_warm + len(ps)) * PROMPT_LEN) if files else None, "load_s": load}
 
 
+def corecap_options(mode: str, codec: str | None = None) -> dict:
+    """RunConfig options of a corecap mode beyond the workload's (config.build's names)."""
+    from corecap.store import FP8
+
+    options = {"codec": codec} if codec else {}
+    return {**options, **{"corecap-fp8": {"codec": FP8}, "corecap-raw": {"codec": "raw"},
+                          "corecap-socket": {"ring": False}}.get(mode, {})}
+
+
 def mode_corecap(args) -> dict:
     from corecap.store.codec import crc32
     from corecap.config import build
@@ -199,13 +215,7 @@ def mode_corecap(args) -> dict:
             f.write(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n")
     store = os.path.join(DISK, "corecap.lmdb")
     shutil.rmtree(store, ignore_errors=True)
-    extra = {"codec": args.codec} if args.codec else {}
-    if args.one == "corecap-fp8":
-        from corecap.store import FP8
-
-        extra = {"codec": FP8}
-    elif args.one == "corecap-raw":
-        extra = {"codec": "raw"}
+    extra = corecap_options(args.one, args.codec)
     cfg = build(
         model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
         max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
@@ -237,7 +247,7 @@ def mode_corecap(args) -> dict:
         "driver_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, "wall_s": wall,
         "raw_bytes_per_token": summary.raw_bytes / tokens,
-        "codec": extra.get("codec", "default"), "trace": name, "workers": trace.get("workers", []),
+        "codec": extra.get("codec", "default"), "ring": cfg.ring, "trace": name, "workers": trace.get("workers", []),
         "crc32": crc32.__module__,  # zlib_ng.zlib_ng, or zlib where zlib-ng's wheel did not come along
         "dp": args.dp, "replicas_stepped": sorted({s.get("replica", 0) for s in trace["steps"]}),
     }
@@ -264,16 +274,33 @@ def mode_hf(args) -> dict:
     return {"tok_s": n * PROMPT_LEN / dt, "batch": batch}
 
 
-MODES = {"dd": mode_dd, "store": mode_store, "plain": mode_plain, "plain-sync": mode_plain, "extract": mode_extract, "corecap": mode_corecap,
-         "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap, "corecap-socket": mode_corecap,
-         "corecap-earlycopy": mode_corecap, "corecap-serial": mode_corecap, "corecap-sinkthreads": mode_corecap, "hf": mode_hf}
-MODE_ENV = {"corecap-socket": {"CORECAP_RING_SLOTS": "0"}, "corecap-earlycopy": {"CORECAP_EARLY_COPY": "1"},
-            "corecap-serial": {"CORECAP_STEPS_IN_FLIGHT": "1"}, "corecap-sinkthreads": {"CORECAP_SINK_TORCH_THREADS": "16", "CORECAP_SINK_COPY_THREADS": "1"}}
+MODES = {"dd": mode_dd, "store": mode_store, "plain": mode_plain, "plain-sync": mode_plain, "extract": mode_extract,
+         "corecap": mode_corecap, "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap, "corecap-socket": mode_corecap,
+         "hf": mode_hf}
+# Modes of earlier calls whose switches are gone (the docstring says why); asked for, they are refused.
+DROPPED = {"corecap-earlycopy": "CORECAP_EARLY_COPY", "corecap-serial": "CORECAP_STEPS_IN_FLIGHT",
+           "corecap-sinkthreads": "CORECAP_SINK_TORCH_THREADS, CORECAP_SINK_COPY_THREADS"}
+
+
+def parse_modes(text: str, prompts: int) -> list[tuple[str, int]]:
+    """`--modes`: (mode, prompts) per entry; `corecap@1024` carries its own prompt count."""
+    out = []
+    for entry in text.split(","):
+        mode, _, num = entry.strip().partition("@")
+        if mode in DROPPED:
+            raise ValueError(f"mode {mode!r} was dropped: corecap no longer reads {DROPPED[mode]} (see --help)")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+        if num and not (num.isdigit() and int(num) > 0):
+            raise ValueError(f"mode {entry!r}: expected MODE@PROMPTS with a positive count")
+        out.append((mode, int(num) if num else prompts))
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="dd,store,corecap,plain,extract,hf")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"modes: {', '.join(MODES)}")
+    ap.add_argument("--modes", default="dd,store,corecap,plain,extract,hf", help="comma-separated; MODE@PROMPTS for its own count")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--codec", default=None, help="corecap store codec (default: corecap's default)")
@@ -282,6 +309,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas, one GPU each (corecap -dp N; plain: N processes)")
     args = ap.parse_args()
+    try:
+        modes = parse_modes(args.one or args.modes, args.prompts)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(MODEL_DIR, exist_ok=True)
     with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
         json.dump(CONFIG, f)
@@ -290,18 +321,16 @@ def main() -> None:
         emit(args.out, rec)
         return
     for r in range(args.repeat):
-        for mode in args.modes.split(","):
-            mode, _, num = mode.partition("@")
-            cmd = [sys.executable, __file__, "--one", mode, "--prompts", num or str(args.prompts), "--out", args.out, "--dp", str(args.dp)]
+        for mode, num in modes:
+            cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(num), "--out", args.out, "--dp", str(args.dp)]
             if args.codec:
                 cmd += ["--codec", args.codec]
             t = time.time()
             if args.dp > 1 and mode in ("plain", "plain-sync"):
-                _plain_replicas(args, mode, int(num or args.prompts), r)
+                _plain_replicas(args, mode, num, r)
                 continue
             try:
-                env = {**os.environ, **MODE_ENV.get(mode, {})}
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 rc, err = proc.returncode, proc.stderr
             except subprocess.TimeoutExpired as e:
                 rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)

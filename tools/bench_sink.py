@@ -3,7 +3,8 @@
   check        the writer's NaN/Inf check of one sample (4 layers x 1,024 tokens x 4,096, one
                torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
   encode       the writer's whole encode of that sample (check + zstd-planes + checksum)
-  fp8          that sample's encode as fp8 (quantization + checksum), without the check
+  fp8          fp8 per sample of 4 x 256 x 2,048 and 4 x 1,024 x 4,096 bf16: quantize_fp8, the
+               writer's whole encode (Writer._encode_checked) and dequantize_fp8
   parts        the pieces of that zstd-planes encode: check, checksum of the states, byte-plane
                split, each plane's compression, the codec's own checksum
   scaling      K threads encoding samples at once (`--encoders`): samples/s and ms per sample,
@@ -24,6 +25,7 @@ import argparse
 import platform
 import threading
 import time
+import types
 
 import numpy as np
 import torch
@@ -33,19 +35,20 @@ from corecap.store import codec
 from corecap.transport import wire
 from corecap.sink.collect import BufferPool, Collector
 from corecap.store import FP8, encode_sample
-from corecap.sink.writer import all_finite
+from corecap.sink.writer import Writer, all_finite
 
 LAYERS, HIDDEN, SAMPLE, SAMPLES = 4, 4096, 1024, 16
 LAYER_IDS = (2, 16, 29, 32)
+FP8_SHAPES = ((4, 256, 2048), (4, 1024, 4096))  # Llama-3.2-1B's 256-token samples; the 8B shape above
 
 
-def timed(fn, repeat: int) -> list[float]:
+def timed(fn, repeat: int, clock=time.perf_counter) -> list[float]:
     fn()  # warm: allocator, zstd contexts
     out = []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append(clock() - t)
     return sorted(out)
 
 
@@ -118,10 +121,23 @@ def bench_scaling(encoders: list[int], seconds: float = 2.0) -> None:
 
 
 def bench_fp8(repeat: int) -> None:
-    x = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
-    ids = np.arange(SAMPLE, dtype=np.int32)
-    fp8 = timed(lambda: encode_sample("k", ids, x, LAYER_IDS, codec=FP8), repeat)
-    print(f"encode one bf16 sample as fp8 (quantize, checksum; the check not included): {ms(fp8)}")
+    """fp8 per sample, one thread: quantize alone, the writer's whole encode of a sample (what its
+    pool threads run: the NaN/Inf check, quantize, checksum, header) and the decode."""
+    for shape in FP8_SHAPES:
+        x = torch.randn(shape).bfloat16()
+        x[..., :1] *= 300  # an outlier channel, as in real residual streams
+        ids = np.arange(shape[1], dtype=np.int32)
+        writer = types.SimpleNamespace(layers=LAYER_IDS, codec=FP8, nonfinite="stop", flagged=[])
+        payload = codec.quantize_fp8(x)
+        runs = {
+            "quantize": lambda: codec.quantize_fp8(x),
+            "writer encode": lambda: Writer._encode_checked(writer, "k", ids, x, None),
+            "dequantize": lambda: codec.dequantize_fp8(payload, shape, torch.bfloat16),
+        }
+        for name, fn in runs.items():
+            # this thread's CPU time too: on a shared machine the wall clock counts other work
+            wall, cpu = timed(fn, repeat), timed(fn, repeat, time.thread_time)
+            print(f"fp8 {'x'.join(map(str, shape))} bf16 ({x.nbytes / 1e6:.0f} MB): {name:<14} wall {ms(wall)}; CPU {ms(cpu)}")
 
 
 def chunk(step: torch.Tensor) -> wire.DecodedChunk:

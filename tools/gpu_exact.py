@@ -8,7 +8,8 @@ V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-tok
 A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0), `:highest`
 (VLLM_FLOAT32_MATMUL_PRECISION=highest: no TF32 in vLLM's float32 matmuls), `:tf32`
 (TRITON_F32_DEFAULT=tf32: Triton's own default, which corecap replaces by ieee for float32) or
-`:socket` (CORECAP_RING_SLOTS=0: states through ZeroMQ, not the shared-memory ring).
+`:socket` (`RunConfig.ring=False`: states inside the ZeroMQ messages, not through the
+shared-memory ring; earlier calls set it with CORECAP_RING_SLOTS=0, which corecap no longer reads).
 
 Writes gpu_exact.json (worst relative error per case, per sample/layer and per token) to --out.
 """
@@ -27,8 +28,8 @@ import numpy as np
 
 VOCAB = 1024
 LAYERS = (0, 1, 2, 4, 7, 8, "prenorm")  # prenorm: the last decoder layer's output (HF: a forward hook)
-VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"},
-               "socket": {"CORECAP_RING_SLOTS": "0"}}
+VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"}}
+VARIANT_OPTIONS = {"socket": {"ring": False}}  # RunConfig options of a variant
 
 
 def build_model(path: str) -> None:
@@ -60,13 +61,13 @@ def rows() -> list[dict]:
     return out
 
 
-def one_case(model: str, data: str, store: str, dtype: str, tp: int) -> None:
+def one_case(model: str, data: str, store: str, dtype: str, variant: str, tp: int) -> None:
     """Runs in a fresh process (one engine per process)."""
     from corecap.config import build
     from corecap.run import run
 
     cfg = build(model=model, data=data, store=store, layers=LAYERS, tp=tp, batch=4, max_len=2048,
-                    max_batched_tokens=128, dtype=dtype, memory_utilization=0.3)
+                    max_batched_tokens=128, dtype=dtype, memory_utilization=0.3, **VARIANT_OPTIONS.get(variant, {}))
     t = time.time()
     print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)
 
@@ -107,12 +108,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--cases", default=None, help="default: bfloat16,float32,bfloat16:v1 at --tp 1, bfloat16,float32 otherwise")
     args = ap.parse_args()
     if args.case:
-        model, data, store, dtype = args.case
-        one_case(model, data, store, dtype, args.tp)
+        model, data, store, dtype, variant = args.case
+        one_case(model, data, store, dtype, variant, args.tp)
         return
     work = tempfile.mkdtemp(prefix="gpu-exact-")
     model = os.path.join(work, "model")
@@ -130,7 +131,7 @@ def main() -> None:
         env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}
         env.update(VARIANT_ENV.get(variant, {}))
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype],
+        proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype, variant],
                               env=env, capture_output=True, text=True, timeout=420)
         rec = {"dtype": dtype, "variant": variant, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
         if proc.returncode == 0:

@@ -28,7 +28,7 @@ the full run. Each run gets its own session, its own short TMPDIR in /tmp (mode 
 /tmp, so IPC files that land directly in it are visible) and, here, its own VLLM_CACHE_ROOT
 under --work: a kill in the middle of torch.compile then hits this cache, not the user's. A
 SIGKILLed run leaves the shared memory it mapped in /dev/shm (vLLM's message queues, ~400 MB per
-run on the tiny model); the next run must remove it (corecap/shm.py): every run that gets under
+run on the tiny model); the next run must remove it (corecap/transport/shm.py): every run that gets under
 way (commits something, or exits by itself) fails the loop if a file an earlier run left is
 still there after it. What is left at the end is removed by the harness.
 """
@@ -60,7 +60,7 @@ from corecap.store.verify import verify_store
 PHASES = ("load", "step", "commit")
 TOLERANCE = 1e-6  # relative L2 per sample and layer: float32's band after reordered reductions
 _POLL = 0.05
-# A run records its shared memory within tens of milliseconds of its creation (corecap/shm.py);
+# A run records its shared memory within tens of milliseconds of its creation (corecap/transport/shm.py);
 # what a kill catches younger than this is not expected to be recorded, and this harness removes it.
 RECORD_WINDOW = 0.25
 
@@ -85,7 +85,7 @@ class Run:
     def __init__(self, cmd: RunCommand, name: str):
         self.cmd, self.name = cmd, name
         # Short, in /tmp: corecap puts its IPC directories in TMPDIR only where socket paths fit
-        # (corecap/wire.py private_ipc_dir), else in /tmp, out of sight of the checks on this one.
+        # (corecap/transport/wire.py private_ipc_dir), else in /tmp, out of sight of the checks on this one.
         self.tmpdir = tempfile.mkdtemp(prefix="cc-run-", dir="/tmp")
         os.chmod(self.tmpdir, 0o1777)  # shared like /tmp: anything the run leaves directly here is exposed
         self.stdout_path = os.path.join(cmd.workdir, f"{name}.stdout")

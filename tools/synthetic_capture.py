@@ -1,8 +1,9 @@
 """What `corecap run --layers ...,prenorm` stores, made without an engine: HF transformers' own
 states for each sample of --data (hidden_states[k] for integer layers; "prenorm", the last
 decoder layer's output before the final norm, by a forward hook), read and masked by corecap's
-own input reader and written with the store's own encoder. The README's "Train a draft head"
-uses it until the workers capture prenorm; then `corecap run` replaces it.
+own input reader and written with the store's own encoder: a store to try `corecap export`,
+`corecap.StoreDataset` or the readers on without starting an engine (`corecap run` captures
+prenorm itself).
 
     python tools/synthetic_capture.py --store demo.lmdb [--model DIR] [--data FILE] [--layers 2,4,5,8,prenorm] [--dtype bfloat16]
 """

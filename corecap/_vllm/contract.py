@@ -387,13 +387,13 @@ def runner_v2_problem(cls) -> str | None:
     )
 
 
-@_check("model class: SupportsEagle3 (set_aux_hidden_state_layers)", configured=True)
+@_check("model class: aux hidden states, the model's own (SupportsEagle3) or corecap's override", configured=True)
 def _model(vllm_config):
-    from vllm.model_executor.model_loader.utils import get_model_architecture
-    from vllm.model_executor.models.interfaces import supports_eagle3
+    from corecap._vllm.preflight import plan_capture
+    from corecap.errors import CorecapError
 
-    cls, arch = get_model_architecture(vllm_config.model_config)
-    where = f"{cls.__name__} ({cls.__module__}, for {arch})"
-    if not supports_eagle3(cls) or not callable(getattr(cls, "set_aux_hidden_state_layers", None)):
-        return f"{where} does not implement SupportsEagle3: vLLM cannot return its aux hidden states, which corecap captures"
-    return Note(where)
+    try:
+        plan = plan_capture(vllm_config, None)  # the preflight's own resolution of the class
+    except CorecapError as e:
+        return str(e)
+    return Note(plan.line())

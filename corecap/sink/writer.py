@@ -2,7 +2,7 @@
 
 Each commit is whole samples only: their states fdatasync'd, then their headers and pointers in
 one fsync'd LMDB transaction, so a kill at any moment leaves every committed sample intact and
-no partial one. Encoding (checksum, NaN/Inf check, compression) runs on `num_threads` threads,
+no partial one. Encoding (checksum, NaN/Inf check, compression or fp8) runs on `num_threads` threads,
 since zstd, crc32 and torch release the GIL. A write thread takes the encoded records in arrival
 order, batches them (up to `batch_bytes`, or whatever is ready) and writes their states; a commit
 thread makes each batch durable meanwhile, so the disk streams while the next batch is written.
@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import Record, Store, encode_sample
+from corecap.store import FP8, Record, Store, encode_sample
+from corecap.store.codec import NonFiniteStates
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
@@ -114,6 +115,11 @@ class Writer:
         return record
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
+        if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
+            try:
+                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask)
+            except NonFiniteStates:
+                pass  # reported below, as for the other codecs
         finite = all_finite(states)
         if not finite:
             bad = [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())]

@@ -44,10 +44,7 @@ class StoreDataset(torch.utils.data.Dataset):
         self.path = os.fspath(store)
         with Store.open(self.path) as s:
             self.meta = s.meta
-            with s.env.begin() as txn:
-                self.keys = tuple(
-                    bytes(k).decode() for k in txn.cursor(db=s.headers_db).iternext(keys=True, values=False)
-                )
+            self.keys = tuple(s.keys())  # each checked (UTF-8, its length)
         stored = tuple(self.meta.layers)
         if layers is None:
             self.layers = stored

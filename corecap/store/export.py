@@ -39,10 +39,11 @@ import numpy as np
 from corecap import __version__
 from corecap.errors import CorecapError
 from corecap.progress import Progress
-from corecap.store import Store, decode_header, decode_sample
+from corecap.store import Store
 from corecap.store.codec import DTYPES
-from corecap.store.format import stored_bytes
+from corecap.store.format import checked_header, decode_states
 from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, commit_file, fsync_dir
+from corecap.store.store import key_text, prefixed
 from corecap.store.trainers import ExportPlan, describe_layer, plan_export
 
 EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over
@@ -198,9 +199,9 @@ def _write_json(path: str, obj) -> None:
 
 def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
     layout = LAYOUTS[plan.fmt](partial)
+    end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
     dtype = DTYPES[plan.dtype]
-    num_stored = len(store.meta.layers)
     start = time.monotonic()
     counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
@@ -211,7 +212,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         counts["nbytes"] += nbytes
         progress.update(1, num_tokens, nbytes)
 
-    walk = (bytes(k).decode() for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
+    walk = (key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
     syncs = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export-sync")  # waits for the disk
     manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")
@@ -221,8 +222,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
             value = txn.get(key.encode(), db=store.samples_db)
             if header_value is None or value is None:
                 raise CorecapError(f"{store.path}: sample {key!r} has {'no header' if header_value is None else 'no states'} (a damaged store: corecap verify)")
-            header = decode_header(key, header_value)
-            stored_bytes(header)  # the header is consistent (token count, sizes) before it is used
+            header = prefixed(store.path, checked_header, key, header_value, store.meta)  # before any of it is used
             if header.nonfinite:
                 counts["nonfinite"] += 1
                 continue
@@ -244,8 +244,8 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 counts["kept"] += 1
                 progress.update(1, header.num_tokens)
                 continue
-            states = store.states(key, header, value)
-            future = pool.submit(_export_one, layout, syncs, path, key, bytes(header_value), states, num_stored, ids, mask, plan.positions, dtype)
+            states = store.states(key, header, value, end)
+            future = pool.submit(_export_one, layout, syncs, path, store.path, key, header, states, ids, mask, plan.positions, dtype)
             pending.append((header.num_tokens, future))
             while len(pending) >= 2 * workers:
                 collect_oldest()
@@ -273,10 +273,10 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     )
 
 
-def _export_one(layout, syncs, path, key, header_value, states, num_stored, ids, mask, positions, dtype):
+def _export_one(layout, syncs, path, store_path, key, header, states, ids, mask, positions, dtype):
     """On a pool thread: decode one sample (checksum checked, fp8 dequantized) and write its file
     under a temporary name; returns the future of its fsync and rename, on another thread."""
-    sample = decode_sample(key, header_value, states, num_stored)
+    sample = prefixed(store_path, decode_states, key, header, states)
     tmp = path + TMP_SUFFIX
     layout.write(tmp, ids, mask, sample.hidden_states, positions, dtype)
     return syncs.submit(commit_file, tmp, path)

@@ -318,7 +318,7 @@ def decode_states(key: str, header: SampleHeader, payload) -> Sample:
         if header.codec == "raw":
             if memoryview(payload).nbytes != expected:
                 raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
-            raw = payload if isinstance(payload, bytearray) else bytearray(payload)
+            raw = payload if not memoryview(payload).readonly else bytearray(payload)  # the reader's own buffer, or a copy
         else:
             raw = codecs.decode(payload, header.dtype, expected, header.codec)
     except codecs.CodecError as e:
@@ -327,7 +327,7 @@ def decode_states(key: str, header: SampleHeader, payload) -> Sample:
         raise CorecapError(f"sample {key!r}: its {expected} bytes of states do not fit in memory") from None
     if codecs.crc32(raw) != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-    states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+    states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if len(raw) else torch.empty(0, dtype=dtype)
     return Sample(header, ids, states.view(shape))
 
 

@@ -23,6 +23,8 @@ import stat
 import struct
 import threading
 
+import numpy as np
+
 from corecap.errors import CorecapError
 
 SEGMENT_BYTES = 4 << 30
@@ -180,7 +182,7 @@ class SegmentReader:
         self.max_open = max_open
         self.fds: dict[int, int] = {}
 
-    def read(self, pointer, most: int, end: tuple[int, int] | None = None) -> bytearray:
+    def read(self, pointer, most: int, end: tuple[int, int] | None = None) -> np.ndarray:
         """The bytes at `pointer`, which may claim at most `most` of them (the size its sample's
         header allows), must end by `end` (the committed end: bytes past it belong to no sample;
         None where it is unknown) and must lie inside its file: all checked before anything is
@@ -201,7 +203,7 @@ class SegmentReader:
         if offset + length > size:
             raise CorecapError(f"pointer (samples database) names bytes {offset}..{offset + length} of {name}, which has {size} (the file was cut short)")
         try:
-            out = bytearray(length)
+            out = np.empty(length, dtype=np.uint8)  # not zero-filled: preadv writes every byte (checked below)
         except MemoryError:
             raise CorecapError(f"its {length} bytes of states do not fit in memory") from None
         view = memoryview(out)

@@ -189,7 +189,7 @@ class Store:
             raise CorecapError(f"{self.path}: states_end (meta database) is {len(raw)} bytes, expected {segments.END.size}")
         return segments.END.unpack(raw)
 
-    def states(self, key: str, header: SampleHeader, value, end: tuple[int, int] | None) -> bytearray:
+    def states(self, key: str, header: SampleHeader, value, end: tuple[int, int] | None):
         """A sample's encoded states from its `samples` value (read inside the same txn as `end`,
         `committed_end`), at most as many bytes as its header allows (`format.stored_bytes`)."""
         _, most = prefixed(self.path, stored_bytes, header, key)

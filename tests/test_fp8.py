@@ -1,0 +1,121 @@
+"""fp8's payload to the bit, against an independent reference of its documented math.
+
+The reference computes in numpy float32 (IEEE division, correctly rounded)
+    s = max(absmax(row) / 448, 2^-126),   v = clamp(x / s, -448, 448)
+and rounds v to float8_e4m3fn by nearest-value search over e4m3's 127 finite magnitudes, ties to
+the even code, the sign kept (also for -0 and values that round to zero): no torch cast involved.
+Inputs are chosen where a fast implementation could go wrong: exact e4m3 midpoints and their
+neighbours, e4m3 subnormals, rows below the floor scale, the dtypes' extremes and subnormals,
+zero and -0 rows, rows whose x / s rounds above 448, and chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from corecap.store import codec
+from corecap.store.codec import NonFiniteStates, quantize_fp8
+
+# e4m3fn magnitudes by code 0..126 (127 is NaN): subnormals m * 2^-9, normals (1 + m/8) 2^(e-7)
+_CODES = np.arange(127)
+_E4M3 = np.where(_CODES >> 3 == 0, (_CODES & 7) * 2.0**-9, (1 + (_CODES & 7) / 8) * 2.0 ** ((_CODES >> 3) - 7))
+
+
+def _e4m3_codes(v: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float8_e4m3fn codes of float32 values within ±448."""
+    a = np.abs(v.astype(np.float64))
+    assert a.max(initial=0) <= 448
+    hi = np.clip(np.searchsorted(_E4M3, a), 1, 126)  # _E4M3[hi - 1] < a <= _E4M3[hi], or a == 0
+    lo = hi - 1
+    d_lo, d_hi = a - _E4M3[lo], _E4M3[hi] - a
+    code = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(lo % 2 == 0, lo, hi)))
+    code = np.where(a == 0, 0, code)
+    return (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+
+
+def _reference(states: torch.Tensor) -> bytes:
+    x = states.float().numpy()
+    absmax = np.abs(x).max(axis=2, initial=0)
+    s = np.maximum(absmax / np.float32(448), np.float32(2.0**-126)).astype(np.float32)
+    v = np.clip(x / s[:, :, None], np.float32(-448), np.float32(448))
+    return _e4m3_codes(v).tobytes() + s.tobytes()
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def _hard_rows(dtype: torch.dtype, hidden: int = 48) -> torch.Tensor:
+    """[rows, hidden] in `dtype`: each row one of the cases the module docstring names."""
+    g = torch.Generator().manual_seed(11)
+    finfo = torch.finfo(dtype)
+    mids = (_E4M3[:-1] + _E4M3[1:]) / 2  # exact in every dtype: at most 5 significant bits
+    ulp = 2.0 ** (np.floor(np.log2(mids)) - _MANTISSA_BITS[dtype])
+    exact = np.concatenate([_E4M3, mids, mids - ulp, mids + ulp])
+    exact = np.concatenate([exact, -exact])
+    rows = []
+    for part in np.array_split(exact, -(-len(exact) // (hidden - 1))):
+        # absmax 448 makes s exactly 1, so x / s = x: e4m3 values, midpoints (ties), their neighbours
+        rows.append(torch.tensor(np.concatenate([[448.0], part, np.zeros(hidden - 1 - len(part))])))
+    rows.append(torch.zeros(hidden, dtype=torch.float64))  # all zero: the floor scale
+    rows.append(-torch.zeros(hidden, dtype=torch.float64))  # all -0: codes 0x80
+    rows.append(torch.tensor([1.0] + [-1e-30] * (hidden - 1)))  # tiny negatives round to -0
+    rows.append(torch.linspace(-finfo.max, finfo.max, hidden, dtype=torch.float64))  # the extremes
+    rows.append(finfo.tiny * torch.arange(hidden, dtype=torch.float64))  # smallest normals
+    rows.append(finfo.tiny / 4 * torch.randn(hidden, generator=g).double())  # subnormals
+    rows.append(2.0**-130 * torch.randn(hidden, generator=g).double())  # under the floor scale
+    for exponent in range(-40, 40, 2):  # spread rows; some divide past 448 (see below)
+        rows.append(2.0**exponent * (torch.randn(hidden, generator=g) * (1 + torch.rand(hidden, generator=g))).double())
+    return torch.stack(rows).clamp(-finfo.max, finfo.max).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [None, 5 * 48, 7])  # the default, several rows, one row a chunk
+def test_payload_matches_the_documented_math_to_the_bit(dtype, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(codec, "_FP8_CHUNK_VALUES", chunk)
+    rows = _hard_rows(dtype)
+    states = rows[: len(rows) // 3 * 3].view(3, -1, rows.shape[1])  # 3 layers, ragged last chunk
+    assert quantize_fp8(states).tobytes() == _reference(states)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_some_rows_divide_past_448_so_the_clamp_would_bind(dtype):
+    x = _hard_rows(dtype).float().numpy()
+    s = np.maximum(np.abs(x).max(axis=1) / np.float32(448), np.float32(2.0**-126))
+    assert ((np.abs(x) / s[:, None]).max(axis=1) > 448).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_random_states_match_to_the_bit(dtype):
+    g = torch.Generator().manual_seed(5)
+    states = torch.randn(4, 37, 300, generator=g) * torch.logspace(-3, 3, 37)[None, :, None]
+    states[1, 3, 7] = 0.0
+    states[2, :, 0] *= 300  # an outlier channel
+    states = states.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    assert quantize_fp8(states).tobytes() == _reference(states)
+    assert quantize_fp8(states.transpose(0, 1).contiguous().transpose(0, 1)).tobytes() == _reference(states)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -float("nan")])
+def test_nan_and_inf_are_refused_naming_the_first_layer(dtype, value):
+    states = torch.randn(3, 4, 40).to(dtype)
+    states[1, 2, 5] = value
+    states[1, 0, 39] = value
+    states[2, 1, 0] = value
+    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf"):
+        quantize_fp8(states)
+    assert issubclass(NonFiniteStates, ValueError)  # what callers caught before it had a name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reference_agrees_with_torchs_plain_formula(dtype):
+    """The payload before quantize_fp8 was made fast: a float32 copy divided, clamped and cast by
+    torch (tests/test_codec.py's reference). Stores written then hold these bytes."""
+    states = _hard_rows(dtype)[None]
+    x = states.float()
+    scale = (x.abs().amax(dim=2) / 448.0).clamp_min(2.0**-126)
+    q = (x / scale[:, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert q.view(torch.uint8).numpy().tobytes() + scale.numpy().tobytes() == _reference(states)
