@@ -73,10 +73,6 @@ class EngineOptions:
                 raise CorecapError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected 1 or more")
         for name, _ in self.extra:
             check_engine_arg(name)
-        if self.enable_prefix_caching:
-            # A cached position is never computed again, so its states would be missing from the
-            # samples that hit the cache (docs/design.md, "Prefix caching").
-            raise CorecapError("--enable-prefix-caching: not supported yet (the states of cached positions would be missing)")
 
     def given(self) -> dict:
         """The arguments that differ from the defaults, by vLLM's names (for the log)."""
@@ -117,6 +113,7 @@ class RunConfig:
     shard: tuple[int, int] | None = None  # (K, N): only the keys whose stable hash mod N is K
     progress: bool | None = None  # None: a progress line when stderr is a terminal
     buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
+    prefix_states_bytes: int = 1 << 30  # with prefix caching on: the sink's cache of block states
     encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
     trace: bool = True  # record the run's timeline in STORE/trace.json
     ring: bool = True  # states through a shared-memory ring (False: inside the messages)

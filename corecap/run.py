@@ -172,12 +172,13 @@ class _Capture:
     def run(self) -> Done:
         """Capture every sample still to do; on any failure or stop, commit what is complete,
         shut everything down and raise one CorecapError saying how many samples were kept."""
-        from corecap._vllm import nodes
+        from corecap._vllm import nodes, prefix
         from corecap._vllm.engine import output_rank
 
         cfg = self.cfg
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes, tcp)
+        block_size = prefix.block_size(self.plan.vllm_config)
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes, tcp, block_size)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:
@@ -205,6 +206,7 @@ class _Capture:
             private_network=cfg.private_network and self.cluster is None,  # other nodes must reach them
             pause_at_step=hooks.pause_at_step if hooks else 0, pause_file=hooks.pause_file if hooks else "",
             remote_address=sink.tcp_address,
+            prefix_states_bytes=cfg.prefix_states_bytes // len(plan.devices),  # one sink holds every replica's
         )
         if self.cluster:
             self._join_nodes()
@@ -222,6 +224,8 @@ class _Capture:
         progress = Progress(plan.todo, cfg.progress, self.terminal)
         self._loop(sink, progress)
         progress.close()
+        if self.engine.prefix_line():
+            self.log(self.engine.prefix_line())
         self.workers = self.engine.worker_stats()
         self.log(workers_line(self.workers))
         done = sink.finish(cfg.stall_timeout, self._problem)
@@ -247,12 +251,13 @@ class _Capture:
                     exhausted = True
                     break
                 req_id = str(sample.line)
-                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask)
-                engine.add(req_id, sample.token_ids.tolist())
+                block_hashes = engine.add(req_id, sample.token_ids.tolist())  # scheduled only in step()
+                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask, block_hashes)
                 added += len(sample.token_ids)
             if engine.num_unfinished == 0:
                 return
             timing = engine.step()
+            sink.prefix(engine.take_prefix_actions())
             if self.steps is not None:
                 self.steps.append(timing)
             progress.update(len(timing.finished), timing.num_tokens)

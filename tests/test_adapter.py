@@ -128,3 +128,16 @@ def test_what_pipeline_parallelism_relies_on():
     assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
     assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
     assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
+
+
+def test_what_prefix_caching_relies_on():
+    """corecap/_vllm/prefix.py: hit lengths in NewRequestData, evict_blocks, get_cached_block,
+    num_computed_tokens advanced at schedule time; the engine checks the same at its start."""
+    from corecap._vllm.prefix import block_size, contract_problem
+
+    assert contract_problem() is None
+    from types import SimpleNamespace
+
+    on = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True, block_size=32))
+    off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=32))
+    assert block_size(on) == 32 and block_size(off) == 0

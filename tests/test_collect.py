@@ -121,3 +121,76 @@ def test_a_damaged_states_run_is_an_error_not_a_sample(copy_threads):
         c.take(wire.DecodedChunk(msg.header, msg.token_ids, msg.positions, damaged), 0.0)
     assert done == []  # nothing handed on to be stored
     c.close()
+
+
+# --- prefix caching: samples completed from the states cache (corecap/sink/prefix.py) -------------
+
+BS = 4  # block size
+
+
+def _prefix_collector(done: dict) -> Collector:
+    return Collector(LAYERS, lambda p: done.__setitem__(p.key, p.states.clone()), block_size=BS)
+
+
+def test_cached_blocks_come_from_the_block_that_produced_them():
+    """a computes 3 full blocks + 2; c hits a's first block in the same step that a computes it
+    (so it waits for it); b shares a's first 2 blocks and hits them in a later step, after its
+    own tail has arrived."""
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 100, 14).astype(np.int32)
+    b = np.concatenate([a[:8], rng.integers(0, 100, 5).astype(np.int32)])
+    c = np.concatenate([a[:4], rng.integers(0, 100, 3).astype(np.int32)])
+    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    done = {}
+    col = _prefix_collector(done)
+    for r, ids in (("a", a), ("b", b), ("c", c)):
+        col.expect(r, r, ids, block_hashes=hashes(ids))
+    col.hits("c", 1)  # a's first block is in the same step, not here yet: c waits
+    step0 = _chunk(0, [("a", a, 0), ("c", c[4:], 4)])
+    col.take(step0, 0.0)
+    assert sorted(done) == ["a", "c"]
+    assert torch.equal(done["c"][:, :4], step0.states[:, :4]) and torch.equal(done["c"][:, 4:], step0.states[:, 14:])
+    step1 = _chunk(1, [("b", b[8:], 8)])
+    col.take(step1, 0.0)  # b's own tail: 2 blocks still missing
+    assert "b" not in done
+    col.hits("b", 2)
+    assert torch.equal(done["b"][:, :8], step0.states[:, :8]) and torch.equal(done["b"][:, 8:], step1.states)
+    assert col.cache.num_blocks == 3 + 1  # a's 3 and b's third (c's tail is not a full block)
+
+
+def test_a_drop_that_overtakes_its_chunks_neither_leaks_nor_loses_a_live_block():
+    """The driver's drop can reach the sink before the chunks whose productions it counts, and a
+    block produced again after a drop must be kept."""
+    from corecap.sink.prefix import StatesCache
+
+    cache, block = StatesCache(), torch.ones(2, BS, 3)
+    cache.drop(b"h", 2)  # counted 2 productions, none arrived yet
+    assert cache.produce(b"h", block) == [] and cache.get(b"h") is None
+    cache.wait(b"h", ("r", 0))  # a hit on the dropped generation's block, still to come
+    assert cache.produce(b"h", block) == [("r", 0)] and cache.get(b"h") is None
+    assert not cache.entries  # nothing left behind
+    cache.produce(b"h", block)  # produced again, after the drop: kept
+    cache.produce(b"h", 2 * block)  # a duplicate production keeps the first copy
+    assert torch.equal(cache.get(b"h"), block) and cache.nbytes == block.nbytes
+    cache.drop(b"h", 1)  # only one of the two counted: the other is live
+    assert torch.equal(cache.get(b"h"), block)
+    cache.drop(b"h", 1)
+    assert cache.get(b"h") is None and cache.nbytes == 0 and not cache.entries
+
+
+def test_a_hit_the_sink_cannot_place_is_an_error():
+    col = _prefix_collector({})
+    col.expect("a", "a", np.arange(6, dtype=np.int32), block_hashes=[b"x"])
+    with pytest.raises(CorecapError, match="2 cached blocks for request 'a'"):
+        col.hits("a", 2)
+    with pytest.raises(CorecapError, match="request 'zz'"):
+        col.hits("zz", 1)
+
+
+def test_completed_blocks_are_those_whose_last_position_was_computed():
+    from corecap.sink.prefix import completed_blocks
+
+    assert list(completed_blocks(0, 14, 4, 3)) == [0, 1, 2]
+    assert list(completed_blocks(8, 13, 4, 3)) == [2]  # positions 8..12: block 2 ends at 11
+    assert list(completed_blocks(9, 11, 4, 3)) == []  # block 2 not finished
+    assert list(completed_blocks(5, 12, 4, 2)) == [1]  # only full blocks of the prompt are hashed

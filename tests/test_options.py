@@ -108,7 +108,7 @@ def test_options_reach_vllms_config(tiny_model, tmp_path):
     assert config.scheduler_config.long_prefill_token_threshold == 16  # passed through by vLLM's own parser
     # what corecap controls, whatever was asked
     assert config.scheduler_config.async_scheduling is False
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching is False  # corecap's default (not vLLM's): off unless asked
     assert config.parallel_config.worker_extension_cls == "corecap._vllm.worker.CaptureExtension"
 
 
@@ -145,12 +145,17 @@ def test_refused_and_unknown_arguments_are_one_line_errors(tiny_model, args, mes
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_prefix_caching_is_refused_until_it_is_exact(given):
-    cfg, result = given("--enable-prefix-caching")
-    assert cfg is None and result.exit_code == 2
-    assert "--enable-prefix-caching: not supported yet" in result.output
-    with pytest.raises(CorecapError, match="--enable-prefix-caching: not supported yet"):
-        build(enable_prefix_caching=True)
+def test_prefix_caching_is_switchable_with_vllms_spelling(given, tiny_model):
+    cfg, _ = given("--enable-prefix-caching", "--prefix-states-memory", "0.5", "--block-size", "32")
+    assert cfg.engine.enable_prefix_caching and cfg.prefix_states_bytes == 2**29
+    on = _config(tiny_model, enable_prefix_caching=True, extra_args=cfg.engine.extra_args)
+    assert on.cache_config.enable_prefix_caching and on.cache_config.block_size == 32
+    from corecap._vllm import effective_settings
+
+    assert "prefix caching on" in effective_settings(on)
+    cfg, _ = given("--no-enable-prefix-caching")
+    assert not cfg.engine.enable_prefix_caching and cfg.prefix_states_bytes == 2**30  # the default budget
+    assert not build().engine.enable_prefix_caching  # off unless asked (docs/benchmarks.md, "Prefix caching")
 
 
 def test_fp8_cannot_store_nonfinite_samples(given):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
 from corecap.config import Layer
+from corecap._vllm import prefix
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
 # steps to the pace of vLLM's own loop; one (strictly a step at a time) was 2-3% slower there
@@ -38,6 +39,7 @@ class CaptureSpec:
     remote_address: str = ""  # tcp:// address of the sink, for a sender on another node
     pause_at_step: int = 0  # config.TestHooks
     pause_file: str = ""
+    prefix_states_bytes: int = 0  # with prefix caching on: this engine's budget for cached block states
 
 
 @dataclass
@@ -142,6 +144,13 @@ class Engine:
         self.in_flight: deque[_Batch] = deque()  # oldest first
         self._interrupted: str | None = None
         self._lock = threading.Lock()
+        self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix.py
+        if prefix.block_size(vllm_config):
+            problem = prefix.contract_problem()
+            if problem:
+                raise CorecapError(f"--enable-prefix-caching: {problem} in this vLLM (corecap/_vllm/prefix.py)")
+            max_blocks = capture.prefix_states_bytes // prefix.block_bytes(vllm_config, len(capture.layers))
+            self.prefix = prefix.PrefixTracker(self.core.scheduler, max_blocks)
 
     @staticmethod
     def dtype_of(vllm_config) -> str:
@@ -188,7 +197,8 @@ class Engine:
                 self._interrupted = reason
                 self.executor.shutdown()
 
-    def add(self, req_id: str, token_ids: list[int]) -> None:
+    def add(self, req_id: str, token_ids: list[int]) -> list[bytes] | None:
+        """Queue a sample; with prefix caching on, returns vLLM's hashes of its full blocks."""
         from vllm.v1.request import Request
 
         request = Request(
@@ -203,6 +213,11 @@ class Engine:
         self.num_unfinished += 1
         self.tokens[req_id] = len(token_ids)
         self.num_outstanding_tokens += len(token_ids)
+        return list(request.block_hashes) if self.prefix is not None else None
+
+    def take_prefix_actions(self) -> list[tuple]:
+        """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix.py)."""
+        return self.prefix.take_actions() if self.prefix is not None else []
 
     def step(self) -> StepTiming:
         try:
@@ -265,6 +280,8 @@ class Engine:
         while len(self.in_flight) < self.steps_in_flight and (scheduler.has_requests() or not self.in_flight):
             t = time.time()
             scheduler_output = scheduler.schedule()
+            if self.prefix is not None:  # before the next schedule(): see prefix.py
+                self.prefix.after_schedule(scheduler_output)
             t_schedule += time.time() - t
             t = time.time()
             exec_future = self.executor.execute_model(scheduler_output, non_block=True)

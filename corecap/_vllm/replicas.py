@@ -66,9 +66,20 @@ class Replicas:
     def steps_in_flight(self) -> int:
         return self.engines[0].steps_in_flight
 
-    def add(self, req_id: str, token_ids: list[int]) -> None:
+    def add(self, req_id: str, token_ids: list[int]) -> list[bytes] | None:
         """To the replica with the fewest prompt tokens still to capture (ties: the first)."""
-        min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids)
+        return min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids)
+
+    def take_prefix_actions(self) -> list[tuple]:
+        return [a for e in self.engines for a in e.take_prefix_actions()]
+
+    def prefix_line(self) -> str | None:
+        """How much vLLM's prefix cache saved, or None where it is off."""
+        trackers = [e.prefix for e in self.engines if e.prefix is not None]
+        if not trackers:
+            return None
+        hits, evicted = sum(t.num_hit_tokens for t in trackers), sum(t.num_evicted for t in trackers)
+        return f"prefix cache: {hits} prompt tokens taken from it; {evicted} blocks evicted from vLLM for the states budget"
 
     def step(self) -> StepTiming:
         """One step of the next replica (round robin) that has unfinished samples."""

@@ -6,6 +6,10 @@ contiguous run inside its sample and its token ids must equal the sample's own i
 positions, so a capture that would land under the wrong sample, or short, is an error, not a
 stored sample; each run of states is checked against the worker's CRC-32 as it is copied. A
 sample is complete when every one of its positions has been received.
+
+With vLLM's prefix caching on, a sample's leading full blocks may never be computed for it: the
+driver says how many (`hits`) and they come from the states cache (corecap/sink/prefix.py),
+which every captured full block of a sample with block hashes feeds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
+from corecap.sink.prefix import StatesCache, completed_blocks
 from corecap.transport import wire
 
 
@@ -31,6 +36,17 @@ class _Pending:
     states: torch.Tensor | None = None
     covered: np.ndarray = field(default=None)  # bool [T]
     num_covered: int = 0
+    block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
+
+    def cover(self, start: int, num_tokens: int) -> None:
+        self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
+        self.covered[start : start + num_tokens] = True
+
+    def buffer(self, num_layers: int, hidden_size: int, dtype: torch.dtype, buffers) -> torch.Tensor:
+        if self.states is None:
+            shape = (num_layers, len(self.token_ids), hidden_size)
+            self.states = buffers.take(shape, dtype) if buffers else torch.empty(shape, dtype=dtype)
+        return self.states
 
 
 @dataclass
@@ -104,9 +120,12 @@ class Collector:
 
     def __init__(
         self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None,
-        copy_threads: int = 1,
+        copy_threads: int = 1, block_size: int = 0,
     ):
+        """`block_size`: vLLM's, with prefix caching on (0: off)."""
         self.layers = layers
+        self.block_size = block_size
+        self.cache = StatesCache()
         self.on_complete = on_complete
         self.buffers = buffers
         self.pending: dict[str, _Pending] = {}
@@ -117,8 +136,39 @@ class Collector:
         if self.copiers:
             self.copiers.shutdown()
 
-    def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None) -> None:
-        self.pending[req_id] = _Pending(key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool))
+    def expect(
+        self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
+        block_hashes: list[bytes] | None = None,
+    ) -> None:
+        self.pending[req_id] = _Pending(key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool), block_hashes=block_hashes)
+
+    def hits(self, req_id: str, num_blocks: int) -> None:
+        """vLLM took the first `num_blocks` blocks of this request from its prefix cache."""
+        p = self.pending.get(req_id)
+        if p is None or not p.block_hashes or num_blocks > len(p.block_hashes):
+            raise CorecapError(f"prefix cache: {num_blocks} cached blocks for request {req_id!r}, which the sink cannot place")
+        for i in range(num_blocks):
+            states = self.cache.get(p.block_hashes[i])
+            if states is None:  # its producer's chunk is still on its way
+                self.cache.wait(p.block_hashes[i], (req_id, i))
+            else:
+                self._fill(req_id, i, states)
+        self._complete([req_id])
+
+    def drop(self, block_hash: bytes, count: int) -> None:
+        self.cache.drop(block_hash, count)
+
+    def _fill(self, req_id: str, i: int, block: torch.Tensor) -> None:
+        p, bs = self.pending[req_id], self.block_size
+        p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)[:, i * bs : (i + 1) * bs].copy_(block)
+        p.cover(i * bs, bs)
+
+    def _complete(self, req_ids) -> None:
+        for req_id in req_ids:
+            p = self.pending.get(req_id)
+            if p is not None and p.num_covered == len(p.token_ids):
+                del self.pending[req_id]
+                self.on_complete(p)
 
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
@@ -127,7 +177,7 @@ class Collector:
         h = msg.header
         if h.layers != self.layers:
             raise CorecapError(f"worker sent layers {h.layers}, expected {self.layers}")
-        copies, complete = [], []
+        copies, runs = [], []
         offset = 0
         for j, seg in enumerate(h.segments):
             lo, hi = offset, offset + seg.num_tokens
@@ -144,24 +194,26 @@ class Collector:
                 )
             if not np.array_equal(msg.token_ids[lo:hi], p.token_ids[start : start + seg.num_tokens]):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
-            if p.states is None:
-                shape = (len(self.layers), len(p.token_ids), h.hidden_size)
-                p.states = self.buffers.take(shape, msg.states.dtype) if self.buffers else torch.empty(shape, dtype=msg.states.dtype)
-            copies.extend((p.states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
-            newly = seg.num_tokens - int(p.covered[start : start + seg.num_tokens].sum())
-            p.covered[start : start + seg.num_tokens] = True
-            p.num_covered += newly
-            if p.num_covered == len(p.token_ids):
-                del self.pending[seg.req_id]
-                complete.append(p)
+            states = p.buffer(len(self.layers), h.hidden_size, msg.states.dtype, self.buffers)
+            copies.extend((states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
+            p.cover(start, seg.num_tokens)
+            runs.append((seg.req_id, p, start, seg.num_tokens))
         if self.copiers and len(copies) > 1:
             for _ in self.copiers.map(_copy, copies):  # re-raises a copy's error
                 pass
         else:
             for item in copies:
                 _copy(item)
-        for p in complete:
-            self.on_complete(p)
+        served = []
+        if self.block_size:  # every full block this chunk completed, for later hits on it
+            bs = self.block_size
+            for _, p, start, n in runs:
+                for i in completed_blocks(start, start + n, bs, len(p.block_hashes or ())):
+                    block = p.states[:, i * bs : (i + 1) * bs]
+                    for req_id, k in self.cache.produce(p.block_hashes[i], block):
+                        self._fill(req_id, k, block)
+                        served.append(req_id)
+        self._complete([r[0] for r in runs] + served)
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
 
 

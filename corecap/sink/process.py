@@ -50,6 +50,21 @@ class Expect(msgspec.Struct, array_like=True, tag=1):
     key: str
     token_ids: bytes  # int32 LE
     loss_mask: bytes | None = None
+    block_hashes: list[bytes] | None = None  # vLLM's, of each full block, with prefix caching on
+
+
+class Hits(msgspec.Struct, array_like=True, tag=6):
+    """vLLM took this request's first `num_blocks` blocks from its prefix cache (sink/prefix.py)."""
+
+    req_id: str
+    num_blocks: int
+
+
+class Drop(msgspec.Struct, array_like=True, tag=7):
+    """Stop keeping this block's states: the driver counted `count` productions of it."""
+
+    block_hash: bytes
+    count: int
 
 
 class Finish(msgspec.Struct, array_like=True, tag=2):
@@ -78,7 +93,7 @@ class Failed(msgspec.Struct, array_like=True, tag=5):
     num_committed: int
 
 
-Control = Expect | Finish | Abort
+Control = Expect | Finish | Abort | Hits | Drop
 Status = Done | Failed
 
 
@@ -92,14 +107,19 @@ class SinkSpec:
     buffer_bytes: int
     parent_pid: int
     tcp_address: str = ""  # also receive states there (from a worker on another node)
+    block_size: int = 0  # vLLM's, with prefix caching on (0: off)
 
 
 class Sink:
     """The driver's handle on the sink process."""
 
-    def __init__(self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = ""):
+    def __init__(
+        self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = "",
+        block_size: int = 0,
+    ):
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
-        worker of an engine whose last pipeline stage is on another node ('' : none)."""
+        worker of an engine whose last pipeline stage is on another node ('' : none).
+        `block_size`: vLLM's block size when its prefix caching is on (0: off)."""
         self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
         self.tcp_address = tcp_address
@@ -110,7 +130,7 @@ class Sink:
         self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address)
+        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address, block_size)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
         self.proc.start()
         self.result: Status | None = None
@@ -142,9 +162,15 @@ class Sink:
             return self.result.message
         return f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
 
-    def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None) -> None:
+    def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None) -> None:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask))
+        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes))
+
+    def prefix(self, actions) -> None:
+        """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks) and
+        ("drop", block_hash, count) (corecap/_vllm/prefix.py)."""
+        for kind, a, b in actions:
+            self._send(Hits(a, b) if kind == "hits" else Drop(a, b))
 
     def check(self) -> None:
         """Raise if the sink failed or died (cheap; call once per step)."""
@@ -266,7 +292,7 @@ class _Loop:
         buffers = BufferPool(spec.buffer_bytes // 2)
         self.collector = Collector(
             store.meta.layers, lambda p: self.writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give),
-            buffers, copy_threads(),
+            buffers, copy_threads(), spec.block_size,
         )
         self.decoder = msgspec.msgpack.Decoder(Control)
         self.finishing = self.aborting = False
@@ -296,7 +322,11 @@ class _Loop:
         msg = self.decoder.decode(raw)
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
-            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask)
+            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes)
+        elif isinstance(msg, Hits):
+            self.collector.hits(msg.req_id, msg.num_blocks)
+        elif isinstance(msg, Drop):
+            self.collector.drop(msg.block_hash, msg.count)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:

@@ -1,0 +1,123 @@
+"""vLLM's prefix caching, kept exact for the capture: the driver's half (the sink's half, and
+why the two agree, is corecap/sink/prefix.py).
+
+After every `schedule()` (`Engine._fill`) the tracker reads, for each newly scheduled request,
+how many of its positions vLLM took from its prefix cache (`NewRequestData.num_computed_tokens`,
+always whole blocks of `request.block_hashes`), and which full blocks each scheduled request
+completes in this step (those vLLM caches now, and the sink will keep). It keeps vLLM's cached
+hashes a subset of the states the sink holds: the sink holds the states of every hash this
+tracker counts, and before it stops counting one (the states budget is full: least recently
+used first) it removes that hash from vLLM's prefix cache (`KVCacheManager.evict_blocks`: a
+block in use stays allocated to its request, it only stops being a cache hit). Both happen
+between two `schedule()` calls, so no later hit can name states that are gone. vLLM evicting a
+block on its own needs no message: the sink keeps its states until the budget drops them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from corecap.errors import CorecapError
+from corecap.sink.prefix import completed_blocks
+
+
+def block_size(vllm_config) -> int:
+    """vLLM's block size where prefix caching is on in this configuration, else 0. vLLM may turn
+    it off itself (on the CPU for MLA models, for non-causal attention)."""
+    cache = vllm_config.cache_config
+    return cache.block_size if cache.enable_prefix_caching else 0
+
+
+def block_bytes(vllm_config, num_layers: int) -> int:
+    """The states of one block: block_size x layers x hidden x the model's itemsize."""
+    import torch
+
+    model = vllm_config.model_config
+    itemsize = torch.empty(0, dtype=model.dtype).element_size()
+    return vllm_config.cache_config.block_size * num_layers * model.get_hidden_size() * itemsize
+
+
+class PrefixTracker:
+    """Per engine: the block hashes whose states the sink holds, least recently used first."""
+
+    def __init__(self, scheduler, max_blocks: int):
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        hash_block_size = getattr(scheduler, "hash_block_size", scheduler.block_size)
+        if len(groups) != 1 or groups[0].kv_cache_spec.block_size != hash_block_size:
+            raise CorecapError(
+                f"--enable-prefix-caching: this model's KV cache has {len(groups)} groups (hybrid attention); "
+                "corecap keeps prefix caching exact for one group only (use --no-enable-prefix-caching)"
+            )
+        self.scheduler = scheduler
+        self.block_size = hash_block_size
+        self.max_blocks = max_blocks
+        self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash → productions since the sink last dropped it
+        self.actions: list[tuple] = []  # for the sink, in order: ("hits", req_id, n), ("drop", hash, count)
+        self.num_hit_tokens = 0
+        self.num_evicted = 0
+
+    def after_schedule(self, scheduler_output) -> None:
+        bs, requests = self.block_size, self.scheduler.requests
+        # Productions first: a request may hit blocks that another computes in this same step.
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests[req_id]
+            end = request.num_computed_tokens  # already advanced past this step's tokens
+            for i in completed_blocks(end - num_tokens, end, bs, len(request.block_hashes)):
+                h = request.block_hashes[i]
+                self.counts[h] = self.counts.get(h, 0) + 1
+                self.counts.move_to_end(h)
+        for new in scheduler_output.scheduled_new_reqs:
+            num_blocks = new.num_computed_tokens // bs
+            if not num_blocks:
+                continue
+            hashes = requests[new.req_id].block_hashes[:num_blocks]
+            gone = [h for h in hashes if h not in self.counts]
+            if gone:  # the invariant this module keeps; a hit here would be a sample with holes
+                raise CorecapError(f"prefix cache: request {new.req_id} hit {len(gone)} blocks whose states corecap does not hold")
+            for h in hashes:
+                self.counts.move_to_end(h)
+            self.actions.append(("hits", new.req_id, num_blocks))
+            self.num_hit_tokens += num_blocks * bs
+        while len(self.counts) > self.max_blocks:
+            h, count = self.counts.popitem(last=False)
+            self._evict(h)
+            self.actions.append(("drop", h, count))
+
+    def _evict(self, block_hash: bytes) -> None:
+        """Every block vLLM caches under this hash (a recomputed block is cached again, in a block
+        of its own), out of its prefix cache."""
+        manager = self.scheduler.kv_cache_manager
+        pool = manager.block_pool
+        for _ in range(pool.num_gpu_blocks + 1):
+            blocks = pool.get_cached_block(block_hash, [0])
+            if not blocks:
+                return
+            self.num_evicted += 1
+            manager.evict_blocks({b.block_id for b in blocks})
+        raise AssertionError("evict_blocks left a block in vLLM's prefix cache")
+
+    def take_actions(self) -> list[tuple]:
+        actions, self.actions = self.actions, []
+        return actions
+
+
+def contract_problem() -> str | None:
+    """What this module relies on in vLLM, without an engine (tests/test_adapter.py)."""
+    import dataclasses
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    fields = {f.name for f in dataclasses.fields(NewRequestData)}
+    if not {"req_id", "num_computed_tokens"} <= fields:
+        return "NewRequestData lost req_id or num_computed_tokens"
+    if list(inspect.signature(KVCacheManager.evict_blocks).parameters) != ["self", "block_ids"]:
+        return "KVCacheManager.evict_blocks(block_ids) moved"
+    if list(inspect.signature(BlockPool.get_cached_block).parameters) != ["self", "block_hash", "kv_cache_group_ids"]:
+        return "BlockPool.get_cached_block(block_hash, kv_cache_group_ids) moved"
+    if "num_computed_tokens += " not in inspect.getsource(Scheduler._update_after_schedule):
+        return "Scheduler._update_after_schedule no longer advances num_computed_tokens at schedule time"
+    return None

@@ -1,0 +1,79 @@
+"""The states of cached prefix blocks: what lets a capture run with vLLM's prefix caching on.
+
+With prefix caching on, vLLM computes a request's leading full blocks only when no earlier
+request computed the same ones (same block hash: the whole prefix up to the block's end), so
+the states of those positions never reach the capture. The sink keeps the states of full
+blocks here, by block hash, and completes every such sample from them (Collector.hits).
+
+Who decides what is kept: the driver (corecap/_vllm/prefix.py). Both sides apply one rule to the
+same steps: a block is *produced* when a step computes its last position (`completed_blocks`;
+that is when vLLM caches it). The driver counts productions per hash, keeps a byte budget by
+dropping the least recently used hashes, evicting them from vLLM's prefix cache first, and sends
+`drop(hash, count)` with the number of productions it saw. A hit can only name a hash that the
+driver still counts, so its states are here, or on their way in a chunk the sink has not read.
+
+Chunks (from the workers) and the driver's messages travel on different sockets, so a drop can
+arrive before the chunks whose productions it counts. Counting makes that harmless: a hash's
+count here is productions received minus productions dropped; states are kept while it is
+positive; a negative count means productions of a dropped generation still to come, which serve
+any request that waits for them and are not kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def completed_blocks(start: int, end: int, block_size: int, num_hashes: int) -> range:
+    """The full blocks whose last position lies in [start, end): the blocks a step that computes
+    those positions completes (vLLM caches each, under its hash, in that step)."""
+    return range(start // block_size, min(end // block_size, num_hashes))
+
+
+@dataclass
+class _Entry:
+    count: int = 0  # productions received minus productions dropped
+    states: torch.Tensor | None = None  # [L, block_size, H], while count > 0
+
+
+@dataclass
+class StatesCache:
+    """block hash → the states of that block, kept as the driver says."""
+
+    entries: dict[bytes, _Entry] = field(default_factory=dict)
+    waiters: dict[bytes, list] = field(default_factory=dict)  # hash → what waits for its states
+    nbytes: int = 0
+
+    def get(self, block_hash: bytes) -> torch.Tensor | None:
+        entry = self.entries.get(block_hash)
+        return None if entry is None else entry.states
+
+    def wait(self, block_hash: bytes, waiter) -> None:
+        self.waiters.setdefault(block_hash, []).append(waiter)
+
+    def produce(self, block_hash: bytes, states: torch.Tensor) -> list:
+        """A chunk completed this block (`states`: a view valid only now). Returns the waiters
+        to serve from `states`."""
+        entry = self.entries.setdefault(block_hash, _Entry())
+        entry.count += 1
+        if entry.count > 0 and entry.states is None:
+            entry.states = states.clone()
+            self.nbytes += entry.states.nbytes
+        elif entry.count == 0:
+            del self.entries[block_hash]  # the last production of a dropped generation
+        return self.waiters.pop(block_hash, [])
+
+    def drop(self, block_hash: bytes, count: int) -> None:
+        entry = self.entries.setdefault(block_hash, _Entry())
+        entry.count -= count
+        if entry.count <= 0 and entry.states is not None:
+            self.nbytes -= entry.states.nbytes
+            entry.states = None
+        if entry.count == 0:
+            del self.entries[block_hash]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(1 for e in self.entries.values() if e.states is not None)

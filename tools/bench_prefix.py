@@ -1,0 +1,179 @@
+"""Prefix caching on the CPU: capture rate, stored bytes and peak RSS with caching off and on.
+
+    PYTHONPATH=$PWD flock /tmp/corecap-engine.lock python3 tools/bench_prefix.py [--datasets a,b,c]
+        [--modes off,on,on-small] [--samples 24] [--out DIR]
+
+Datasets (written here, from a fixed seed, as token ids):
+  a  a 2,048-token system prompt shared by every sample, plus a unique tail of 256-1,024 tokens
+  b  multi-turn conversations stored one sample per turn (turn k's sample is turns 1..k, each
+     turn 128-384 tokens): every sample is a prefix of the next one of its conversation
+  c  unique random prompts of 256-1,024 tokens (nothing shared: what caching costs)
+Modes: `off` (--no-enable-prefix-caching), `on` (--enable-prefix-caching, --block-size 32,
+the default --prefix-states-memory 1 GB), `on-small` (the same with --prefix-states-memory
+0.05: the states budget bounds the sink's memory), `on-128` (vLLM's CPU block size, 128).
+
+Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama (8
+layers, hidden 512, float32, from a fixed seed), layers 2,4,5,8, 8 sequences and 2,048 tokens
+a step. The capture rate is the samples' tokens over the time from the first engine step to the
+last commit (from the run's trace); stored bytes are the store's states (summary.nbytes); peak
+RSS is the driver's own (getrusage), the sink's (which holds the states cache) and the largest
+worker's (both sampled every 50 ms). Every result is a JSON line in DIR/bench_prefix.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+LAYERS = (2, 4, 5, 8)
+MODES = {
+    "off": {},
+    "on": {"enable_prefix_caching": True, "block_size": 32},
+    "on-small": {"enable_prefix_caching": True, "block_size": 32, "prefix_states_bytes": int(0.05 * 2**30)},
+    "on-128": {"enable_prefix_caching": True},
+}
+
+
+def build_model(workdir: str) -> str:
+    import torch
+    import transformers
+
+    model = os.path.join(workdir, "model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        config = transformers.LlamaConfig(
+            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(model)
+    return model
+
+
+def build_data(workdir: str, dataset: str, num_samples: int) -> str:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = lambda n: rng.integers(10, 4000, size=int(n)).tolist()  # noqa: E731
+    rows = []
+    if dataset == "a":
+        system = tokens(2048)
+        rows = [system + tokens(n) for n in rng.integers(256, 1025, size=num_samples)]
+    elif dataset == "b":
+        while len(rows) < num_samples:
+            turns: list[int] = []
+            for _ in range(6):
+                turns = turns + tokens(rng.integers(128, 385))
+                rows.append(turns)
+        rows = rows[:num_samples]
+    elif dataset == "c":
+        rows = [tokens(n) for n in rng.integers(256, 1025, size=num_samples)]
+    else:
+        raise SystemExit(f"--datasets: unknown dataset {dataset!r} (a, b or c)")
+    path = os.path.join(workdir, f"data-{dataset}-{num_samples}.jsonl")
+    with open(path, "w") as f:
+        for i, ids in enumerate(rows):
+            f.write(json.dumps({"id": f"s{i}", "input_ids": ids}) + "\n")
+    return path
+
+
+def one(args) -> dict:
+    """A single (dataset, mode), in this process."""
+    from corecap.api import capture
+
+    store = os.path.join(args.workdir, f"store-{args.one}")
+    shutil.rmtree(store, ignore_errors=True)
+    lines: list[str] = []
+    peaks: dict[str, float] = {}
+    done = threading.Event()
+    threading.Thread(target=_watch_rss, args=(peaks, done), daemon=True).start()
+    t0 = time.perf_counter()
+    summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS, dtype="float32", batch=8,
+                      max_batched_tokens=2048, max_len=3200, memory_utilization=0.1, log=lines.append,
+                      **MODES[args.one])
+    wall = time.perf_counter() - t0
+    done.set()
+    with open(os.path.join(store, "trace.json")) as f:
+        trace = json.load(f)
+    first_step = trace["steps"][0]["start"]
+    durable_end = max(c["end"] for c in trace["commits"])
+    computed = sum(s["num_tokens"] for s in trace["steps"])
+    shutil.rmtree(store, ignore_errors=True)
+    return {
+        "capture_tok_s": summary.num_tokens / (durable_end - first_step), "capture_s": durable_end - first_step,
+        "tokens": summary.num_tokens, "computed_tokens": computed, "samples": summary.num_committed,
+        "stored_bytes": summary.nbytes, "wall_s": wall,
+        "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "sink_peak_rss_mib": peaks.get("corecap-sink", 0.0), "worker_peak_rss_mib": peaks.get("worker", 0.0),
+        "prefix_line": next((x for x in lines if x.startswith("prefix cache: ")), None),
+        "engine_line": next((x for x in lines if x.startswith("engine: ")), None),
+    }
+
+
+def _watch_rss(peaks: dict, done: threading.Event) -> None:
+    """Sample the sink's RSS (it holds the states cache) and the workers' every 50 ms."""
+    import multiprocessing
+
+    import psutil
+
+    while not done.is_set():
+        for child in multiprocessing.active_children():
+            name = "corecap-sink" if child.name == "corecap-sink" else "worker"
+            try:
+                rss = psutil.Process(child.pid).memory_info().rss / 2**20
+            except psutil.Error:
+                continue
+            peaks[name] = max(peaks.get(name, 0.0), rss)
+        time.sleep(0.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--datasets", default="a,b,c")
+    ap.add_argument("--modes", default="off,on,on-small")
+    ap.add_argument("--samples", type=int, default=24, help="samples per dataset")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT", json.dumps(one(args)), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="bench-prefix-")
+    try:
+        model = build_model(workdir)
+        for dataset in args.datasets.split(","):
+            data = build_data(workdir, dataset, args.samples)
+            for mode in args.modes.split(","):
+                rec = {"dataset": dataset, "mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir)}
+                print(json.dumps(rec), flush=True)
+                with open(os.path.join(args.out, "bench_prefix.jsonl"), "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(mode: str, model: str, data: str, workdir: str) -> dict:
+    if mode not in MODES:
+        raise SystemExit(f"--modes: unknown mode {mode!r} ({', '.join(MODES)})")
+    cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(results[-1])
+
+
+if __name__ == "__main__":
+    main()
