@@ -122,7 +122,8 @@ def _run(args, mode: str, model: str, data: str, workdir: str) -> dict:
     results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not results:
         raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    binding = sorted({line.split("] ", 1)[-1].strip() for line in proc.stderr.splitlines() if "core ids=" in line})
+    lines = (proc.stdout + proc.stderr).splitlines()  # vLLM logs to stdout
+    binding = sorted({line.split("] ", 1)[-1].strip() for line in lines if "core ids=" in line})
     return {**json.loads(results[-1]), "binding": binding}
 
 
