@@ -13,14 +13,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 
 import tiny_models
 from conftest import engine_line, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM, build
-from corecap.errors import CorecapError
 from corecap.store import Store
 
 pytestmark = pytest.mark.engine
@@ -40,26 +38,11 @@ CASES = [
 VOCAB = tiny_models.VOCAB
 
 
-def _rows() -> list[dict]:
-    rng = np.random.default_rng(7)
-    prefix = rng.integers(3, VOCAB, size=120).tolist()
-    dup = rng.integers(3, VOCAB, size=80).tolist()
-    rows = [
-        {"id": "one-token", "input_ids": [7]},
-        {"id": "long-chunked", "input_ids": rng.integers(3, VOCAB, size=300).tolist()},
-        {"id": "prefix-a", "input_ids": prefix + rng.integers(3, VOCAB, size=30).tolist()},
-        {"id": "prefix-b", "input_ids": prefix + rng.integers(3, VOCAB, size=55).tolist()},
-        {"id": "dup-1", "input_ids": dup},
-        {"id": "dup-2", "input_ids": dup},
-    ]
-    return rows + [{"id": f"rand-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 100, size=6))]
-
-
 class Case:
     def __init__(self, name: str, dtype: str, route: str, workdir, model_impl: str = "auto"):
         self.name, self.dtype, self.route, self.workdir, self.model_impl = name, dtype, route, workdir, model_impl
         self.model = tiny_models.build(name, str(workdir / "model"))
-        self.rows = _rows()
+        self.rows = tiny_models.rows()
         self.data = write_jsonl(workdir / "data.jsonl", self.rows)
         refs = str(workdir / "refs.pt")
         here = os.path.dirname(os.path.abspath(__file__))

@@ -71,12 +71,15 @@ ARCHITECTURES = ("gemma3", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "qw
 _WEIGHT_STD = {"qwen3_next": 0.04}
 
 
-def build(name: str, path: str, seed: int = 0) -> str:
+def build(name: str, path: str, seed: int = 0, overrides: dict | None = None) -> str:
     """Save the tiny `name` model to `path`: weights ~N(0, 0.08), norm weights not HF's constant
-    init, so that the pre-norm final state differs from layer N in more than scale."""
+    init, so that the pre-norm final state differs from layer N in more than scale. `overrides`:
+    config attributes to change (tools/gpu_archs.py widens the heads for the GPU's kernels)."""
     import torch
 
     config, cls = _configs()[name]
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     with torch.no_grad():
@@ -87,6 +90,35 @@ def build(name: str, path: str, seed: int = 0) -> str:
                 param.normal_(0, _WEIGHT_STD.get(name, 0.08))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def rows() -> list[dict]:
+    """The architectures' dataset: a 1-token sample, one chunked at 64 tokens, a shared prefix
+    (120 tokens: whole blocks and a partial one), duplicates, and random lengths."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(3, VOCAB, size=120).tolist()
+    dup = rng.integers(3, VOCAB, size=80).tolist()
+    out = [
+        {"id": "one-token", "input_ids": [7]},
+        {"id": "long-chunked", "input_ids": rng.integers(3, VOCAB, size=300).tolist()},
+        {"id": "prefix-a", "input_ids": prefix + rng.integers(3, VOCAB, size=30).tolist()},
+        {"id": "prefix-b", "input_ids": prefix + rng.integers(3, VOCAB, size=55).tolist()},
+        {"id": "dup-1", "input_ids": dup},
+        {"id": "dup-2", "input_ids": dup},
+    ]
+    return out + [{"id": f"rand-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
+                  for i, n in enumerate(rng.integers(2, 100, size=6))]
+
+
+def relative_errors(got, ref):
+    """Per layer: ||got - ref|| / ||ref|| over the sample, and the worst per-token ratio."""
+    got, ref = got.float(), ref.float()
+    diff = got - ref
+    per_sample = diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
+    per_token = (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max(dim=1).values
+    return per_sample, per_token
 
 
 def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> None:

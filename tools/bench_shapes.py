@@ -11,8 +11,10 @@ Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,
 prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts). Prompt counts give each corecap run
 >= 20 s of steady capture at the rates seen before, and plain vLLM as long or longer.
 Modes: plain, plain-fp8q (`quantization="fp8"`), corecap, corecap-fp8 (`--store-dtype fp8`),
-corecap-raw (`--codec raw`), corecap-fp8q (`--quantization fp8`), dd (the disk's fsync'd write
-rate). corecap's rates come from its trace: from when it starts reading the dataset to the last
+corecap-raw (`--codec raw`), corecap-fp8q (`--quantization fp8`), corecap-pc
+(`--enable-prefix-caching`: what caching costs where nothing is shared), dd (the disk's fsync'd
+write rate). `SHAPE:MODE@N` runs N prompts instead of the shape's count (a longer steady phase).
+corecap's rates come from its trace: from when it starts reading the dataset to the last
 sample handed to storage (capture) and to the last durable commit (durable); plain's from
 generate()'s call to its return. Both exclude the engine's start.
 """
@@ -73,7 +75,7 @@ SHAPES = {
                  prompt_len=128, plain_prompts=64, corecap_prompts=64, layers="1,2,4"),
 }
 CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "corecap-raw": ["--codec", "raw"],
-                 "corecap-fp8q": ["--quantization", "fp8"]}
+                 "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
 
 
 def model_dir(shape: str) -> str:
@@ -108,7 +110,7 @@ def mode_plain(args) -> dict:
     llm = LLM(model=model_dir(args.shape), load_format="dummy", skip_tokenizer_init=True, **extra)
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
-    ps = prompts(args.shape, SHAPES[args.shape]["plain_prompts"])
+    ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["plain_prompts"])
     warm = np.random.default_rng(1).integers(10, 1000, size=(32, ps.shape[1]))  # not a prefix of the run's prompts
     llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in warm], sp, use_tqdm=False)
     batch = [TokensPrompt(prompt_token_ids=p.tolist()) for p in ps]
@@ -122,7 +124,7 @@ def mode_plain(args) -> dict:
 
 
 def mode_corecap(args) -> dict:
-    ps = prompts(args.shape, SHAPES[args.shape]["corecap_prompts"])
+    ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["corecap_prompts"])
     data = os.path.join(ROOT, f"{args.shape}-prompts.jsonl")
     with open(data, "w") as f:
         for i, p in enumerate(ps):
@@ -171,14 +173,16 @@ MODES = {"dd": mode_dd, "plain": mode_plain, "plain-fp8q": mode_plain, **{m: mod
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", default="", help="comma-separated SHAPE:MODE (or dd)")
+    ap.add_argument("--runs", default="", help="comma-separated SHAPE:MODE[@PROMPTS] (or dd)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout", type=int, default=420)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(ROOT, exist_ok=True)
     if args.one:
-        args.shape, _, args.mode = args.one.rpartition(":")
+        run, _, count = args.one.partition("@")
+        args.shape, _, args.mode = run.rpartition(":")
+        args.prompts = int(count) if count else None
         rec = {"run": args.one, **MODES[args.mode](args)}
         print("RESULT", json.dumps(rec), flush=True)
         with open(os.path.join(args.out, "bench_shapes.jsonl"), "a") as f:

@@ -9,7 +9,10 @@ A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0), `:highest
 (VLLM_FLOAT32_MATMUL_PRECISION=highest: no TF32 in vLLM's float32 matmuls), `:tf32`
 (TRITON_F32_DEFAULT=tf32: Triton's own default, which corecap replaces by ieee for float32) or
 `:socket` (`RunConfig.ring=False`: states inside the ZeroMQ messages, not through the
-shared-memory ring; earlier calls set it with CORECAP_RING_SLOTS=0, which corecap no longer reads).
+shared-memory ring; earlier calls set it with CORECAP_RING_SLOTS=0, which corecap no longer reads)
+or `:fp8q` (`--quantization fp8`: vLLM's online fp8 of the same weights; not HF-exact by nature,
+so it is also compared with the unquantized capture of the same dtype, when that case ran first
+in the same call: `vs corecap bfloat16 unquantized`).
 
 Writes gpu_exact.json (worst relative error per case, per sample/layer and per token) to --out.
 """
@@ -29,7 +32,7 @@ import numpy as np
 VOCAB = 1024
 LAYERS = (0, 1, 2, 4, 7, 8, "prenorm")  # prenorm: the last decoder layer's output (HF: a forward hook)
 VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"}}
-VARIANT_OPTIONS = {"socket": {"ring": False}}  # RunConfig options of a variant
+VARIANT_OPTIONS = {"socket": {"ring": False}, "fp8q": {"quantization": "fp8"}}  # RunConfig options of a variant
 
 
 def build_model(path: str) -> None:
@@ -72,7 +75,7 @@ def one_case(model: str, data: str, store: str, dtype: str, variant: str, tp: in
     print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)
 
 
-def compare(model: str, data_rows: list[dict], store: str, dtype: str) -> dict:
+def compare(model: str, data_rows: list[dict], store: str, dtype: str, unquantized: str | None = None) -> dict:
     import torch
     import transformers
 
@@ -101,6 +104,13 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str) -> dict:
                 key = f"vs HF {ref_dtype}"
                 w = worst.setdefault(key, {}).setdefault(case, [0.0, 0.0])
                 w[0], w[1] = max(w[0], per_sample), max(w[1], per_token)
+            if unquantized is not None:
+                with Store.open(unquantized) as u:
+                    ref = u.get(r["id"]).hidden_states.float().cuda()
+                diff = got - ref
+                w = worst.setdefault(f"vs corecap {dtype} unquantized", {}).setdefault(r["id"].split("-")[0], [0.0, 0.0])
+                w[0] = max(w[0], (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item())
+                w[1] = max(w[1], (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item())
     return worst
 
 
@@ -139,7 +149,9 @@ def main() -> None:
             log = (proc.stdout + proc.stderr).splitlines()
             rec["runner_log"] = [l[-200:] for l in log if any(w in l.lower() for w in ("model runner", "backend", "shared-memory ring", "matmul", "workers:"))][:8]
             try:
-                rec["worst"] = compare(model, data_rows, store, dtype)
+                plain = os.path.join(work, f"store-{dtype}-v2")
+                unquantized = plain if variant == "fp8q" and os.path.isdir(plain) else None
+                rec["worst"] = compare(model, data_rows, store, dtype, unquantized)
             except Exception as e:  # report and go on to the next case
                 rec["compare_error"] = repr(e)
         else:

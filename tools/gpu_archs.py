@@ -1,0 +1,110 @@
+"""The architectures of tests/test_architectures.py on the GPU: corecap's bf16 capture on vLLM's
+default path (torch.compile + CUDA graphs) against HF transformers float32, tiny models built
+from a seed by tests/tiny_models.py (random norm weights), every layer 0..N and prenorm, over
+that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
+1-token sample). DeepSeek-V3 has its own tool (tools/gpu_deepseek_exact.py: its routing flips).
+
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_archs.py \
+        [--archs gemma3,mixtral,qwen2_moe,gpt_oss,qwen3_next] [--out DIR]
+
+The models are those of the CPU suite, widened to head_dim 64 (hidden 128, 2 heads) because
+the GPU's attention kernels are built for head sizes from 64 up. For each architecture the
+report has the worst relative error per sample and layer and per token against HF float32,
+per layer, and the same for HF's own bf16 run (what bf16 alone does to that model: the band).
+
+Writes gpu_archs.json to --out; one line per architecture on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import tiny_models  # noqa: E402
+
+ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
+WIDER = {"hidden_size": 128, "head_dim": 64}
+
+
+def _stack(ref: dict, layers):
+    import torch
+
+    return torch.stack([ref["prenorm"] if k == "prenorm" else ref["hidden_states"][k] for k in layers])
+
+
+def one_arch(name: str, work: str) -> dict:
+    import torch
+
+    from corecap.store import Store
+
+    model = tiny_models.build(name, os.path.join(work, "model"), overrides=WIDER)
+    rows = tiny_models.rows()
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    layers = (*range(tiny_models.NUM_LAYERS + 1), "prenorm")
+    refs = {}
+    for dtype in ("float32", "bfloat16"):
+        out = os.path.join(work, f"refs-{dtype}.pt")
+        subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "tiny_models.py"), "reference", model, data, out, dtype],
+                       check=True, timeout=600, capture_output=True)
+        refs[dtype] = torch.load(out)
+    store = os.path.join(work, "store")
+    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
+           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64"]
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+    lines = (proc.stdout + proc.stderr).splitlines()
+    rec["engine_line"] = next((l for l in lines if l.startswith("engine:")), "")
+    if proc.returncode != 0:
+        rec["error"] = [l for l in lines if l.startswith("corecap: error")][-1:] or lines[-5:]
+        return rec
+    rec["summary"] = proc.stdout.strip().splitlines()[-1]
+    worst = {k: {"per_sample_layer": [0.0] * len(layers), "per_token": [0.0] * len(layers)}
+             for k in ("corecap bf16 vs HF float32", "HF bf16 vs HF float32")}
+    with Store.open(store) as s:
+        assert sorted(s.keys()) == sorted(r["id"] for r in rows), "keys differ"
+        for r in rows:
+            sample = s.get(r["id"])
+            assert sample.input_ids.tolist() == r["input_ids"], r["id"]
+            ref = _stack(refs["float32"][r["id"]], layers)
+            for key, got in (("corecap bf16 vs HF float32", sample.hidden_states),
+                             ("HF bf16 vs HF float32", _stack(refs["bfloat16"][r["id"]], layers))):
+                per_sample, per_token = tiny_models.relative_errors(got, ref)
+                w = worst[key]
+                w["per_sample_layer"] = [max(a, float(b)) for a, b in zip(w["per_sample_layer"], per_sample)]
+                w["per_token"] = [max(a, float(b)) for a, b in zip(w["per_token"], per_token)]
+    rec["layers"] = [str(k) for k in layers]
+    rec["worst"] = worst
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    results = []
+    for name in args.archs.split(","):
+        work = tempfile.mkdtemp(prefix=f"gpu-arch-{name}-")
+        try:
+            rec = one_arch(name, work)
+        except Exception as e:  # report and go on to the next architecture
+            rec = {"arch": name, "exception": repr(e)[-2000:]}
+        print("RESULT", json.dumps(rec), flush=True)
+        results.append(rec)
+        with open(os.path.join(args.out, "gpu_archs.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
