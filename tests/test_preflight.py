@@ -76,6 +76,14 @@ def test_the_routes(tiny_model, tmp_path):
     assert config.model_config.model_class_overrides == {}
     config = _config(gemma, (1, 4, PRENORM))
     assert config.model_config.model_class_overrides == {"Gemma3ForCausalLM": "corecap._vllm.models:Capture__gemma3__Gemma3ForCausalLM"}
+    # What a worker's loader builds, in this process's state: a forked worker (vLLM's default on
+    # a GPU) inherits the resolver cache the preflight filled (vLLM 0.26 on the H200 built
+    # vLLM's own Gemma3ForCausalLM until corecap cleared it)
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    from corecap._vllm import models
+
+    assert models.is_override(get_model_architecture(config.model_config)[0])
     from corecap._vllm import effective_settings
 
     assert effective_settings(config).endswith("; capture: Gemma3ForCausalLM, corecap's auxiliary outputs (corecap/_vllm/models.py)")

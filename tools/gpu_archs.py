@@ -67,6 +67,11 @@ def one_arch(name: str, work: str) -> dict:
     rec["engine_line"] = next((l for l in lines if l.startswith("engine:")), "")
     if proc.returncode != 0:
         rec["error"] = [l for l in lines if l.startswith("corecap: error")][-1:] or lines[-5:]
+        try:  # the traceback an internal error names
+            with open(os.path.join(store, "corecap.log"), errors="replace") as f:
+                rec["log_tail"] = f.read()[-6000:]
+        except OSError:
+            pass
         return rec
     rec["summary"] = proc.stdout.strip().splitlines()[-1]
     worst = {k: {"per_sample_layer": [0.0] * len(layers), "per_token": [0.0] * len(layers)}

@@ -181,6 +181,14 @@ def _use_override(vllm_config, target: str) -> None:
     inspected by vLLM in a subprocess first, 12-14 s per architecture on a loaded 2-core CPU."""
     model_config = vllm_config.model_config
     model_config.model_class_overrides = {**model_config.model_class_overrides, model_config.architecture: target}
+    # The preflight's answer (vLLM's own class) sits in vLLM's resolver cache, whose key does not
+    # hold the overrides: forked workers (vLLM's default on a GPU) inherit it and would build
+    # vLLM's class. Forget it, so that every process resolves the override.
+    from vllm.model_executor.model_loader import utils
+
+    cache = getattr(utils, "_MODEL_ARCH_BY_HASH", None)
+    if cache is not None:
+        cache.clear()
 
 
 def _cpu_rotary_without_custom_op(vllm_config) -> None:
