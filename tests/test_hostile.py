@@ -538,7 +538,7 @@ def _one_line(result, code: int = 2) -> str:
 
 @pytest.mark.parametrize("damage, expected", [
     (lambda txn, dbs: txn.put(b"\xff\xfe-key", txn.get(b"raw-a", db=dbs[b"headers"]), db=dbs[b"headers"]), r"key b'\\xff\\xfe-key' \(headers database\) is not UTF-8"),
-    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]), r"store format version 99, this corecap reads \[2, 3\]"),
+    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]), r"store format version 99, this corecap reads \[2, 3, 4\]"),
     (lambda txn, dbs: txn.put(b"store", b'{"format_version": 3, "layers": "all"}', db=dbs[b"meta"]), r"the store's metadata is damaged \("),
     (lambda txn, dbs: txn.put(b"store", b"[" * 100_000, db=dbs[b"meta"]), r"is not a JSON object"),
     (lambda txn, dbs: txn.delete(b"store", db=dbs[b"meta"]), r"not a corecap store \(no corecap metadata\)"),
