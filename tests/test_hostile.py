@@ -43,7 +43,8 @@ from corecap.store import FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Sto
 from corecap.store import codec as codecs
 from corecap.store import decode_header, input_fingerprint
 from corecap.store.codec import DTYPES
-from corecap.store.format import header_crc
+from corecap.store.format import Segment, header_crc
+from corecap.store.refs import layout, within
 from corecap.store.segments import END, POINTER, segment_path
 from corecap.store.verify import verify_store
 from corecap.trace.analysis import summarize
@@ -69,23 +70,34 @@ def _states(seed: int, num_tokens: int, dtype) -> torch.Tensor:
     return torch.randn(len(LAYERS), num_tokens, HIDDEN, generator=g).to(dtype)
 
 
-# key → (codec, tokens, loss mask?): every codec, an empty sample, a mask of 0/1 flags
-LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True), "raw-d": ("raw", 0, False)}
-LOSSY = {"f-a": (FP8, 5, False), "f-b": (FP8, 9, True)}
+# key → (codec, tokens, loss mask?): every codec, an empty sample, a mask of 0/1 flags; samples
+# stored once (format 4): key → (the sample whose prefix it starts with, prefix length), the
+# second one referring through the first (its header names zstd-b and ref-e)
+LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True), "raw-d": ("raw", 0, False),
+            "ref-e": ("zstd-planes", 8, True), "ref-f": ("raw", 3, False)}
+LOSSY = {"f-a": (FP8, 5, False), "f-b": (FP8, 9, True), "f-c": (FP8, 3, False)}
+REFERS = {"ref-e": ("zstd-b", 16), "ref-f": ("ref-e", 20), "f-c": ("f-b", 4)}
 
 
 def _build(path: str, samples: dict, codec: str, dtype, prefix: str = "", seed: int = 0) -> dict:
     """A store of `samples`; returns key → the reference the readers compare against (made from
     the inputs directly: fp8 through the codec's own round trip, not through the store)."""
-    reference, records = {}, []
+    reference, records, layouts = {}, [], {}
     for i, (key, (sample_codec, n, masked)) in enumerate(samples.items()):
-        key = prefix + key
+        name, key = key, prefix + key
         ids = torch.arange(n, dtype=torch.int32) * 7 + i
         states = _states(seed + i, n, dtype)
-        mask = torch.tensor([(j + i) % 2 for j in range(n)], dtype=torch.uint8) if masked else None
-        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec, loss_mask=None if mask is None else mask.numpy()))
         if sample_codec == FP8:
             states = codecs.dequantize_fp8(codecs.quantize_fp8(states), tuple(states.shape), dtype)
+        owner, shared = REFERS.get(name, (None, 0))
+        segments = within(layouts[prefix + owner], 0, shared) if owner else None
+        if owner:  # its prefix: the owner's ids and states (fp8: as decoded)
+            ids = torch.cat([reference[prefix + owner]["input_ids"][:shared], ids])
+            states = torch.cat([reference[prefix + owner]["hidden_states"][:, :shared], states], dim=1)
+        layouts[key] = layout(key, segments, shared, len(ids))
+        mask = torch.tensor([(j + i) % 2 for j in range(len(ids))], dtype=torch.uint8) if masked else None
+        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec, loss_mask=None if mask is None else mask.numpy(),
+                                     prefix=segments))
         reference[key] = {"input_ids": ids, "hidden_states": states, **({"loss_mask": mask} if mask is not None else {})}
     with Store.create_or_open(path, _meta(codec, str(dtype).removeprefix("torch."))) as store:
         store.put_many(records[:2])  # two commits, as a run makes
@@ -202,7 +214,10 @@ sample_index = st.integers(0, 7)  # modulo the number of samples
 META_PATHS = ["format_version", "layers", "layer_meaning", "dtype", "hidden_size", "codec", "model", "model.num_layers",
               "model.hidden_size", "model.path", "corecap_version", "extra"]
 damage = st.one_of(
-    st.tuples(st.just("header-field"), sample_index, st.integers(0, 13), msgpack_values),
+    st.tuples(st.just("header-field"), sample_index, st.integers(0, 14), msgpack_values),  # 13: the prefix
+    # a reference's segment changed, the header's crc made to match: only the reference checks can tell
+    st.tuples(st.just("header-prefix"), sample_index, st.integers(0, 2), st.integers(0, 2),
+              st.one_of(ints, st.sampled_from([*LOSSLESS, *LOSSY, "", "x" * 600]))),
     st.tuples(st.just("header-field-delta"), sample_index, st.sampled_from([1, 4, 8, 9, 12]), st.integers(-3, 3)),
     st.tuples(st.just("header-drop-field"), sample_index, st.integers(0, 12)),
     st.tuples(st.just("header-bytes"), sample_index, byte_damage),
@@ -310,6 +325,19 @@ def _damage_header(value: bytes, mutation) -> bytes:
             fields[index] += mutation[3] or 1
     elif kind == "header-drop-field":
         del fields[mutation[2] % len(fields)]
+    elif kind == "header-prefix":
+        try:
+            header = decode_header("k", value)
+        except CorecapError:  # damaged by an earlier mutation
+            return value
+        if not header.prefix:
+            return value
+        segments = [list(msgspec.structs.astuple(x)) for x in header.prefix]
+        _, _, which, field, new = mutation
+        segment = segments[which % len(segments)]
+        segment[field] = new if isinstance(new, str) == (field == 0) else segment[field]
+        header = msgspec.structs.replace(header, prefix=tuple(Segment(*x) for x in segments))
+        return msgspec.msgpack.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))
     elif kind == "header-tokens":  # a crafted header, consistent in itself and checksummed: T tokens
         try:
             header = decode_header("k", value)

@@ -9,7 +9,9 @@ sample is complete when every one of its positions has been received.
 
 With vLLM's prefix caching on, a sample's leading full blocks may never be computed for it: the
 driver says how many (`hits`) and they come from the states cache (corecap/sink/prefix.py),
-which every captured full block of a sample with block hashes feeds.
+which every captured full block of a sample with block hashes feeds. Such a sample is also
+stored once: it refers to the sample that produced its last hit block, if that one was handed
+on already, and only its own tail is encoded (`_refer`; corecap/store/refs.py).
 """
 
 from __future__ import annotations

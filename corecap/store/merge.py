@@ -16,7 +16,11 @@ container's, which covers every byte after the container's head), which costs a 
 (~30 GB/s) where decoding would cost ~1 GB/s; `corecap verify` decodes. A damaged record
 refuses the merge with one line naming the input, the key and the field, and OUT is left as it
 was: every record is copied and checked before any of their headers is committed (a new OUT is
-removed again); the headers then go in in batches (`Store.put_all`). LMDB keeps keys
+removed again); the headers then go in in batches (`Store.put_all`), owners of references
+before the samples that refer to them. A sample stored once (a `prefix` of references,
+corecap/store/refs.py) is copied only if its input satisfies the reference; when the record OUT
+keeps for a referred key is another store's (a duplicate), the segments are resolved again
+through it and the header rewritten. LMDB keeps keys
 sorted, so the duplicate check is a k-way merge of the stores' key cursors, in memory
 independent of the number of samples.
 """
