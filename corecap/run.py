@@ -43,6 +43,9 @@ class RunSummary:
     seconds: float
     raw_bytes: int = 0  # the states' size before the codec
     outcomes: str = ""  # the dataset's outcome counts (truncated, skipped, ...)
+    num_referring: int = 0  # stored once: samples whose prefix refers to earlier samples' states
+    referred_bytes: int = 0  # the raw states those references stand for (not written)
+    num_stored_whole: int = 0  # with prefix cache hits, stored whole: their source was not yet committed
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0
@@ -53,6 +56,10 @@ class RunSummary:
             f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
             f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
             + (f"; input: {self.outcomes}" if self.outcomes else "")
+            + (f"; stored once: {self.num_referring} samples refer to earlier ones for their prefix "
+               f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), {self.num_stored_whole} with cache hits "
+               "stored whole (the sample they would refer to was not yet committed)"
+               if self.num_referring or self.num_stored_whole else "")
         )
 
 
@@ -113,6 +120,7 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     return RunSummary(
         cfg.store, plan.dataset.num_samples, done.num_committed, plan.dataset.num_samples - plan.todo,
         done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
+        done.num_referring, done.referred_bytes, done.num_stored_whole,
     )
 
 

@@ -194,3 +194,33 @@ def test_completed_blocks_are_those_whose_last_position_was_computed():
     assert list(completed_blocks(8, 13, 4, 3)) == [2]  # positions 8..12: block 2 ends at 11
     assert list(completed_blocks(9, 11, 4, 3)) == []  # block 2 not finished
     assert list(completed_blocks(5, 12, 4, 2)) == [1]  # only full blocks of the prompt are hashed
+
+
+def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_handed_on():
+    """Stored once: b hits a's two blocks after a was handed to the writer, so b refers to a for
+    [0, 8); c hits a block of b's and refers through b to a (flattened: never to b's reference);
+    d hits a block whose producer e is not complete yet: d stores every position itself."""
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 100, 10).astype(np.int32)
+    b = np.concatenate([a[:8], rng.integers(0, 100, 6).astype(np.int32)])
+    c = np.concatenate([b[:12], rng.integers(0, 100, 2).astype(np.int32)])
+    e = rng.integers(0, 100, 12).astype(np.int32)
+    d = np.concatenate([e[:4], rng.integers(0, 100, 3).astype(np.int32)])
+    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    handed = []
+    col = Collector(LAYERS, lambda p: handed.append((p.key, p.producer.prefix)), block_size=BS)
+    for r, ids in (("a", a), ("b", b), ("c", c), ("d", d), ("e", e)):
+        col.expect(r, r, ids, block_hashes=hashes(ids))
+    col.take(_chunk(0, [("a", a, 0), ("e", e[:6], 0)]), 0.0)  # e: chunked, 6 of 12
+    col.hits("b", 2)
+    col.take(_chunk(1, [("b", b[8:], 8)]), 0.0)
+    col.hits("c", 3)
+    col.hits("d", 1)
+    col.take(_chunk(2, [("c", c[12:], 12), ("d", d[4:], 4)]), 0.0)
+    col.take(_chunk(3, [("e", e[6:], 6)]), 0.0)
+    from corecap.store.format import Segment
+
+    assert handed == [
+        ("a", ()), ("b", (Segment("a", 0, 8),)), ("c", (Segment("a", 0, 8), Segment("b", 8, 12))), ("d", ()), ("e", ()),
+    ]
+    assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 20, 1)

@@ -43,7 +43,8 @@ from corecap.store import FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Sto
 from corecap.store import codec as codecs
 from corecap.store import decode_header, input_fingerprint
 from corecap.store.codec import DTYPES
-from corecap.store.format import header_crc
+from corecap.store.format import Segment, header_crc
+from corecap.store.refs import layout, within
 from corecap.store.segments import END, POINTER, segment_path
 from corecap.store.verify import verify_store
 from corecap.trace.analysis import summarize
@@ -69,23 +70,34 @@ def _states(seed: int, num_tokens: int, dtype) -> torch.Tensor:
     return torch.randn(len(LAYERS), num_tokens, HIDDEN, generator=g).to(dtype)
 
 
-# key → (codec, tokens, loss mask?): every codec, an empty sample, a mask of 0/1 flags
-LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True), "raw-d": ("raw", 0, False)}
-LOSSY = {"f-a": (FP8, 5, False), "f-b": (FP8, 9, True)}
+# key → (codec, tokens, loss mask?): every codec, an empty sample, a mask of 0/1 flags; samples
+# stored once (format 4): key → (the sample whose prefix it starts with, prefix length), the
+# second one referring through the first (its header names zstd-b and ref-e)
+LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True), "raw-d": ("raw", 0, False),
+            "ref-e": ("zstd-planes", 8, True), "ref-f": ("raw", 3, False)}
+LOSSY = {"f-a": (FP8, 5, False), "f-b": (FP8, 9, True), "f-c": (FP8, 3, False)}
+REFERS = {"ref-e": ("zstd-b", 16), "ref-f": ("ref-e", 20), "f-c": ("f-b", 4)}
 
 
 def _build(path: str, samples: dict, codec: str, dtype, prefix: str = "", seed: int = 0) -> dict:
     """A store of `samples`; returns key → the reference the readers compare against (made from
     the inputs directly: fp8 through the codec's own round trip, not through the store)."""
-    reference, records = {}, []
+    reference, records, layouts = {}, [], {}
     for i, (key, (sample_codec, n, masked)) in enumerate(samples.items()):
-        key = prefix + key
+        name, key = key, prefix + key
         ids = torch.arange(n, dtype=torch.int32) * 7 + i
         states = _states(seed + i, n, dtype)
-        mask = torch.tensor([(j + i) % 2 for j in range(n)], dtype=torch.uint8) if masked else None
-        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec, loss_mask=None if mask is None else mask.numpy()))
         if sample_codec == FP8:
             states = codecs.dequantize_fp8(codecs.quantize_fp8(states), tuple(states.shape), dtype)
+        owner, shared = REFERS.get(name, (None, 0))
+        segments = within(layouts[prefix + owner], 0, shared) if owner else None
+        if owner:  # its prefix: the owner's ids and states (fp8: as decoded)
+            ids = torch.cat([reference[prefix + owner]["input_ids"][:shared], ids])
+            states = torch.cat([reference[prefix + owner]["hidden_states"][:, :shared], states], dim=1)
+        layouts[key] = layout(key, segments, shared, len(ids))
+        mask = torch.tensor([(j + i) % 2 for j in range(len(ids))], dtype=torch.uint8) if masked else None
+        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec, loss_mask=None if mask is None else mask.numpy(),
+                                     prefix=segments))
         reference[key] = {"input_ids": ids, "hidden_states": states, **({"loss_mask": mask} if mask is not None else {})}
     with Store.create_or_open(path, _meta(codec, str(dtype).removeprefix("torch."))) as store:
         store.put_many(records[:2])  # two commits, as a run makes
@@ -159,8 +171,10 @@ def test_a_pointer_claiming_huge_states_is_one_line_for_get_and_verify(bases, tm
     checked = _cli("verify", "--store", store)
     assert checked.returncode == 1 and checked.stderr == ""
     lines = checked.stdout.splitlines()
-    assert lines[0].startswith(f"zstd-b: pointer (samples database) claims {claim} bytes") and len(lines) == 2
-    assert lines[1] == f"{store}: 1 of {len(reference)} samples have problems"  # it went on past the damage
+    assert lines[0].startswith(f"zstd-b: pointer (samples database) claims {claim} bytes") and len(lines) == 4
+    # the samples stored once with zstd-b's prefix cannot be read either, and say why
+    assert lines[1:3] == [f"{key}: its prefix comes from sample 'zstd-b', which has problems" for key in ("ref-e", "ref-f")]
+    assert lines[3] == f"{store}: 3 of {len(reference)} samples have problems"  # it went on past the damage
     assert time.monotonic() - started < LIVENESS_S
     assert _cli("get", "raw-a", "--store", store).returncode == 0  # the others read as before
 
@@ -202,7 +216,10 @@ sample_index = st.integers(0, 7)  # modulo the number of samples
 META_PATHS = ["format_version", "layers", "layer_meaning", "dtype", "hidden_size", "codec", "model", "model.num_layers",
               "model.hidden_size", "model.path", "corecap_version", "extra"]
 damage = st.one_of(
-    st.tuples(st.just("header-field"), sample_index, st.integers(0, 13), msgpack_values),
+    st.tuples(st.just("header-field"), sample_index, st.integers(0, 14), msgpack_values),  # 13: the prefix
+    # a reference's segment changed, the header's crc made to match: only the reference checks can tell
+    st.tuples(st.just("header-prefix"), sample_index, st.integers(0, 2), st.integers(0, 2),
+              st.one_of(ints, st.sampled_from([*LOSSLESS, *LOSSY, "", "x" * 600]))),
     st.tuples(st.just("header-field-delta"), sample_index, st.sampled_from([1, 4, 8, 9, 12]), st.integers(-3, 3)),
     st.tuples(st.just("header-drop-field"), sample_index, st.integers(0, 12)),
     st.tuples(st.just("header-bytes"), sample_index, byte_damage),
@@ -310,6 +327,19 @@ def _damage_header(value: bytes, mutation) -> bytes:
             fields[index] += mutation[3] or 1
     elif kind == "header-drop-field":
         del fields[mutation[2] % len(fields)]
+    elif kind == "header-prefix":
+        try:
+            header = decode_header("k", value)
+        except CorecapError:  # damaged by an earlier mutation
+            return value
+        if not header.prefix:
+            return value
+        segments = [list(msgspec.structs.astuple(x)) for x in header.prefix]
+        _, _, which, field, new = mutation
+        segment = segments[which % len(segments)]
+        segment[field] = new if isinstance(new, str) == (field == 0) else segment[field]
+        header = msgspec.structs.replace(header, prefix=tuple(Segment(*x) for x in segments))
+        return msgspec.msgpack.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))
     elif kind == "header-tokens":  # a crafted header, consistent in itself and checksummed: T tokens
         try:
             header = decode_header("k", value)
@@ -538,7 +568,7 @@ def _one_line(result, code: int = 2) -> str:
 
 @pytest.mark.parametrize("damage, expected", [
     (lambda txn, dbs: txn.put(b"\xff\xfe-key", txn.get(b"raw-a", db=dbs[b"headers"]), db=dbs[b"headers"]), r"key b'\\xff\\xfe-key' \(headers database\) is not UTF-8"),
-    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]), r"store format version 99, this corecap reads \[2, 3\]"),
+    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]), r"store format version 99, this corecap reads \[2, 3, 4\]"),
     (lambda txn, dbs: txn.put(b"store", b'{"format_version": 3, "layers": "all"}', db=dbs[b"meta"]), r"the store's metadata is damaged \("),
     (lambda txn, dbs: txn.put(b"store", b"[" * 100_000, db=dbs[b"meta"]), r"is not a JSON object"),
     (lambda txn, dbs: txn.delete(b"store", db=dbs[b"meta"]), r"not a corecap store \(no corecap metadata\)"),
@@ -608,7 +638,7 @@ def test_verify_reports_store_damage_and_goes_on(bases, tmp_path):
         assert result.exit_code == 1 and result.stderr == ""
         lines = result.stdout.strip().splitlines()
         assert len(lines) == 2 and "states_end" in lines[0] and lines[0].startswith(f"{store}: ")
-        assert lines[1] == f"{store}: 0 of 4 samples have problems; the store itself has 1"
+        assert lines[1] == f"{store}: 0 of {len(LOSSLESS)} samples have problems; the store itself has 1"
         shutil.rmtree(store)
 
 
@@ -628,7 +658,7 @@ def test_a_pointer_past_the_committed_end_is_refused(bases, tmp_path):
         with pytest.raises(CorecapError, match=r"sample 'zstd-b': pointer \(samples database\) names bytes \d+\.\.\d+ of states-000000.bin, past the committed end \(byte 1344 of states-000000.bin\): no commit wrote them"):
             s.get("zstd-b")
     report = verify_store(store)
-    assert report.store_problems == [] and set(report.problems) == {"zstd-b", "zstd-c", "raw-d"}
+    assert report.store_problems == [] and set(report.problems) == {"zstd-b", "zstd-c", "raw-d", "ref-e", "ref-f"}
 
 
 def test_a_damaged_lmdb_page_is_one_line_and_verify_reports_it(bases, tmp_path):
@@ -663,7 +693,7 @@ def test_state_file_replaced_or_unreadable(bases, tmp_path):
         with Store.open(store) as s:
             with pytest.raises(CorecapError, match="states file states-000000.bin is not a regular file"):
                 s.get("raw-a")
-        assert set(verify_store(store).problems) == {"raw-a", "zstd-b", "zstd-c", "raw-d"}
+        assert set(verify_store(store).problems) == set(LOSSLESS)
         shutil.rmtree(store)
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from conftest import VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM
-from corecap.store import Store
+from corecap.store import Store, decode_header
+from corecap.store.verify import verify_store
 from test_faults import kill_loop
 
 pytestmark = pytest.mark.engine
@@ -107,6 +108,28 @@ def _prefix_counts(name: str) -> tuple[int, int]:
     return int(hits), int(evicted)
 
 
+def _states_bytes(store: str) -> int:
+    return sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store) if f.startswith("states-"))
+
+
+def _assert_stored_once(store: str, off_store: str, hit_tokens: int | None = None) -> int:
+    """Stored once: every reference checks out (verify), and the state files hold the positions
+    no other sample stores, no more: their size against caching off's is at most the share of
+    positions stored (derived from the headers), which the cache hits bound. Returns the
+    number of samples that refer to others."""
+    report = verify_store(store)
+    assert report.ok, report.problems
+    with Store.open(store) as s, s.env.begin() as txn:
+        headers = [decode_header(k, v) for k, v in txn.cursor(db=s.headers_db)]
+        assert s.meta.format_version == (4 if report.num_referring else 3)
+    logical, referred = sum(h.num_tokens for h in headers), sum(h.num_prefix for h in headers)
+    assert report.num_referring == sum(1 for h in headers if h.prefix)
+    if hit_tokens is not None:  # a sample refers for exactly its hits, or stores them itself
+        assert referred <= hit_tokens
+    assert _states_bytes(store) <= 1.05 * _states_bytes(off_store) * (logical - referred) / logical
+    return report.num_referring
+
+
 def _assert_same_store(reference: str, got: str) -> None:
     with Store.open(reference) as a, Store.open(got) as b:
         assert sorted(a.keys()) == sorted(b.keys())
@@ -129,6 +152,9 @@ def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
     assert summary.num_committed == off_summary.num_committed == NUM_SAMPLES
     assert any("prefix caching on" in line for line in RUN_LOG[name])
     _assert_same_store(off_cfg.store, cfg.store)
+    num_referring = _assert_stored_once(cfg.store, off_cfg.store, _prefix_counts(name)[0])
+    assert num_referring == summary.num_referring > 0 and f"stored once: {num_referring} samples" in summary.line()
+    assert summary.num_stored_whole <= num_referring // 2, summary.line()  # most producers are committed first
     with Store.open(cfg.store) as store:
         for key in store.keys():
             sample = store.get(key)
@@ -177,4 +203,5 @@ def test_kill_then_resume_with_caching_on(off_run, tiny_model, prefix_data, tmp_
     assert not outcome.failed, outcome.line()
     assert kill_loop.num_committed(store) == NUM_SAMPLES
     _assert_same_store(off_cfg.store, store)
+    assert _assert_stored_once(store, off_cfg.store) > 0  # the resumed run refers to its own earlier samples
     assert os.path.exists(os.path.join(store, "data.mdb"))

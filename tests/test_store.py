@@ -241,10 +241,10 @@ def test_format_2_store_is_read_and_resumed(tmp_path):
         assert torch.equal(store.get("new").hidden_states, states2)
 
 
-@pytest.mark.parametrize("version", [1, 4])
+@pytest.mark.parametrize("version", [1, 5])
 def test_unreadable_format_version_is_refused(tmp_path, version):
-    """Format 1 (states inline in LMDB) was replaced before any release; 4 is from the future."""
+    """Format 1 (states inline in LMDB) was replaced before any release; 5 is from the future."""
     path = str(tmp_path / "s")
     Store.create_or_open(path, _meta(format_version=version)).close()
-    with pytest.raises(CorecapError, match=rf"store format version {version}, this corecap reads \[2, 3\]"):
+    with pytest.raises(CorecapError, match=rf"store format version {version}, this corecap reads \[2, 3, 4\]"):
         Store.open(path)

@@ -15,7 +15,10 @@ the default --prefix-states-memory 1 GB), `on-small` (the same with --prefix-sta
 Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama (8
 layers, hidden 512, float32, from a fixed seed), layers 2,4,5,8, 8 sequences and 2,048 tokens
 a step. The capture rate is the samples' tokens over the time from the first engine step to the
-last commit (from the run's trace); stored bytes are the store's states (summary.nbytes); peak
+last commit (from the run's trace); stored bytes are what the run committed (summary.nbytes:
+states and headers) and the store's state files on disk; with caching on a sample that starts
+with a committed sample's cached blocks refers to it and stores only its tail (stored once),
+and the store is then checked by `corecap verify` (verify_ok, not timed); peak
 RSS is the driver's own (getrusage), the sink's (which holds the states cache) and the largest
 worker's (both sampled every 50 ms). Every result is a JSON line in DIR/bench_prefix.jsonl.
 """
@@ -105,11 +108,17 @@ def one(args) -> dict:
     first_step = trace["steps"][0]["start"]
     durable_end = max(c["end"] for c in trace["commits"])
     computed = sum(s["num_tokens"] for s in trace["steps"])
+    state_files = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store) if f.startswith("states-"))
+    from corecap.store.verify import verify_store
+
+    report = verify_store(store)
     shutil.rmtree(store, ignore_errors=True)
     return {
         "capture_tok_s": summary.num_tokens / (durable_end - first_step), "capture_s": durable_end - first_step,
         "tokens": summary.num_tokens, "computed_tokens": computed, "samples": summary.num_committed,
-        "stored_bytes": summary.nbytes, "wall_s": wall,
+        "stored_bytes": summary.nbytes, "state_file_bytes": state_files, "raw_bytes": summary.raw_bytes,
+        "referred_bytes": summary.referred_bytes, "num_referring": summary.num_referring,
+        "num_stored_whole": summary.num_stored_whole, "verify_ok": report.ok, "wall_s": wall,
         "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "sink_peak_rss_mib": peaks.get("corecap-sink", 0.0), "worker_peak_rss_mib": peaks.get("worker", 0.0),
         "prefix_line": next((x for x in lines if x.startswith("prefix cache: ")), None),
@@ -150,6 +159,7 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-prefix-")
+    records = []
     try:
         model = build_model(workdir)
         for dataset in args.datasets.split(","):
@@ -158,10 +168,17 @@ def main() -> None:
                 rec = {"dataset": dataset, "mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"),
                        "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir)}
                 print(json.dumps(rec), flush=True)
+                records.append(rec)
                 with open(os.path.join(args.out, "bench_prefix.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    for rec in records:  # against caching off on the same dataset
+        off = next((r for r in records if r["dataset"] == rec["dataset"] and r["mode"] == "off"), None)
+        if off is not None and rec is not off:
+            print(f"({rec['dataset']}) {rec['mode']}: capture {rec['capture_tok_s'] / off['capture_tok_s']:.2f}x, "
+                  f"stored bytes {rec['stored_bytes'] / off['stored_bytes']:.3f} of off "
+                  f"({rec['num_referring']} samples refer, {rec['num_stored_whole']} stored whole, verify {'OK' if rec['verify_ok'] else 'FAILED'})")
 
 
 def _run(mode: str, model: str, data: str, workdir: str) -> dict:

@@ -9,7 +9,9 @@ sample is complete when every one of its positions has been received.
 
 With vLLM's prefix caching on, a sample's leading full blocks may never be computed for it: the
 driver says how many (`hits`) and they come from the states cache (corecap/sink/prefix.py),
-which every captured full block of a sample with block hashes feeds.
+which every captured full block of a sample with block hashes feeds. Such a sample is also
+stored once: it refers to the sample that produced its last hit block, if that one was handed
+on already, and only its own tail is encoded (`_refer`; corecap/store/refs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.sink.prefix import StatesCache, completed_blocks
+from corecap.sink.prefix import Producer, StatesCache, completed_blocks
+from corecap.store import refs
 from corecap.transport import wire
 
 
@@ -37,6 +40,9 @@ class _Pending:
     covered: np.ndarray = field(default=None)  # bool [T]
     num_covered: int = 0
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
+    producer: Producer | None = None  # this sample as others' source (prefix caching on)
+    num_hits: int = 0  # leading blocks vLLM took from its prefix cache
+    source: Producer | None = None  # the producer of the last of those: whom this sample refers to
 
     def cover(self, start: int, num_tokens: int) -> None:
         self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
@@ -129,6 +135,9 @@ class Collector:
         self.on_complete = on_complete
         self.buffers = buffers
         self.pending: dict[str, _Pending] = {}
+        self.num_referring = 0  # samples handed on with a reference (stored once)
+        self.num_referred_tokens = 0
+        self.num_stored_whole = 0  # with hits, but their source was not yet handed to the writer
         self.timings: list[ChunkTiming] = []
         self.copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="corecap-copy") if copy_threads > 1 else None
 
@@ -140,35 +149,59 @@ class Collector:
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
         block_hashes: list[bytes] | None = None,
     ) -> None:
-        self.pending[req_id] = _Pending(key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool), block_hashes=block_hashes)
+        self.pending[req_id] = _Pending(
+            key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool), block_hashes=block_hashes,
+            producer=Producer(key, len(token_ids)) if self.block_size else None,
+        )
 
     def hits(self, req_id: str, num_blocks: int) -> None:
         """vLLM took the first `num_blocks` blocks of this request from its prefix cache."""
         p = self.pending.get(req_id)
         if p is None or not p.block_hashes or num_blocks > len(p.block_hashes):
             raise CorecapError(f"prefix cache: {num_blocks} cached blocks for request {req_id!r}, which the sink cannot place")
+        p.num_hits = num_blocks
         for i in range(num_blocks):
             states = self.cache.get(p.block_hashes[i])
             if states is None:  # its producer's chunk is still on its way
                 self.cache.wait(p.block_hashes[i], (req_id, i))
             else:
-                self._fill(req_id, i, states)
+                self._fill(req_id, i, states, self.cache.producer(p.block_hashes[i]))
         self._complete([req_id])
 
     def drop(self, block_hash: bytes, count: int) -> None:
         self.cache.drop(block_hash, count)
 
-    def _fill(self, req_id: str, i: int, block: torch.Tensor) -> None:
+    def _fill(self, req_id: str, i: int, block: torch.Tensor, producer: Producer | None) -> None:
         p, bs = self.pending[req_id], self.block_size
         p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)[:, i * bs : (i + 1) * bs].copy_(block)
         p.cover(i * bs, bs)
+        if i == p.num_hits - 1:
+            p.source = producer
 
     def _complete(self, req_ids) -> None:
         for req_id in req_ids:
             p = self.pending.get(req_id)
             if p is not None and p.num_covered == len(p.token_ids):
                 del self.pending[req_id]
+                if p.num_hits:
+                    self._refer(p)
                 self.on_complete(p)
+                if p.producer is not None:
+                    p.producer.queued = True
+
+    def _refer(self, p: _Pending) -> None:
+        """Stored once: a sample whose first k blocks were cache hits refers, for positions
+        [0, k x block size), to the producer of its block k - 1 (vLLM's block hash covers the whole
+        prefix, so that sample's tokens there are these), resolved to the samples that store
+        those positions themselves; only when that producer was already handed to the writer,
+        which commits it first (else this sample stores every position itself)."""
+        src, end = p.source, p.num_hits * self.block_size
+        if src is None or not src.queued:
+            self.num_stored_whole += 1
+            return
+        p.producer.prefix = refs.within(src.layout(), 0, end)
+        self.num_referring += 1
+        self.num_referred_tokens += end
 
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
@@ -210,8 +243,8 @@ class Collector:
             for _, p, start, n in runs:
                 for i in completed_blocks(start, start + n, bs, len(p.block_hashes or ())):
                     block = p.states[:, i * bs : (i + 1) * bs]
-                    for req_id, k in self.cache.produce(p.block_hashes[i], block):
-                        self._fill(req_id, k, block)
+                    for req_id, k in self.cache.produce(p.block_hashes[i], block, p.producer):
+                        self._fill(req_id, k, block, p.producer)
                         served.append(req_id)
         self._complete([r[0] for r in runs] + served)
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corecap.store import refs
+
 
 def completed_blocks(start: int, end: int, block_size: int, num_hashes: int) -> range:
     """The full blocks whose last position lies in [start, end): the blocks a step that computes
@@ -32,10 +34,26 @@ def completed_blocks(start: int, end: int, block_size: int, num_hashes: int) -> 
     return range(start // block_size, min(end // block_size, num_hashes))
 
 
+@dataclass(eq=False)
+class Producer:
+    """A sample as a source of stored states: what a later sample that hits its blocks may refer
+    to (stored once, corecap/store/refs.py), once it is handed to the writer (`queued`), which
+    commits it before or with any sample handed on after it."""
+
+    key: str
+    num_tokens: int
+    prefix: tuple = ()  # the segments its own prefix refers to (empty: it stores every position)
+    queued: bool = False
+
+    def layout(self) -> tuple:
+        return refs.layout(self.key, self.prefix, self.prefix[-1].end if self.prefix else 0, self.num_tokens)
+
+
 @dataclass
 class _Entry:
     count: int = 0  # productions received minus productions dropped
     states: torch.Tensor | None = None  # [L, block_size, H], while count > 0
+    producer: Producer | None = None  # the sample whose chunk produced `states`
 
 
 @dataclass
@@ -50,16 +68,21 @@ class StatesCache:
         entry = self.entries.get(block_hash)
         return None if entry is None else entry.states
 
+    def producer(self, block_hash: bytes) -> Producer | None:
+        """The sample whose chunk produced the states `get` returns."""
+        entry = self.entries.get(block_hash)
+        return None if entry is None else entry.producer
+
     def wait(self, block_hash: bytes, waiter) -> None:
         self.waiters.setdefault(block_hash, []).append(waiter)
 
-    def produce(self, block_hash: bytes, states: torch.Tensor) -> list:
-        """A chunk completed this block (`states`: a view valid only now). Returns the waiters
-        to serve from `states`."""
+    def produce(self, block_hash: bytes, states: torch.Tensor, producer: Producer | None = None) -> list:
+        """A chunk of `producer` completed this block (`states`: a view valid only now). Returns
+        the waiters to serve from `states`."""
         entry = self.entries.setdefault(block_hash, _Entry())
         entry.count += 1
         if entry.count > 0 and entry.states is None:
-            entry.states = states.clone()
+            entry.states, entry.producer = states.clone(), producer
             self.nbytes += entry.states.nbytes
         elif entry.count == 0:
             del self.entries[block_hash]  # the last production of a dropped generation
@@ -70,7 +93,7 @@ class StatesCache:
         entry.count -= count
         if entry.count <= 0 and entry.states is not None:
             self.nbytes -= entry.states.nbytes
-            entry.states = None
+            entry.states = entry.producer = None
         if entry.count == 0:
             del self.entries[block_hash]
 

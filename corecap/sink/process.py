@@ -86,6 +86,9 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     commits: list[dict]
     encodes: list[dict]
     writes: list[dict]
+    num_referring: int = 0  # stored once: samples committed with a reference to others
+    referred_bytes: int = 0  # the raw states those references stand for, not written
+    num_stored_whole: int = 0  # samples with cache hits stored whole (their source not yet committed)
 
 
 class Failed(msgspec.Struct, array_like=True, tag=5):
@@ -291,7 +294,9 @@ class _Loop:
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
         buffers = BufferPool(spec.buffer_bytes // 2)
         self.collector = Collector(
-            store.meta.layers, lambda p: self.writer.put(p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give),
+            store.meta.layers, lambda p: self.writer.put(
+                p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give, prefix=p.producer.prefix if p.producer else None,
+            ),
             buffers, copy_threads(), spec.block_size,
         )
         self.decoder = msgspec.msgpack.Decoder(Control)
@@ -316,6 +321,7 @@ class _Loop:
             w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
             [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
             [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
+            c.num_referring, w.referred_bytes, c.num_stored_whole,
         )
 
     def _on_control(self, raw: bytes) -> None:

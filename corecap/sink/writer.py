@@ -80,7 +80,8 @@ class Writer:
         self.num_committed = 0
         self.num_tokens = 0
         self.nbytes = 0
-        self.raw_bytes = 0
+        self.raw_bytes = 0  # of the states encoded (a reference's prefix is not)
+        self.referred_bytes = 0  # of the states that references to other samples stand for
         self.flagged: list[str] = []
         self.writes: list[CommitTiming] = []  # states written to the page cache
         self.commits: list[CommitTiming] = []  # states synced, headers and pointers committed
@@ -94,10 +95,15 @@ class Writer:
         for t in self.threads:
             t.start()
 
-    def put(self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None) -> None:
+    def put(
+        self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
+        prefix: tuple | None = None,
+    ) -> None:
         """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
         (one sample larger than the buffer still goes through alone). `release(states)` is called
-        once the sample is committed: until then its encoded bytes may be views of `states`."""
+        once the sample is committed: until then its encoded bytes may be views of `states`.
+        `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
+        put before it (commits keep the order of `put`); only [n, T) is encoded and written."""
         size = states.numel() * states.element_size()
         with self.space:
             while self.in_flight and self.in_flight + size > self.buffer_bytes:
@@ -105,19 +111,19 @@ class Writer:
                 self.space.wait(0.1)
             self.raise_if_failed()
             self.in_flight += size
-        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask)
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix)
         self.queue.put((future, len(token_ids), size, functools.partial(release, states) if release else None))
 
-    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
+    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
         start = time.time()
-        record = self._encode_checked(key, token_ids, states, loss_mask)
+        record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask, prefix)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
         return record
 
-    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask) -> Record:
+    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
-                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask)
+                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix)
             except NonFiniteStates:
                 pass  # reported below, as for the other codecs
         finite = all_finite(states)
@@ -126,7 +132,7 @@ class Writer:
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")
             self.flagged.append(key)
-        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite)
+        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -137,7 +143,7 @@ class Writer:
         try:
             while not done and self.error is None:
                 item = self.queue.get()
-                records, size, tokens, raw, releases = [], 0, 0, 0, []
+                records, size, tokens, raw, referred, releases = [], 0, 0, 0, 0, []
                 while True:
                     if item is _DONE:
                         done = True
@@ -150,6 +156,7 @@ class Writer:
                     size += record.nbytes
                     tokens += num_tokens
                     raw += num_raw
+                    referred += num_raw * record.num_prefix // max(1, num_tokens)  # stored by others
                     if size >= self.batch_bytes:
                         break
                     try:
@@ -160,7 +167,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw, releases))
+                    self.written.put((appended, tokens, raw, referred, releases))
         except BaseException as e:
             self._fail(e)
         finally:
@@ -169,14 +176,15 @@ class Writer:
     def _commit_loop(self) -> None:
         try:
             while (item := self.written.get()) is not _DONE:
-                appended, tokens, raw, releases = item  # committed even after a later failure: it is whole
+                appended, tokens, raw, referred, releases = item  # committed even after a later failure: it is whole
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
                 self.num_committed += len(appended.records)
                 self.num_tokens += tokens
                 self.nbytes += nbytes
-                self.raw_bytes += raw
+                self.raw_bytes += raw - referred
+                self.referred_bytes += referred
                 for release in releases:
                     release()
                 with self.space:

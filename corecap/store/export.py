@@ -39,9 +39,9 @@ import numpy as np
 from corecap import __version__
 from corecap.errors import CorecapError
 from corecap.progress import Progress
-from corecap.store import Store
+from corecap.store import Store, refs
 from corecap.store.codec import DTYPES
-from corecap.store.format import checked_header, decode_states
+from corecap.store.format import checked_header
 from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, commit_file, fsync_dir
 from corecap.store.store import key_text, prefixed
 from corecap.store.trainers import ExportPlan, describe_layer, plan_export
@@ -245,7 +245,8 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 progress.update(1, header.num_tokens)
                 continue
             states = store.states(key, header, value, end)
-            future = pool.submit(_export_one, layout, syncs, path, store.path, key, header, states, ids, mask, plan.positions, dtype)
+            parts = refs.read_owners(store, txn, key, header, end) if header.prefix else ()
+            future = pool.submit(_export_one, layout, syncs, path, store, key, header, (states, parts), ids, mask, plan.positions, dtype)
             pending.append((header.num_tokens, future))
             while len(pending) >= 2 * workers:
                 collect_oldest()
@@ -273,10 +274,11 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     )
 
 
-def _export_one(layout, syncs, path, store_path, key, header, states, ids, mask, positions, dtype):
-    """On a pool thread: decode one sample (checksum checked, fp8 dequantized) and write its file
-    under a temporary name; returns the future of its fsync and rename, on another thread."""
-    sample = prefixed(store_path, decode_states, key, header, states)
+def _export_one(layout, syncs, path, store, key, header, stored, ids, mask, positions, dtype):
+    """On a pool thread: decode one sample (checksum checked, fp8 dequantized; a reference's
+    parts assembled) and write its file under a temporary name; returns the future of its fsync
+    and rename, on another thread."""
+    sample = store.decode(key, header, *stored)
     tmp = path + TMP_SUFFIX
     layout.write(tmp, ids, mask, sample.hidden_states, positions, dtype)
     return syncs.submit(commit_file, tmp, path)

@@ -20,7 +20,8 @@ from corecap.store import codec as codecs
 from corecap.store.codec import DTYPES
 
 FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
-READABLE_VERSIONS = (2, 3)
+REFERENCE_VERSION = 4  # 4: samples may refer to others for their prefix; a store becomes 4 with its first such sample
+READABLE_VERSIONS = (2, 3, 4)
 MAX_KEY_BYTES = 511  # LMDB's default key size limit
 LAYER_MEANING = (
     "index k is HF transformers' output_hidden_states[k]: 0 = token embeddings, "
@@ -99,6 +100,15 @@ def decode_meta(raw, path: str) -> StoreMeta:
     return meta
 
 
+class Segment(msgspec.Struct, array_like=True, frozen=True):
+    """Positions [start, end) of a sample are positions [start, end) of sample `key`, which stores
+    them in its own payload (never by a reference of its own: readers never recurse)."""
+
+    key: str
+    start: int
+    end: int
+
+
 class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     id: str
     num_tokens: int
@@ -115,6 +125,14 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     # crc32 of this header's msgpack with header_crc nil: the one check covering the loss mask
     # and the flags (ids have the fingerprint, states the checksum). None: written before it.
     header_crc: int | None = None
+    # Format 4 ("stored once"): positions [0, n) come from other samples' own payloads, segment by
+    # segment, and this sample's payload holds positions [n, T) only (checksum and payload_bytes
+    # are the payload's). None: the payload holds every position.
+    prefix: tuple[Segment, ...] | None = None
+
+    @property
+    def num_prefix(self) -> int:  # n: the leading positions that other samples store
+        return self.prefix[-1].end if self.prefix else 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,7 @@ class Record:
     key: str
     header: bytes
     parts: tuple  # buffers
+    num_prefix: int = 0  # the header's: a record that refers to others commits after them
 
     @property
     def payload(self):
@@ -166,11 +185,15 @@ def encode_sample(
     codec: str = "raw",
     loss_mask: np.ndarray | None = None,
     nonfinite: bool = False,
+    prefix: tuple[Segment, ...] | None = None,
 ) -> Record:
     """Encode one sample for the store (the expensive part, compression, runs here: call it off
-    the critical path). `codec` is one of `CODECS` or `FP8`."""
+    the critical path). `codec` is one of `CODECS` or `FP8`. With `prefix` (segments covering
+    [0, n)), `states` may be the whole sample [L, T, H] or its own part [L, T - n, H]; only
+    positions [n, T) are encoded."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
-    states = states.contiguous()
+    n = prefix[-1].end if prefix else 0
+    states = (states[:, n:] if n and states.shape[1] == len(ids) else states).contiguous()
     dtype = str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
@@ -197,9 +220,15 @@ def encode_sample(
         payload_bytes=raw.nbytes,
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
+        prefix=tuple(prefix) if prefix else None,
     )
     header = msgspec.structs.replace(header, header_crc=header_crc(header))
-    return Record(key, _header_encoder.encode(header), parts)
+    return Record(key, _header_encoder.encode(header), parts, n)
+
+
+def encode_header(header: SampleHeader) -> bytes:
+    """A header's bytes with its header_crc recomputed (merge rewrites a reference's segments)."""
+    return _header_encoder.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))
 
 
 def header_crc(header: SampleHeader) -> int:
@@ -231,8 +260,13 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
     ids_ok = header.num_tokens >= 0 and len(header.input_ids) == 4 * header.num_tokens
     if not ids_ok:
         shape.append(f"header has num_tokens={header.num_tokens} and {len(header.input_ids)} bytes of input_ids, expected 4 per token")
-    elif not shape and header.payload_bytes != stored_size(header):
-        shape.append(f"header has payload_bytes={header.payload_bytes}, expected {stored_size(header)} (layers x tokens x hidden size x itemsize)")
+    else:
+        shape += prefix_problems(key, header)
+    if ids_ok and not shape and header.payload_bytes != stored_size(header):
+        shape.append(
+            f"header has payload_bytes={header.payload_bytes}, expected {stored_size(header)} "
+            "(layers x its own tokens x hidden size x itemsize)"
+        )
     other = []
     if header.id != key:
         other.append(f"header is for sample {header.id!r}")
@@ -249,6 +283,24 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
     return shape + other, not shape
 
 
+def prefix_problems(key: str, header: SampleHeader) -> list[str]:
+    """What is wrong with a header's reference by itself (the samples it names are checked by
+    the store: `Store.reference_problems`): segments contiguous from 0, each non-empty, ending
+    at most at num_tokens, naming other keys of 1 to MAX_KEY_BYTES bytes."""
+    if header.prefix is None:
+        return []
+    at = 0
+    for s in header.prefix:
+        raw = s.key.encode(errors="surrogateescape")
+        if s.start != at or s.end <= s.start or not 0 < len(raw) <= MAX_KEY_BYTES or s.key == key:
+            return [f"header's prefix segment {s.key[:40]!r} [{s.start}, {s.end}) does not continue at position {at} "
+                    f"(expected segments contiguous from 0, non-empty, naming other keys of 1 to {MAX_KEY_BYTES} bytes)"]
+        at = s.end
+    if not header.prefix or at > header.num_tokens:
+        return [f"header's prefix covers positions [0, {at}), expected 1 to {header.num_tokens} (its num_tokens)"]
+    return []
+
+
 def checked_header(key: str, value, meta: StoreMeta) -> SampleHeader:
     """The header stored under `key`, decoded and checked (`header_problems`), or CorecapError."""
     header = decode_header(key, value)
@@ -259,8 +311,9 @@ def checked_header(key: str, value, meta: StoreMeta) -> SampleHeader:
 
 
 def stored_size(header: SampleHeader) -> int:
-    """L*T*H*itemsize(dtype): the states' size as readers get them, by the header's shape."""
-    return len(header.layers) * header.num_tokens * header.hidden_size * DTYPES[header.dtype].itemsize
+    """L*(T - n)*H*itemsize(dtype): the decoded size of the states the header's own payload holds
+    (n = 0 unless it refers to other samples for its prefix)."""
+    return len(header.layers) * (header.num_tokens - header.num_prefix) * header.hidden_size * DTYPES[header.dtype].itemsize
 
 
 def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int]:
@@ -274,11 +327,14 @@ def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int
             f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
             f"hidden size {header.hidden_size}, {len(header.input_ids)} id bytes)"
         )
+    problems = prefix_problems(key, header)
+    if problems:
+        raise CorecapError(f"sample {key!r}: {problems[0]}")
     expected = stored_size(header)
     if header.payload_bytes != expected:
         raise CorecapError(f"sample {key!r}: header says {header.payload_bytes} state bytes, expected {expected}")
     if header.codec == FP8:
-        rows = len(header.layers) * header.num_tokens
+        rows = len(header.layers) * (header.num_tokens - header.num_prefix)
         return expected, rows * header.hidden_size + 4 * rows
     if header.codec not in codecs.CODECS:
         raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
@@ -306,10 +362,11 @@ def check_stored(key: str, header: SampleHeader, payload) -> None:
 
 def decode_states(key: str, header: SampleHeader, payload) -> Sample:
     """The sample `key`, whose (checked: `header_problems`) header is `header`, from its stored
-    states; CorecapError when they do not decode to what the header declares."""
+    states; CorecapError when they do not decode to what the header declares. A header with a
+    prefix gives the states of its own positions [n, T) only (corecap/store/refs.py assembles)."""
     expected, _ = stored_bytes(header, key)
     dtype = DTYPES[header.dtype]
-    shape = (len(header.layers), header.num_tokens, header.hidden_size)
+    shape = (len(header.layers), header.num_tokens - header.num_prefix, header.hidden_size)
     ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
     try:
         if header.codec == FP8:

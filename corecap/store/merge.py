@@ -16,7 +16,11 @@ container's, which covers every byte after the container's head), which costs a 
 (~30 GB/s) where decoding would cost ~1 GB/s; `corecap verify` decodes. A damaged record
 refuses the merge with one line naming the input, the key and the field, and OUT is left as it
 was: every record is copied and checked before any of their headers is committed (a new OUT is
-removed again); the headers then go in in batches (`Store.put_all`). LMDB keeps keys
+removed again); the headers then go in in batches (`Store.put_all`), owners of references
+before the samples that refer to them. A sample stored once (a `prefix` of references,
+corecap/store/refs.py) is copied only if its input satisfies the reference; when the record OUT
+keeps for a referred key is another store's (a duplicate), the segments are resolved again
+through it and the header rewritten. LMDB keeps keys
 sorted, so the duplicate check is a k-way merge of the stores' key cursors, in memory
 independent of the number of samples.
 """
@@ -32,8 +36,8 @@ from dataclasses import dataclass
 import msgspec
 
 from corecap.errors import CorecapError
-from corecap.store import Record, Store, StoreMeta, decode_header
-from corecap.store.format import check_stored, checked_header
+from corecap.store import FORMAT_VERSION, Record, Store, StoreMeta, decode_header, refs
+from corecap.store.format import check_stored, checked_header, encode_header
 from corecap.store.segments import LOCK_FILE, segment_numbers, segment_path
 from corecap.store.store import key_text, lmdb_errors, prefixed
 
@@ -83,9 +87,20 @@ def _keys(store: Store, txn, index: int):
             yield key, index
 
 
-def _check_keys(stores: list[Store]) -> int:
-    """Refuse a key held by two stores with different inputs; return the number of duplicates."""
-    num_duplicates = 0
+@dataclass(frozen=True)
+class _Winner:
+    """The record OUT keeps for a key held by several stores: the first store's."""
+
+    index: int  # into the list given to _check_keys
+    prefix: tuple | None
+    num_prefix: int
+    num_tokens: int
+
+
+def _check_keys(stores: list[Store]) -> tuple[int, dict[str, _Winner]]:
+    """Refuse a key held by two stores with different inputs; return the number of duplicates
+    and, for each such key, the record OUT keeps."""
+    num_duplicates, winners = 0, {}
     with contextlib.ExitStack() as stack:
         txns = [stack.enter_context(s.env.begin()) for s in stores]
         group: list[int] = []
@@ -96,23 +111,55 @@ def _check_keys(stores: list[Store]) -> int:
                 continue
             num_duplicates += 1
             first = group[0]
-            fp_first, fp = (_fingerprint(stores[j], txns[j], key) for j in (first, i))
+            (fp_first, kept), (fp, _) = (_fingerprint(stores[j], txns[j], key) for j in (first, i))
+            winners[key_text(stores[first].path, key)] = _Winner(first, kept.prefix, kept.num_prefix, kept.num_tokens)
             if fp != fp_first:
                 raise CorecapError(
                     f"key {key.decode()!r} is in {stores[first].path} (input fingerprint {fp_first}) and in "
                     f"{stores[i].path} (input fingerprint {fp}): different inputs under one key"
                 )
             group.append(i)
-    return num_duplicates
+    return num_duplicates, winners
 
 
-def _fingerprint(store: Store, txn, key: bytes) -> str:
+def _fingerprint(store: Store, txn, key: bytes):
     text = key_text(store.path, key)
     with lmdb_errors(store.path, f"sample {text!r}"):
-        return prefixed(store.path, decode_header, text, txn.get(key, db=store.headers_db)).input_fingerprint
+        header = prefixed(store.path, decode_header, text, txn.get(key, db=store.headers_db))
+    return header.input_fingerprint, header
 
 
-def _entries(src: Store):
+class _References:
+    """A record's prefix as OUT will hold it. A segment names a key whose record in OUT may be
+    another store's (a duplicate kept once): its own payload may then cover other positions, so
+    the segment is resolved again through that record's layout in OUT (refs.py)."""
+
+    def __init__(self, winners: dict[str, _Winner]):
+        self.winners = winners
+        self.layouts: dict[str, tuple] = {}
+
+    def prefix(self, index: int, prefix) -> tuple:
+        out = []
+        for s in prefix:
+            w = self.winners.get(s.key)
+            out += [s] if w is None or w.index == index else refs.within(self.layout(s.key), s.start, s.end)
+        return tuple(out)
+
+    def layout(self, key: str) -> tuple:
+        if key not in self.layouts:
+            w = self.winners[key]
+            self.layouts[key] = refs.layout(key, self.prefix(w.index, w.prefix or ()), w.num_prefix, w.num_tokens)
+        return self.layouts[key]
+
+    def header(self, index: int, header_value) -> bytes:
+        header = decode_header("", header_value)
+        if not header.prefix:
+            return bytes(header_value)
+        prefix = self.prefix(index, header.prefix)
+        return bytes(header_value) if prefix == header.prefix else encode_header(msgspec.structs.replace(header, prefix=prefix))
+
+
+def _entries(src: Store, index: int, references: _References):
     """(key, load) of every sample of `src`, in key order; load() reads its record and checks it
     (the module docstring says what), raising CorecapError naming `src`, the key and the field."""
     # buffers=True: values are views into src's map, valid while this read txn lives: the
@@ -131,7 +178,12 @@ def _entries(src: Store):
                 header = prefixed(src.path, checked_header, text, header_value, src.meta)
                 states = src.states(text, header, value, end)
                 prefixed(src.path, check_stored, text, header, states)
-                return Record(text, bytes(header_value), (states,))
+                if header.prefix:  # a reference that src itself does not hold refuses the merge
+                    with lmdb_errors(src.path, f"sample {text!r}"):
+                        problems, _ = refs.reference_problems(src, txn, text, header)
+                    if problems:
+                        raise CorecapError(f"{src.path}: sample {text!r}: {problems[0]}")
+                return Record(text, references.header(index, header_value), (states,), header.num_prefix)
 
             yield text, load
 
@@ -173,11 +225,14 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
             # LMDB allows one environment per file per process: read OUT, close it, then write it.
             with Store.open(out_path) as existing:
                 _check_meta(existing, inputs[0])
-                num_duplicates = _check_keys([existing, *inputs])
+                num_duplicates, winners = _check_keys([existing, *inputs])
                 meta = existing.meta
         else:
-            num_duplicates = _check_keys(inputs)
-            meta = inputs[0].meta
+            num_duplicates, winners = _check_keys(inputs)
+            # format 4 only once a reference is committed (Store._refer)
+            meta = msgspec.structs.replace(inputs[0].meta, format_version=min(inputs[0].meta.format_version, FORMAT_VERSION))
+        first = 1 if out_exists else 0  # inputs[i]'s index in the winners
+        references = _References(winners)
         made_dir = not os.path.isdir(out_path)
         out = Store.create_or_open(out_path, meta)  # a refusal here has touched nothing
         sources: dict[str, int] = {}  # key → the input its record came from
@@ -185,13 +240,13 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
 
         def entries():
             for i, src in enumerate(inputs):
-                for key, load in _entries(src):
+                for key, load in _entries(src, first + i, references):
                     yield key, functools.partial(_load_from, load, key, i, sources)
 
         def header_of(key: str) -> bytes:
             i = sources[key]
             with lmdb_errors(inputs[i].path, f"sample {key!r}"):
-                return bytes(txns[i].get(key.encode(), db=inputs[i].headers_db))
+                return references.header(first + i, txns[i].get(key.encode(), db=inputs[i].headers_db))
 
         try:
             with out:

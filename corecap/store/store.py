@@ -22,10 +22,10 @@ import lmdb
 import msgspec
 
 from corecap.errors import CorecapError
-from corecap.store import segments
+from corecap.store import refs, segments
 from corecap.store.format import (
-    MAX_KEY_BYTES, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header, decode_meta, decode_states,
-    stored_bytes,
+    MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header, decode_meta,
+    decode_states, stored_bytes,
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
@@ -174,8 +174,16 @@ class Store:
             if value is None:
                 raise CorecapError(f"{self.path}: sample {key!r} has a header but no states")
             header = prefixed(self.path, checked_header, key, header_value, self.meta)
-            states = self.states(key, header, value, self.committed_end(txn))
-        return prefixed(self.path, decode_states, key, header, states)
+            end = self.committed_end(txn)
+            states = self.states(key, header, value, end)
+            parts = refs.read_owners(self, txn, key, header, end) if header.prefix else ()
+        return self.decode(key, header, states, parts)
+
+    def decode(self, key: str, header: SampleHeader, states, parts=()) -> Sample:
+        """The sample from its stored states and, when it refers to others, their stored parts
+        (`refs.read_owners`, read in the same transaction)."""
+        sample = prefixed(self.path, decode_states, key, header, states)
+        return prefixed(self.path, refs.assemble, key, sample, parts) if header.prefix else sample
 
     def committed_end(self, txn) -> tuple[int, int] | None:
         """The committed end of the state files (`segments.END`) as `txn` sees it; None in a store
@@ -238,13 +246,25 @@ class Store:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
+                    meta = self._refer(txn, any(r.num_prefix for r in records))
                     for r, pointer in zip(records, appended.pointers):
                         txn.put(r.key.encode(), r.header, db=self.headers_db)
                         txn.put(r.key.encode(), pointer, db=self.samples_db)
                     txn.put(b"states_end", segments.END.pack(*appended.end), db=self.meta_db)
+                self.meta = meta
                 return nbytes
             except lmdb.MapFullError:
                 self.env.set_mapsize(max(2 * self.env.info()["map_size"], 2 * nbytes))
+
+    def _refer(self, txn, refers: bool) -> StoreMeta:
+        """The metadata once `txn` commits: in the transaction that commits a store's first
+        sample with a reference the store becomes format 4 (older readers then refuse the store
+        as a whole rather than one sample's header)."""
+        if not refers or self.meta.format_version >= REFERENCE_VERSION:
+            return self.meta
+        meta = msgspec.structs.replace(self.meta, format_version=REFERENCE_VERSION)
+        txn.put(b"store", msgspec.json.encode(meta), db=self.meta_db)
+        return meta
 
     def put_all(
         self, entries: Iterable[tuple[str, Callable[[], Record]]], header_of: Callable[[str], bytes],
@@ -263,7 +283,7 @@ class Store:
             committed = self.committed_end(txn) or (0, 0)
             held = lambda raw: txn.get(raw, db=self.headers_db) is not None  # noqa: E731
             self.append([])  # the writer, holding the store's lock
-            copied: list[tuple[str, bytes]] = []  # (key, pointer), in order
+            copied: list[tuple[str, bytes, int]] = []  # (key, pointer, the record's num_prefix), in order
             taken: set[str] = set()
             nbytes = 0
             try:
@@ -277,22 +297,26 @@ class Store:
                     pending += batch[-1].nbytes
                     nbytes += batch[-1].nbytes
                     if pending >= batch_bytes:
-                        copied += zip((r.key for r in batch), self.append(batch).pointers)
+                        copied += zip((r.key for r in batch), self.append(batch).pointers, (r.num_prefix for r in batch))
                         batch, pending = [], 0
-                copied += zip((r.key for r in batch), self.append(batch).pointers)
+                copied += zip((r.key for r in batch), self.append(batch).pointers, (r.num_prefix for r in batch))
                 self.writer.sync()  # the states are durable before any pointer to them commits
             except BaseException:
                 self.writer.cut(committed)
                 raise
         end = segments.END.pack(*self.writer.end)
+        copied.sort(key=lambda c: c[2])  # an owner's prefix is shorter than its referrers' (refs.py): it commits first
         for i in range(0, len(copied), commit_records):
             while True:
                 try:
+                    batch = copied[i : i + commit_records]
                     with lmdb_errors(self.path, "the merged headers"), self.env.begin(write=True) as txn:
-                        for key, pointer in copied[i : i + commit_records]:
+                        meta = self._refer(txn, batch[-1][2] > 0)  # sorted: the last has the longest prefix
+                        for key, pointer, _ in batch:
                             txn.put(key.encode(), header_of(key), db=self.headers_db)
                             txn.put(key.encode(), pointer, db=self.samples_db)
                         txn.put(b"states_end", end, db=self.meta_db)
+                    self.meta = meta
                     break
                 except lmdb.MapFullError:
                     self.env.set_mapsize(2 * self.env.info()["map_size"])

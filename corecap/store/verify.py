@@ -34,7 +34,7 @@ import lmdb
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import Store, decode_header
+from corecap.store import Store, decode_header, refs
 from corecap.store.format import decode_states, header_problems
 from corecap.store.store import lmdb_message
 
@@ -44,6 +44,7 @@ class VerifyReport:
     store: str
     num_samples: int = 0
     num_tokens: int = 0  # of the samples whose header could be read and agrees with its ids
+    num_referring: int = 0  # samples whose prefix other samples store (format 4)
     problems: dict[str, list[str]] = field(default_factory=dict)  # key → what is wrong with it
     store_problems: list[str] = field(default_factory=list)  # damage to no one sample: the LMDB, states_end
 
@@ -53,7 +54,8 @@ class VerifyReport:
 
     def line(self) -> str:
         if self.ok:
-            return f"{self.store}: {self.num_samples} samples OK ({self.num_tokens} tokens)"
+            referring = f", {self.num_referring} of them stored once: their prefix refers to other samples" if self.num_referring else ""
+            return f"{self.store}: {self.num_samples} samples OK ({self.num_tokens} tokens{referring})"
         line = f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
         return line + (f"; the store itself has {len(self.store_problems)}" if self.store_problems else "")
 
@@ -75,6 +77,8 @@ def verify_store(
     report = VerifyReport(store.path)
     num_threads = num_threads or default_threads()
     pending: deque = deque()  # (key, its problems or the future of them), in key order
+    referrers: dict[str, list[str]] = {}  # key → the samples its prefix comes from
+    reference_problems: dict[str, list[str]] = {}  # key → the problems of its own reference
 
     def collect_oldest() -> None:
         key, problems = pending.popleft()
@@ -96,7 +100,7 @@ def verify_store(
                 for raw_key, header, value in _walk(txn, store):
                     report.num_samples += 1
                     key = raw_key.decode("utf-8", errors="backslashreplace")
-                    read = _read(raw_key, key, header, value, store, end, report)
+                    read = _read(raw_key, key, header, value, store, end, report, txn, referrers, reference_problems)
                     found = isinstance(read, list)  # wrong without decoding
                     pending.append((key, read if found else pool.submit(_check_decoded, key, *read, store)))
                     while len(pending) > 2 * num_threads:
@@ -105,6 +109,16 @@ def verify_store(
             report.store_problems.append(f"{lmdb_message(e)}; the samples after the first {report.num_samples} were not checked")
         while pending:
             collect_oldest()
+    # A reference to a sample whose own states or header are damaged is damaged (a read of it
+    # fails); that sample's own reference is not read through it (refs.py: one level).
+    damaged = {k for k, p in report.problems.items() if len(p) > len(reference_problems.get(k, ()))}
+    for key, owners in referrers.items():
+        bad = [owner for owner in owners if owner in damaged]
+        if bad:
+            problems = [f"its prefix comes from sample {bad[0]!r}, which has problems"]
+            report.problems.setdefault(key, []).extend(problems)
+            if on_problem is not None:
+                on_problem(key, problems)
     return report
 
 
@@ -129,9 +143,10 @@ def _walk(txn, store: Store) -> Iterator[tuple[bytes, object, object]]:
             has_payload = payloads.next()
 
 
-def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, report: VerifyReport):
+def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, report: VerifyReport, txn, referrers, reference_problems):
     """In the walking thread: the sample's problems when it is wrong without decoding its states,
-    else (its problems so far, header, states bytes) for `_check_decoded`."""
+    else (its problems so far, header, states bytes) for `_check_decoded`. A reference is checked
+    against the samples it names (headers only: their states are checked where they are)."""
     if not _is_utf8(raw_key):
         return [f"key {raw_key!r} is not UTF-8"]
     if header_value is None:
@@ -145,6 +160,11 @@ def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, repo
         report.num_tokens += header.num_tokens
     if value is None:
         problems.append("header but no states (an incomplete sample)")
+    if decodable and header.prefix:
+        report.num_referring += 1
+        reference_problems[key] = refs.reference_problems(store, txn, key, header)[0]
+        problems += reference_problems[key]
+        referrers[key] = list(refs.owners(header))
     if not decodable or value is None:  # decoding against the header would only restate these
         return problems
     try:
