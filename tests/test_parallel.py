@@ -304,7 +304,16 @@ def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=2, max_position_embeddings=512, architectures=["MixtralForCausalLM"],
         ).save_pretrained(mixtral)
-        with pytest.raises(CorecapError, match=r"^MixtralForCausalLM: corecap's auxiliary outputs for MixtralForCausalLM do not cross pipeline stages"):
+        refusal = r"^MixtralForCausalLM: corecap's auxiliary outputs for MixtralForCausalLM do not cross pipeline stages"
+        with pytest.raises(CorecapError, match=refusal):
+            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
+        # also once a run in this process has had vLLM register corecap's Mixtral class (which
+        # resolving its configuration does, process-wide): the suite's order once hid this
+        from vllm.model_executor.model_loader.utils import get_model_architecture
+
+        single = build_vllm_config(EngineOptions(max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
+        assert get_model_architecture(single.model_config)[0].__name__.startswith("Capture__")
+        with pytest.raises(CorecapError, match=refusal):
             build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
         from vllm.model_executor.models.llama import LlamaModel
 

@@ -28,6 +28,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -134,7 +135,12 @@ def mode_corecap(args) -> dict:
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.shape), "--data", data, "--store", store,
            "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode]]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    peaks: dict[int, tuple[float, str]] = {}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        watcher = threading.Thread(target=_watch_rss, args=(child, peaks), daemon=True)
+        watcher.start()
+        stdout, stderr = child.communicate()
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"corecap run failed ({proc.returncode}): {proc.stderr[-2000:]}\n{_log_tail(store)}")
@@ -156,8 +162,31 @@ def mode_corecap(args) -> dict:
         "engine_line": next((line for line in proc.stderr.splitlines() if line.startswith("engine:")), ""),
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+        "peak_rss_gb_by_process": sorted(((round(gb, 2), what) for gb, what in peaks.values()), reverse=True)[:4],
         "workers": trace.get("workers", []),
     }
+
+
+def _watch_rss(child: subprocess.Popen, peaks: dict) -> None:
+    """Every 0.2 s, each process under `child` (driver, sink, workers): its peak RSS in GB and
+    what it is (name and the start of its command line), by pid. RSS counts the shared-memory
+    ring's pages each process has touched."""
+    import psutil
+
+    root = psutil.Process(child.pid)
+    while child.poll() is None:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for p in procs:
+            try:
+                gb = p.memory_info().rss / 2**30
+                if gb > peaks.get(p.pid, (0.0, ""))[0]:
+                    peaks[p.pid] = (gb, f"{p.name()}: {' '.join(p.cmdline())[:120]}")
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
 
 
 def _log_tail(store: str) -> str:

@@ -57,9 +57,9 @@ def plan_capture(vllm_config, layers: tuple[Layer, ...] | None) -> CapturePlan:
         cls, arch = get_model_architecture(model_config)
     except Exception as e:  # vLLM's words, one line
         raise CorecapError(f"vLLM cannot resolve the model class of {model_config.model}: {str(e).strip().splitlines()[0]}") from None
+    if models.is_override(cls):  # an earlier run in this process registered corecap's class: judge vLLM's
+        cls = cls.__mro__[1]
     name = cls.__name__
-    if models.is_override(cls):
-        return CapturePlan(cls.__mro__[1].__name__, "override", models.override_target(cls.__mro__[1]))
     if not needs_aux(layers, model_config.hf_text_config.num_hidden_layers):
         return CapturePlan(name, "none")
     if supports_eagle3(cls):
