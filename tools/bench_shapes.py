@@ -183,7 +183,7 @@ def _watch_rss(child: subprocess.Popen, peaks: dict) -> None:
             try:
                 gb = p.memory_info().rss / 2**30
                 if gb > peaks.get(p.pid, (0.0, ""))[0]:
-                    peaks[p.pid] = (gb, f"{p.name()}: {' '.join(p.cmdline())[:120]}")
+                    peaks[p.pid] = (gb, f"{p.name()}: {' '.join(p.cmdline()).strip()[:120]}")
             except psutil.Error:
                 continue
         time.sleep(0.2)
