@@ -51,8 +51,7 @@ class Case:
         self.refs = torch.load(refs)
 
     def reference(self, key: str) -> torch.Tensor:
-        ref = self.refs[key]
-        return torch.stack([ref["prenorm"] if k == PRENORM else ref["hidden_states"][k] for k in LAYERS])
+        return tiny_models.stacked(self.refs[key], LAYERS)
 
     def run(self, mode: str):
         from corecap.run import run

@@ -121,6 +121,13 @@ def relative_errors(got, ref):
     return per_sample, per_token
 
 
+def stacked(ref: dict, layers):
+    """One sample's reference (as `reference` writes it) for `layers`: [len(layers), T, H]."""
+    import torch
+
+    return torch.stack([ref["prenorm"] if k == "prenorm" else ref["hidden_states"][k] for k in layers])
+
+
 def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> None:
     import torch
     import transformers

@@ -34,12 +34,6 @@ ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
 WIDER = {"hidden_size": 128, "head_dim": 64}
 
 
-def _stack(ref: dict, layers):
-    import torch
-
-    return torch.stack([ref["prenorm"] if k == "prenorm" else ref["hidden_states"][k] for k in layers])
-
-
 def one_arch(name: str, work: str) -> dict:
     import torch
 
@@ -81,9 +75,9 @@ def one_arch(name: str, work: str) -> dict:
         for r in rows:
             sample = s.get(r["id"])
             assert sample.input_ids.tolist() == r["input_ids"], r["id"]
-            ref = _stack(refs["float32"][r["id"]], layers)
+            ref = tiny_models.stacked(refs["float32"][r["id"]], layers)
             for key, got in (("corecap bf16 vs HF float32", sample.hidden_states),
-                             ("HF bf16 vs HF float32", _stack(refs["bfloat16"][r["id"]], layers))):
+                             ("HF bf16 vs HF float32", tiny_models.stacked(refs["bfloat16"][r["id"]], layers))):
                 per_sample, per_token = tiny_models.relative_errors(got, ref)
                 w = worst[key]
                 w["per_sample_layer"] = [max(a, float(b)) for a, b in zip(w["per_sample_layer"], per_sample)]

@@ -20,6 +20,7 @@ Writes gpu_exact.json (worst relative error per case, per sample/layer and per t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -75,6 +76,14 @@ def one_case(model: str, data: str, store: str, dtype: str, variant: str, tp: in
     print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)
 
 
+def _record(worst: dict, key: str, case: str, got, ref) -> None:
+    """Keep the worst relative error per sample and layer and per token of `got` against `ref`."""
+    diff = got - ref
+    w = worst.setdefault(key, {}).setdefault(case, [0.0, 0.0])
+    w[0] = max(w[0], (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item())
+    w[1] = max(w[1], (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item())
+
+
 def compare(model: str, data_rows: list[dict], store: str, dtype: str, unquantized: str | None = None) -> dict:
     import torch
     import transformers
@@ -87,30 +96,22 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str, unquantiz
         m = transformers.LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, ref_dtype)).cuda().eval()
         m.model.layers[-1].register_forward_hook(lambda mod, a, o, m=m: setattr(m, "prenorm", o[0] if isinstance(o, tuple) else o))
         refs[ref_dtype] = m
-    with Store.open(store) as s:
+    with contextlib.ExitStack() as stack:
+        s = stack.enter_context(Store.open(store))
+        u = stack.enter_context(Store.open(unquantized)) if unquantized is not None else None
         assert sorted(s.keys()) == sorted(r["id"] for r in data_rows), "keys differ"
         for r in data_rows:
             sample = s.get(r["id"])
             assert sample.input_ids.tolist() == r["input_ids"], r["id"]
             got = sample.hidden_states.float().cuda()
+            case = r["id"].split("-")[0]
             for ref_dtype, m in refs.items():
                 with torch.no_grad():
                     hs = m(torch.tensor([r["input_ids"]], device="cuda"), output_hidden_states=True).hidden_states
                 ref = torch.stack([m.prenorm[0] if k == "prenorm" else hs[k][0] for k in LAYERS]).float()
-                diff = got - ref
-                per_sample = (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
-                per_token = (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item()
-                case = r["id"].split("-")[0]
-                key = f"vs HF {ref_dtype}"
-                w = worst.setdefault(key, {}).setdefault(case, [0.0, 0.0])
-                w[0], w[1] = max(w[0], per_sample), max(w[1], per_token)
-            if unquantized is not None:
-                with Store.open(unquantized) as u:
-                    ref = u.get(r["id"]).hidden_states.float().cuda()
-                diff = got - ref
-                w = worst.setdefault(f"vs corecap {dtype} unquantized", {}).setdefault(r["id"].split("-")[0], [0.0, 0.0])
-                w[0] = max(w[0], (diff.flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item())
-                w[1] = max(w[1], (diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item())
+                _record(worst, f"vs HF {ref_dtype}", case, got, ref)
+            if u is not None:
+                _record(worst, f"vs corecap {dtype} unquantized", case, got, u.get(r["id"]).hidden_states.float().cuda())
     return worst
 
 
