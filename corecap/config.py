@@ -20,6 +20,10 @@ from corecap.errors import CorecapError
 PRENORM = "prenorm"  # the residual stream after the last decoder layer, before the final norm
 Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
 DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
+# fp8's encode (torch ops, corecap/store/codec.py quantize_fp8) gets slower past 4 threads on the
+# H200 host, where zstd-planes still gains to 8: 1B-shaped samples, samples/s on 4 against 8
+# threads, 713-728 against 453-566 (tools/bench_sink.py --only scaling-1b; docs/benchmarks.md).
+FP8_ENCODE_THREADS = 4
 
 # Engine arguments corecap sets itself: (vLLM's name, why).
 REFUSED = {
@@ -123,6 +127,13 @@ class RunConfig:
     @property
     def model(self) -> str | None:
         return self.engine.model
+
+    @property
+    def sink_encode_threads(self) -> int:
+        """The sink's encode threads for this run's codec."""
+        from corecap.store import FP8
+
+        return min(self.encode_threads, FP8_ENCODE_THREADS) if self.codec == FP8 else self.encode_threads
 
 
 def build(**options) -> RunConfig:

@@ -186,7 +186,7 @@ class _Capture:
         cfg = self.cfg
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
         block_size = prefix.block_size(self.plan.vllm_config)
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.encode_threads, cfg.buffer_bytes, tcp, block_size)
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.sink_encode_threads, cfg.buffer_bytes, tcp, block_size)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:

@@ -154,7 +154,9 @@ def test_cached_blocks_come_from_the_block_that_produced_them():
     col.take(step1, 0.0)  # b's own tail: 2 blocks still missing
     assert "b" not in done
     col.hits("b", 2)
-    assert torch.equal(done["b"][:, :8], step0.states[:, :8]) and torch.equal(done["b"][:, 8:], step1.states)
+    # b refers to a for [0, 8) (a was handed on): those positions are a's to store, so b's
+    # writer encodes only its tail and the sink never copies a's cached blocks into b
+    assert torch.equal(done["b"][:, 8:], step1.states)
     assert col.cache.num_blocks == 3 + 1  # a's 3 and b's third (c's tail is not a full block)
 
 
@@ -208,10 +210,12 @@ def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_han
     d = np.concatenate([e[:4], rng.integers(0, 100, 3).astype(np.int32)])
     hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
     handed = []
-    col = Collector(LAYERS, lambda p: handed.append((p.key, p.producer.prefix)), block_size=BS)
+    states = {}
+    col = Collector(LAYERS, lambda p: handed.append((p.key, p.producer.prefix)) or states.__setitem__(p.key, p.states.clone()), block_size=BS)
     for r, ids in (("a", a), ("b", b), ("c", c), ("d", d), ("e", e)):
         col.expect(r, r, ids, block_hashes=hashes(ids))
-    col.take(_chunk(0, [("a", a, 0), ("e", e[:6], 0)]), 0.0)  # e: chunked, 6 of 12
+    step0 = _chunk(0, [("a", a, 0), ("e", e[:6], 0)])  # e: chunked, 6 of 12
+    col.take(step0, 0.0)
     col.hits("b", 2)
     col.take(_chunk(1, [("b", b[8:], 8)]), 0.0)
     col.hits("c", 3)
@@ -224,3 +228,4 @@ def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_han
         ("a", ()), ("b", (Segment("a", 0, 8),)), ("c", (Segment("a", 0, 8), Segment("b", 8, 12))), ("d", ()), ("e", ()),
     ]
     assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 20, 1)
+    assert torch.equal(states["d"][:, :4], step0.states[:, 10:14])  # stored whole: e's cached block copied in

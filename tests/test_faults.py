@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -434,6 +435,32 @@ def test_a_failed_step_names_the_dead_worker():
     with pytest.raises(CorecapError, match=r"worker rank 0 \(pid 7\) died during an engine step"):
         engine.step()
     assert engine.asked == 2
+
+
+def test_a_forward_pass_that_raised_is_named_not_its_empty_sample_output():
+    """Seen on the H200 (vLLM 0.26, Qwen3-Next without flashinfer): the worker's forward pass
+    raised; sample_tokens then answered with an empty output, and the scheduler's
+    update_from_output failed on it with `KeyError: '1'`, reported as an internal error. The
+    step must end with the worker's own error instead, before the scheduler sees the output."""
+    from collections import deque
+    from concurrent.futures import Future
+
+    from corecap._vllm.engine import Engine, _Batch
+    from corecap.errors import CorecapError
+
+    engine = Engine.__new__(Engine)  # no vLLM: the step itself, on futures as the executor's
+    engine._interrupted, engine.problem = None, lambda: None
+    engine.executor = types.SimpleNamespace(output_rank=0)
+    failed, empty = Future(), Future()
+    failed.set_exception(RuntimeError("Worker failed with error 'No module named 'flashinfer'', please check the stack trace above for the root cause"))
+    empty.set_result(types.SimpleNamespace(req_id_to_index={}))
+    engine._fill = lambda timing: None
+    engine.in_flight = deque([_Batch(types.SimpleNamespace(total_num_scheduled_tokens=8), failed, empty)])
+    seen = []
+    engine.core = types.SimpleNamespace(scheduler=types.SimpleNamespace(update_from_output=lambda *a: seen.append(a) or {}))
+    with pytest.raises(CorecapError, match=r"^worker rank 0 failed during an engine step: No module named 'flashinfer'$"):
+        engine.step()
+    assert not seen, "the scheduler was given the empty output"
 
 
 def test_a_dead_worker_not_yet_reaped_is_named():

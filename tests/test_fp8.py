@@ -119,3 +119,13 @@ def test_reference_agrees_with_torchs_plain_formula(dtype):
     scale = (x.abs().amax(dim=2) / 448.0).clamp_min(2.0**-126)
     q = (x / scale[:, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     assert q.view(torch.uint8).numpy().tobytes() + scale.numpy().tobytes() == _reference(states)
+
+
+def test_fp8_stores_encode_on_at_most_four_threads_and_lossless_on_all_it_is_given():
+    """fp8's encode slows past 4 threads on the H200 host (corecap/config.py FP8_ENCODE_THREADS)."""
+    from corecap.config import RunConfig
+    from corecap.store import FP8
+
+    assert RunConfig(codec=FP8, encode_threads=8).sink_encode_threads == 4
+    assert RunConfig(codec=FP8, encode_threads=2).sink_encode_threads == 2
+    assert RunConfig(encode_threads=8).sink_encode_threads == 8

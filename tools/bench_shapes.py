@@ -8,7 +8,9 @@ max_tokens=1)`. One process per mode; every result a JSON line in OUT/bench_shap
 
 Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,024 tokens),
 1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
-prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts). Prompt counts give each corecap run
+prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts), 8b-a (the 8b model on issue 19's
+dataset (a): a 2,048-token prompt shared by all, then a unique 256-1,024-token tail; rates
+count every sample's tokens, cached or not). Prompt counts give each corecap run
 >= 20 s of steady capture at the rates seen before, and plain vLLM as long or longer.
 Modes: plain, plain-fp8q (`quantization="fp8"`), corecap, corecap-fp8 (`--store-dtype fp8`),
 corecap-raw (`--codec raw`), corecap-fp8q (`--quantization fp8`), corecap-pc
@@ -75,6 +77,12 @@ SHAPES = {
                          "max_position_embeddings": 1024, "tie_word_embeddings": False},
                  prompt_len=128, plain_prompts=64, corecap_prompts=64, layers="1,2,4"),
 }
+# Issue 19's dataset (a) on a shape: one 2,048-token system prompt shared by every prompt, then a
+# unique tail of 256-1,024 tokens (the same seed and lengths as tools/bench_prefix.py's (a)).
+SHARED_PREFIX, TAILS = 2048, (256, 1024)
+SHAPES["8b-a"] = dict(SHAPES["8b"], shared_prefix=True, plain_prompts=1024, corecap_prompts=1024)
+SHAPES["tiny-a"] = dict(SHAPES["tiny"], config={**SHAPES["tiny"]["config"], "max_position_embeddings": 4096},
+                        shared_prefix=True, plain_prompts=16, corecap_prompts=16)
 CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "corecap-raw": ["--codec", "raw"],
                  "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
 
@@ -87,10 +95,15 @@ def model_dir(shape: str) -> str:
     return path
 
 
-def prompts(shape: str, n: int) -> np.ndarray:
+def prompts(shape: str, n: int) -> list[np.ndarray]:
     s = SHAPES[shape]
     vocab = s["config"]["vocab_size"]
-    return np.random.default_rng(0).integers(10, vocab - 1000, size=(n, s["prompt_len"]), dtype=np.int64)
+    rng = np.random.default_rng(0)
+    if not s.get("shared_prefix"):
+        return list(rng.integers(10, vocab - 1000, size=(n, s["prompt_len"]), dtype=np.int64))
+    system = rng.integers(10, vocab - 1000, size=SHARED_PREFIX, dtype=np.int64)
+    return [np.concatenate([system, rng.integers(10, vocab - 1000, size=int(k), dtype=np.int64)])
+            for k in rng.integers(TAILS[0], TAILS[1] + 1, size=n)]
 
 
 def mode_dd(args) -> dict:
@@ -112,14 +125,15 @@ def mode_plain(args) -> dict:
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
     ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["plain_prompts"])
-    warm = np.random.default_rng(1).integers(10, 1000, size=(32, ps.shape[1]))  # not a prefix of the run's prompts
+    warm = np.random.default_rng(1).integers(10, 1000, size=(32, len(ps[0])))  # not a prefix of the run's prompts
     llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in warm], sp, use_tqdm=False)
     batch = [TokensPrompt(prompt_token_ids=p.tolist()) for p in ps]
+    tokens = sum(len(p) for p in ps)
     t = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)
     dt = time.perf_counter() - t
     c = llm.llm_engine.vllm_config
-    return {"tok_s": ps.size / dt, "seconds": dt, "load_s": load, "tokens": int(ps.size),
+    return {"tok_s": tokens / dt, "seconds": dt, "load_s": load, "tokens": tokens,
             "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens, "max_num_seqs": c.scheduler_config.max_num_seqs,
             "async_scheduling": c.scheduler_config.async_scheduling, "prefix_caching": c.cache_config.enable_prefix_caching}
 
@@ -146,7 +160,8 @@ def mode_corecap(args) -> dict:
         raise RuntimeError(f"corecap run failed ({proc.returncode}): {proc.stderr[-2000:]}\n{_log_tail(store)}")
     with open(os.path.join(store, "trace.json")) as f:
         trace = json.load(f)
-    tokens = sum(s["num_tokens"] for s in trace["steps"])
+    tokens = sum(len(p) for p in ps)  # the samples' tokens; with prefix caching the engine computes fewer
+    computed = sum(s["num_tokens"] for s in trace["steps"])
     capture_end = max(c["t_done"] for c in trace["chunks"])
     durable_end = max(c["end"] for c in trace["commits"])
     nbytes = sum(c["nbytes"] for c in trace["commits"])
@@ -158,8 +173,10 @@ def mode_corecap(args) -> dict:
     return {
         "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
         "steps_tok_s": tokens / (trace["steps"][-1]["end"] - first_step), "capture_s": capture_end - start,
-        "tokens": tokens, "bytes_per_token": nbytes / tokens, "wall_s": wall, "trace": name,
+        "tokens": tokens, "computed_tokens": computed, "stored_bytes": nbytes,
+        "bytes_per_token": nbytes / tokens, "wall_s": wall, "trace": name,
         "engine_line": next((line for line in proc.stderr.splitlines() if line.startswith("engine:")), ""),
+        "prefix_line": next((line for line in proc.stderr.splitlines() if line.startswith("prefix cache: ")), ""),
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
         "peak_rss_gb_by_process": sorted(((round(gb, 2), what) for gb, what in peaks.values()), reverse=True)[:4],

@@ -9,6 +9,9 @@
                split, each plane's compression, the codec's own checksum
   scaling      K threads encoding samples at once (`--encoders`): samples/s and ms per sample,
                to see how many encode threads this machine's cores and memory carry
+  scaling-1b   the same for Llama-3.2-1B's 256-token samples (4 x 256 x 2,048 bf16), the
+               writer's zstd-planes encode and its fp8 one, then fp8 again with fresh chunk
+               buffers on every call (as before codec._fp8_scratch kept them per thread)
   reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into
                16 samples of 1,024 tokens, into fresh vs reused buffers (collect.BufferPool),
                with one copy thread and with the sink's number (sink.copy_threads)
@@ -92,9 +95,12 @@ def bench_parts(repeat: int) -> None:
         print(f"encode part, one bf16 sample ({x.nbytes / 1e6:.0f} MB): {name:<24} {ms(timed(fn, repeat))}")
 
 
-def bench_scaling(encoders: list[int], seconds: float = 2.0) -> None:
-    sample = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
-    ids = np.arange(SAMPLE, dtype=np.int32)
+def bench_scaling(encoders: list[int], seconds: float = 2.0, shape=(LAYERS, SAMPLE, HIDDEN), fp8: bool = False) -> None:
+    sample = torch.randn(shape).bfloat16()
+    ids = np.arange(shape[1], dtype=np.int32)
+    writer = types.SimpleNamespace(layers=LAYER_IDS, codec=FP8, nonfinite="stop", flagged=[])
+    work = (lambda: Writer._encode_checked(writer, "k", ids, sample, None, None)) if fp8 else (lambda: encode(sample, ids))
+    what = f"{'fp8' if fp8 else 'zstd-planes'} {'x'.join(map(str, shape))}"
     for k in encoders:
         if k < 1:
             continue
@@ -103,7 +109,7 @@ def bench_scaling(encoders: list[int], seconds: float = 2.0) -> None:
         def encoder(mine: list) -> None:
             while not stop.is_set():
                 t = time.perf_counter()
-                encode(sample, ids)
+                work()
                 mine.append((t, time.perf_counter()))
 
         start = time.perf_counter()
@@ -117,7 +123,7 @@ def bench_scaling(encoders: list[int], seconds: float = 2.0) -> None:
             t.join()
         inside = [b for mine in times for _, b in mine if b <= end]  # not those finishing after
         every = sorted(b - a for mine in times for a, b in mine)
-        print(f"scaling: {k:2d} encoder thread(s): {len(inside) / (end - start):6.1f} samples/s, per sample {ms(every)}")
+        print(f"scaling {what}: {k:2d} encoder thread(s): {len(inside) / (end - start):6.1f} samples/s, per sample {ms(every)}")
 
 
 def bench_fp8(repeat: int) -> None:
@@ -131,7 +137,7 @@ def bench_fp8(repeat: int) -> None:
         payload = codec.quantize_fp8(x)
         runs = {
             "quantize": lambda: codec.quantize_fp8(x),
-            "writer encode": lambda: Writer._encode_checked(writer, "k", ids, x, None),
+            "writer encode": lambda: Writer._encode_checked(writer, "k", ids, x, None, None),
             "dequantize": lambda: codec.dequantize_fp8(payload, shape, torch.bfloat16),
         }
         for name, fn in runs.items():
@@ -239,6 +245,14 @@ def main() -> None:
         bench_parts(args.repeat)
     if "scaling" in parts:
         bench_scaling([int(k) for k in args.encoders.split(",")])
+    if "scaling-1b" in parts:
+        for fp8 in (False, True):
+            bench_scaling([int(k) for k in args.encoders.split(",")], shape=FP8_SHAPES[0], fp8=fp8)
+        kept = codec._fp8_scratch  # as before it: fresh chunk buffers on every call
+        codec._fp8_scratch = lambda n, int_dtype: (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=int_dtype))
+        print("fp8 with fresh chunk buffers each call (before codec._fp8_scratch):")
+        bench_scaling([int(k) for k in args.encoders.split(",")], shape=FP8_SHAPES[0], fp8=True)
+        codec._fp8_scratch = kept
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ import tiny_models  # noqa: E402
 
 ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
 WIDER = {"hidden_size": 128, "head_dim": 64}
+# vLLM engine arguments an architecture needs on the GPU kit (../shared/gpukit carries no
+# flashinfer, which vLLM 0.26's gated-DeltaNet prefill picks by default on Hopper: without this
+# the worker's forward fails with "No module named 'flashinfer'")
+ENGINE_ARGS = {"qwen3_next": ["--gdn-prefill-backend", "triton"]}
 
 
 def one_arch(name: str, work: str) -> dict:
@@ -53,7 +57,7 @@ def one_arch(name: str, work: str) -> dict:
         refs[dtype] = torch.load(out)
     store = os.path.join(work, "store")
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
-           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64"]
+           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64", *ENGINE_ARGS.get(name, ())]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
     rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}

@@ -252,8 +252,11 @@ class Engine:
         self._fill(timing)
         batch = self.in_flight.popleft()
         model_output = batch.output_future.result()
-        if model_output is None:  # sample_tokens found no forward pass: execute_model's error
-            batch.exec_future.result()
+        # The forward pass's own result first: when it raised in a worker, vLLM's runner answers
+        # sample_tokens with an empty output (no state to sample from), which update_from_output
+        # would fail on with a KeyError for the batch's first request, hiding the worker's error.
+        batch.exec_future.result()
+        if model_output is None:
             raise RuntimeError("the workers returned no output for an engine step")
         timing.sample = time.time()
         outputs = self.core.scheduler.update_from_output(batch.scheduler_output, model_output)

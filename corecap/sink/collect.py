@@ -43,6 +43,7 @@ class _Pending:
     producer: Producer | None = None  # this sample as others' source (prefix caching on)
     num_hits: int = 0  # leading blocks vLLM took from its prefix cache
     source: Producer | None = None  # the producer of the last of those: whom this sample refers to
+    held: dict[int, torch.Tensor] = field(default_factory=dict)  # hit block → its cached states, not yet copied
 
     def cover(self, start: int, num_tokens: int) -> None:
         self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
@@ -164,16 +165,23 @@ class Collector:
             states = self.cache.get(p.block_hashes[i])
             if states is None:  # its producer's chunk is still on its way
                 self.cache.wait(p.block_hashes[i], (req_id, i))
-            else:
-                self._fill(req_id, i, states, self.cache.producer(p.block_hashes[i]))
+            else:  # cached states are never changed: held, and copied only if the sample is stored whole
+                self._fill(req_id, i, states, self.cache.producer(p.block_hashes[i]), hold=True)
         self._complete([req_id])
 
     def drop(self, block_hash: bytes, count: int) -> None:
         self.cache.drop(block_hash, count)
 
-    def _fill(self, req_id: str, i: int, block: torch.Tensor, producer: Producer | None) -> None:
+    def _fill(self, req_id: str, i: int, block: torch.Tensor, producer: Producer | None, hold: bool = False) -> None:
+        """Block i of the sample from `block`: copied now, or with `hold` (a tensor that stays
+        as it is) kept until `_complete` knows whether the sample refers to those positions (then
+        never copied: its writer encodes only its own tail) or stores them itself."""
         p, bs = self.pending[req_id], self.block_size
-        p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)[:, i * bs : (i + 1) * bs].copy_(block)
+        states = p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)
+        if hold:
+            p.held[i] = block
+        else:
+            states[:, i * bs : (i + 1) * bs].copy_(block)
         p.cover(i * bs, bs)
         if i == p.num_hits - 1:
             p.source = producer
@@ -198,7 +206,12 @@ class Collector:
         src, end = p.source, p.num_hits * self.block_size
         if src is None or not src.queued:
             self.num_stored_whole += 1
+            bs = self.block_size
+            for i, block in p.held.items():
+                p.states[:, i * bs : (i + 1) * bs].copy_(block)
+            p.held.clear()
             return
+        p.held.clear()  # those positions are the producer's to store
         p.producer.prefix = refs.within(src.layout(), 0, end)
         self.num_referring += 1
         self.num_referred_tokens += end
