@@ -10,8 +10,7 @@
   scaling      K threads encoding samples at once (`--encoders`): samples/s and ms per sample,
                to see how many encode threads this machine's cores and memory carry
   scaling-1b   the same for Llama-3.2-1B's 256-token samples (4 x 256 x 2,048 bf16), the
-               writer's zstd-planes encode and its fp8 one, then fp8 again with fresh chunk
-               buffers on every call (as before codec._fp8_scratch kept them per thread)
+               writer's zstd-planes encode and its fp8 one
   reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into
                16 samples of 1,024 tokens, into fresh vs reused buffers (collect.BufferPool),
                with one copy thread and with the sink's number (sink.copy_threads)
@@ -248,11 +247,6 @@ def main() -> None:
     if "scaling-1b" in parts:
         for fp8 in (False, True):
             bench_scaling([int(k) for k in args.encoders.split(",")], shape=FP8_SHAPES[0], fp8=fp8)
-        kept = codec._fp8_scratch  # as before it: fresh chunk buffers on every call
-        codec._fp8_scratch = lambda n, int_dtype: (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=int_dtype))
-        print("fp8 with fresh chunk buffers each call (before codec._fp8_scratch):")
-        bench_scaling([int(k) for k in args.encoders.split(",")], shape=FP8_SHAPES[0], fp8=True)
-        codec._fp8_scratch = kept
 
 
 if __name__ == "__main__":

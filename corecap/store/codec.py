@@ -318,8 +318,8 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
         bits = x.view(int_dtype)
         q = torch.from_numpy(payload[:num_values]).view(torch.float8_e4m3fn).view(num_rows, hidden)
         step = min(num_rows, max(1, _FP8_CHUNK_VALUES // hidden))
-        work, magnitude = _fp8_scratch(step * hidden, int_dtype)
-        work, magnitude = work.view(step, hidden), magnitude.view(step, hidden)
+        work = torch.empty((step, hidden), dtype=torch.float32)
+        magnitude = torch.empty((step, hidden), dtype=int_dtype)
         row_max = torch.empty(num_rows, dtype=int_dtype)
         for start in range(0, num_rows, step):
             end = min(start + step, num_rows)
@@ -338,20 +338,6 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
             raise NonFiniteStates(f"fp8: layer index {i} has {int(bad[i])} rows with NaN or Inf; fp8 needs finite states")
     payload[num_values:] = scales.numpy().view(np.uint8)
     return payload
-
-
-def _fp8_scratch(num_values: int, int_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's float32 and integer chunk buffers for `quantize_fp8`, kept between calls
-    rather than allocated afresh (3 MB for a 2,048-wide chunk). Measured on the H200 host, 1B-shaped
-    samples: 497 against 453 samples/s on 8 threads, 713 against 728 on 4 (tools/bench_sink.py
-    --only scaling-1b): not why fp8 slows past 4 threads there (corecap/config.py)."""
-    work, magnitude = getattr(_local, "fp8_work", None), getattr(_local, "fp8_magnitude", {}).get(int_dtype)
-    if work is None or work.numel() < num_values:
-        work = _local.fp8_work = torch.empty(num_values, dtype=torch.float32)
-    if magnitude is None or magnitude.numel() < num_values:
-        magnitude = torch.empty(num_values, dtype=int_dtype)
-        _local.fp8_magnitude = {**getattr(_local, "fp8_magnitude", {}), int_dtype: magnitude}
-    return work[:num_values], magnitude[:num_values]
 
 
 def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
