@@ -128,13 +128,6 @@ class RunConfig:
     def model(self) -> str | None:
         return self.engine.model
 
-    @property
-    def sink_encode_threads(self) -> int:
-        """The sink's encode threads for this run's codec."""
-        from corecap.store import FP8
-
-        return min(self.encode_threads, FP8_ENCODE_THREADS) if self.codec == FP8 else self.encode_threads
-
 
 def build(**options) -> RunConfig:
     """A RunConfig from flat keyword options: RunConfig's fields, EngineOptions' (vLLM's names)

@@ -22,11 +22,11 @@ import msgspec
 
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
-from corecap.config import RunConfig, resolve_layers
+from corecap.config import FP8_ENCODE_THREADS, RunConfig, resolve_layers
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
-from corecap.store import FORMAT_VERSION, LAYER_MEANING, Store, StoreMeta, input_fingerprint
+from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta, input_fingerprint
 from corecap.trace.analysis import workers_line
 from corecap.trace.timeline import write_trace
 from corecap.transport import shm
@@ -186,7 +186,7 @@ class _Capture:
         cfg = self.cfg
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
         block_size = prefix.block_size(self.plan.vllm_config)
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, cfg.sink_encode_threads, cfg.buffer_bytes, tcp, block_size)
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, sink_encode_threads(cfg), cfg.buffer_bytes, tcp, block_size)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:
@@ -330,6 +330,11 @@ class _Capture:
     def _shutdown_engine(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def sink_encode_threads(cfg: RunConfig) -> int:
+    """The sink's encode threads for the run's codec: fp8's at most FP8_ENCODE_THREADS."""
+    return min(cfg.encode_threads, FP8_ENCODE_THREADS) if cfg.codec == FP8 else cfg.encode_threads
 
 
 def _committed_fingerprints(store_path: str) -> dict[str, str]:
