@@ -22,7 +22,7 @@ Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
 DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
 # fp8's encode (torch ops, corecap/store/codec.py quantize_fp8) gets slower past 4 threads on the
 # H200 host, where zstd-planes still gains to 8: 1B-shaped samples, samples/s on 4 against 8
-# threads, 566-728 against 270-497 (tools/bench_sink.py --only scaling-1b; docs/benchmarks.md).
+# threads, 566-728 against 270-453 (tools/bench_sink.py --only scaling-1b; docs/benchmarks.md).
 FP8_ENCODE_THREADS = 4
 
 # Engine arguments corecap sets itself: (vLLM's name, why).
