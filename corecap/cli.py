@@ -80,8 +80,9 @@ _CAPTURE_OPTIONS = (
     click.option("--shard", type=str, default=None, help="K/N: capture only shard K of N (by a stable hash of the key)."),
     click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal)."),
     click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit."),
-    click.option("--prefix-states-memory", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
-                 help="GB of host memory for the states of prefix-cached blocks (with --enable-prefix-caching)."),
+    click.option("--prefix-blocks", type=click.IntRange(min=1), default=None,
+                 help="With --enable-prefix-caching: the most cached blocks an engine's hits may name (default: as many "
+                      "as its KV cache holds); beyond, the least recently used leave vLLM's prefix cache."),
     click.option("--private-network/--no-private-network", default=True, show_default=True,
                  help="Run vLLM's workers in a network namespace with only loopback (where the machine allows it)."),
 )
@@ -127,7 +128,7 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
         shard=parse_shard(rest["shard"]) if rest["shard"] else None,
         progress=rest["progress"],
         buffer_bytes=int(rest["buffer_gb"] * 2**30),
-        prefix_states_bytes=int(rest["prefix_states_memory"] * 2**30),
+        prefix_blocks=rest["prefix_blocks"],
         private_network=rest["private_network"],
     )
 

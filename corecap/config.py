@@ -117,7 +117,7 @@ class RunConfig:
     shard: tuple[int, int] | None = None  # (K, N): only the keys whose stable hash mod N is K
     progress: bool | None = None  # None: a progress line when stderr is a terminal
     buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
-    prefix_states_bytes: int = 1 << 30  # with prefix caching on: the sink's cache of block states
+    prefix_blocks: int | None = None  # with prefix caching on: blocks a hit may name, per engine (None: its KV cache's)
     encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
     trace: bool = True  # record the run's timeline in STORE/trace.json
     ring: bool = True  # states through a shared-memory ring (False: inside the messages)

@@ -158,26 +158,31 @@ def test_cached_blocks_come_from_the_block_that_produced_them():
     # writer encodes only its tail and the sink never copies a's cached blocks into b
     assert torch.equal(done["b"][:, 8:], step1.states)
     assert col.cache.num_blocks == 3 + 1  # a's 3 and b's third (c's tail is not a full block)
+    assert all(e.states is None for e in col.cache.entries.values())  # a and b were handed on: no views kept
 
 
 def test_a_drop_that_overtakes_its_chunks_neither_leaks_nor_loses_a_live_block():
     """The driver's drop can reach the sink before the chunks whose productions it counts, and a
     block produced again after a drop must be kept."""
-    from corecap.sink.prefix import StatesCache
+    from corecap.sink.prefix import Producer, StatesCache
 
     cache, block = StatesCache(), torch.ones(2, BS, 3)
+    first, second = Producer("x", 8), Producer("y", 8)
     cache.drop(b"h", 2)  # counted 2 productions, none arrived yet
-    assert cache.produce(b"h", block) == [] and cache.get(b"h") is None
+    assert cache.produce(b"h", block, first) == [] and cache.get(b"h") is None
     cache.wait(b"h", ("r", 0))  # a hit on the dropped generation's block, still to come
-    assert cache.produce(b"h", block) == [("r", 0)] and cache.get(b"h") is None
-    assert not cache.entries  # nothing left behind
-    cache.produce(b"h", block)  # produced again, after the drop: kept
-    cache.produce(b"h", 2 * block)  # a duplicate production keeps the first copy
-    assert torch.equal(cache.get(b"h"), block) and cache.nbytes == block.nbytes
+    assert cache.produce(b"h", block, first) == [("r", 0)] and cache.get(b"h") is None
+    assert not cache.entries and not first.entries  # nothing left behind
+    cache.produce(b"h", block, first)  # produced again, after the drop: kept
+    cache.produce(b"h", 2 * block, second)  # a duplicate production keeps the first producer
+    producer, states = cache.get(b"h")
+    assert producer is first and states is block and not second.entries
     cache.drop(b"h", 1)  # only one of the two counted: the other is live
-    assert torch.equal(cache.get(b"h"), block)
+    assert cache.get(b"h")[0] is first
+    cache.release(first)  # handed to the writer: its buffer is no longer read, the block is still known
+    assert cache.get(b"h") == (first, None) and not first.entries
     cache.drop(b"h", 1)
-    assert cache.get(b"h") is None and cache.nbytes == 0 and not cache.entries
+    assert cache.get(b"h") is None and not cache.entries
 
 
 def test_a_hit_the_sink_cannot_place_is_an_error():
@@ -229,3 +234,37 @@ def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_han
     ]
     assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 20, 1)
     assert torch.equal(states["d"][:, :4], step0.states[:, 10:14])  # stored whole: e's cached block copied in
+
+
+def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pending_producer():
+    """e hits a's first block and computes two of its own (chunked: e is still pending); a is
+    handed on and its buffer reused (as the writer's pool does). d hits a's block and e's two:
+    it refers to a for [0, 4) and copies e's blocks from e's buffer, never a's reused one."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 100, 6).astype(np.int32)
+    e = np.concatenate([a[:4], rng.integers(0, 100, 10).astype(np.int32)])
+    d = np.concatenate([e[:12], rng.integers(0, 100, 2).astype(np.int32)])
+    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    handed, states = [], {}
+
+    def on_complete(p):
+        handed.append((p.key, p.producer.prefix))
+        states[p.key] = p.states.clone()
+        p.states.fill_(float("nan"))  # reused for another sample once written
+
+    col = Collector(LAYERS, on_complete, block_size=BS)
+    for r, ids in (("a", a), ("e", e), ("d", d)):
+        col.expect(r, r, ids, block_hashes=hashes(ids))
+    step0 = _chunk(0, [("a", a, 0)])
+    col.take(step0, 0.0)
+    col.hits("e", 1)
+    step1 = _chunk(1, [("e", e[4:12], 4)])  # e's blocks 1 and 2; 2 of its positions to come
+    col.take(step1, 0.0)
+    col.hits("d", 3)
+    col.take(_chunk(2, [("d", d[12:], 12)]), 0.0)
+    col.take(_chunk(3, [("e", e[12:], 12)]), 0.0)
+    from corecap.store.format import Segment
+
+    assert handed == [("a", ()), ("d", (Segment("a", 0, 4),)), ("e", (Segment("a", 0, 4),))]
+    assert torch.equal(states["d"][:, 4:12], step1.states)  # e's blocks, from e's buffer
+    assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 8, 0)

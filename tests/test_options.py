@@ -146,15 +146,15 @@ def test_refused_and_unknown_arguments_are_one_line_errors(tiny_model, args, mes
 
 
 def test_prefix_caching_is_switchable_with_vllms_spelling(given, tiny_model):
-    cfg, _ = given("--enable-prefix-caching", "--prefix-states-memory", "0.5", "--block-size", "32")
-    assert cfg.engine.enable_prefix_caching and cfg.prefix_states_bytes == 2**29
+    cfg, _ = given("--enable-prefix-caching", "--prefix-blocks", "64", "--block-size", "32")
+    assert cfg.engine.enable_prefix_caching and cfg.prefix_blocks == 64
     on = _config(tiny_model, enable_prefix_caching=True, extra_args=cfg.engine.extra_args)
     assert on.cache_config.enable_prefix_caching and on.cache_config.block_size == 32
     from corecap._vllm import effective_settings
 
     assert "prefix caching on" in effective_settings(on)
     cfg, _ = given("--no-enable-prefix-caching")
-    assert not cfg.engine.enable_prefix_caching and cfg.prefix_states_bytes == 2**30  # the default budget
+    assert not cfg.engine.enable_prefix_caching and cfg.prefix_blocks is None  # the KV cache's block count
     assert not build().engine.enable_prefix_caching  # off unless asked (docs/benchmarks.md, "Prefix caching")
 
 

@@ -3,8 +3,9 @@ vLLM's prefix caching on, equals the same sample captured with it off (keys, ids
 exactly, states within 1e-6) and HF transformers (1e-4). The dataset has a prefix shared across
 batches and steps, identical prompts, a shared part that ends mid-block, prompts that are all
 prefix of another, chunked prefill through a cached prefix and multi-turn samples; it runs with
-room to spare, and again with a KV cache and a states budget too small for the shared prefixes
-(vLLM evicts on its own, and corecap evicts from vLLM for its budget), with --tp 2 and with -dp 2.
+room to spare, and again with a KV cache and a --prefix-blocks bound too small for the shared
+prefixes (vLLM evicts on its own, and corecap evicts from vLLM for its bound), with --tp 2 and
+with -dp 2.
 Then a prefix-caching run is SIGKILLed mid-capture and resumed."""
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from test_faults import kill_loop
 pytestmark = pytest.mark.engine
 LAYERS = (0, 2, 4, 8, PRENORM)
 BLOCK = 32  # vLLM's CPU default is 128: smaller blocks share more (and test more boundaries)
-BLOCK_BYTES = BLOCK * len(LAYERS) * 128 * 4  # the tiny model's hidden size, float32
 RUN_LOG: dict[str, list[str]] = {}
 NUM_SAMPLES = 28  # _rows
 
@@ -81,10 +81,10 @@ def on_run(tiny_model, prefix_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tight_run(tiny_model, prefix_data, tmp_path_factory):
-    """16 KV blocks (512 tokens: a batch's requests evict each other's cached blocks) and states
-    for 5 blocks (fewer than the 100-token system prompt's 3 plus a batch's own)."""
+    """16 KV blocks (512 tokens: a batch's requests evict each other's cached blocks) and 5
+    blocks tracked (fewer than the 100-token system prompt's 3 plus a batch's own)."""
     return _run("tight", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=True,
-                num_gpu_blocks_override=16, prefix_states_bytes=5 * BLOCK_BYTES)
+                num_gpu_blocks_override=16, prefix_blocks=5)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +96,10 @@ def tp2_on_run(tiny_model, prefix_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp2_run(tiny_model, prefix_data, tmp_path_factory):
-    """Two replicas, each with a vLLM prefix cache of its own, one sink's states cache, and a
-    budget of 3 blocks each: both replicas produce, hit and drop the same hashes."""
+    """Two replicas, each with a vLLM prefix cache of its own, one sink's states cache, and 3
+    blocks tracked each: both replicas produce, hit and drop the same hashes."""
     return _run("dp2", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=True, dp=2,
-                prefix_states_bytes=6 * BLOCK_BYTES)
+                prefix_blocks=3)
 
 
 def _prefix_counts(name: str) -> tuple[int, int]:
@@ -165,7 +165,7 @@ def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
 
 def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run, dp2_run):
     """Not vacuous: the roomy run took most shared blocks from the cache; the tight one fewer,
-    and evicted blocks from vLLM for its states budget."""
+    and evicted blocks from vLLM for its --prefix-blocks bound."""
     on_hits, on_evicted = _prefix_counts("on")
     tight_hits, tight_evicted = _prefix_counts("tight")
     # shared-1..7, chunked, shared-late: 3 system blocks each; dup-2/3: 2; x-96: 2, x-50: 1, x-more: 5; turns: 2+3

@@ -9,8 +9,9 @@ Datasets (written here, from a fixed seed, as token ids):
      turn 128-384 tokens): every sample is a prefix of the next one of its conversation
   c  unique random prompts of 256-1,024 tokens (nothing shared: what caching costs)
 Modes: `off` (--no-enable-prefix-caching), `on` (--enable-prefix-caching, --block-size 32,
-the default --prefix-states-memory 1 GB), `on-small` (the same with --prefix-states-memory
-0.05: the states budget bounds the sink's memory), `on-128` (vLLM's CPU block size, 128).
+corecap tracking as many blocks as the KV cache holds), `on-small` (the same with
+--prefix-blocks 64: fewer than (a)'s system prompt and a step's own, so corecap evicts from
+vLLM), `on-128` (vLLM's CPU block size, 128).
 
 Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama (8
 layers, hidden 512, float32, from a fixed seed), layers 2,4,5,8, 8 sequences and 2,048 tokens
@@ -40,7 +41,7 @@ LAYERS = (2, 4, 5, 8)
 MODES = {
     "off": {},
     "on": {"enable_prefix_caching": True, "block_size": 32},
-    "on-small": {"enable_prefix_caching": True, "block_size": 32, "prefix_states_bytes": int(0.05 * 2**30)},
+    "on-small": {"enable_prefix_caching": True, "block_size": 32, "prefix_blocks": 64},
     "on-128": {"enable_prefix_caching": True},
 }
 

@@ -39,7 +39,7 @@ class CaptureSpec:
     remote_address: str = ""  # tcp:// address of the sink, for a sender on another node
     pause_at_step: int = 0  # config.TestHooks
     pause_file: str = ""
-    prefix_states_bytes: int = 0  # with prefix caching on: this engine's budget for cached block states
+    prefix_blocks: int | None = None  # with prefix caching on: the most blocks a hit may name (None: the KV cache's)
 
 
 @dataclass
@@ -149,8 +149,7 @@ class Engine:
             problem = prefix.contract_problem()
             if problem:
                 raise CorecapError(f"--enable-prefix-caching: {problem} in this vLLM (corecap/_vllm/prefix.py)")
-            max_blocks = capture.prefix_states_bytes // prefix.block_bytes(vllm_config, len(capture.layers))
-            self.prefix = prefix.PrefixTracker(self.core.scheduler, max_blocks)
+            self.prefix = prefix.PrefixTracker(self.core.scheduler, capture.prefix_blocks)
 
     @staticmethod
     def dtype_of(vllm_config) -> str:

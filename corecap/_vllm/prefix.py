@@ -4,13 +4,15 @@ why the two agree, is corecap/sink/prefix.py).
 After every `schedule()` (`Engine._fill`) the tracker reads, for each newly scheduled request,
 how many of its positions vLLM took from its prefix cache (`NewRequestData.num_computed_tokens`,
 always whole blocks of `request.block_hashes`), and which full blocks each scheduled request
-completes in this step (those vLLM caches now, and the sink will keep). It keeps vLLM's cached
-hashes a subset of the states the sink holds: the sink holds the states of every hash this
-tracker counts, and before it stops counting one (the states budget is full: least recently
-used first) it removes that hash from vLLM's prefix cache (`KVCacheManager.evict_blocks`: a
-block in use stays allocated to its request, it only stops being a cache hit). Both happen
-between two `schedule()` calls, so no later hit can name states that are gone. vLLM evicting a
-block on its own needs no message: the sink keeps its states until the budget drops them.
+completes in this step (those vLLM caches now, and the sink will know the producer of). It keeps
+vLLM's cached hashes a subset of the hashes the sink knows: the sink knows every hash this
+tracker counts, and before it stops counting one (more than `max_blocks`: least recently used
+first) it removes that hash from vLLM's prefix cache (`KVCacheManager.evict_blocks`: a block in
+use stays allocated to its request, it only stops being a cache hit). Both happen between two
+`schedule()` calls, so no later hit can name a block the sink has forgotten. vLLM evicting a
+block on its own needs no message: the sink forgets it when the bound drops it. The bound is,
+unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached: the
+sink keeps no states of its own for a hash (corecap/sink/prefix.py), only who produced it.
 """
 
 from __future__ import annotations
@@ -28,19 +30,11 @@ def block_size(vllm_config) -> int:
     return cache.block_size if cache.enable_prefix_caching else 0
 
 
-def block_bytes(vllm_config, num_layers: int) -> int:
-    """The states of one block: block_size x layers x hidden x the model's itemsize."""
-    import torch
-
-    model = vllm_config.model_config
-    itemsize = torch.empty(0, dtype=model.dtype).element_size()
-    return vllm_config.cache_config.block_size * num_layers * model.get_hidden_size() * itemsize
-
-
 class PrefixTracker:
-    """Per engine: the block hashes whose states the sink holds, least recently used first."""
+    """Per engine: the block hashes the sink knows, least recently used first."""
 
-    def __init__(self, scheduler, max_blocks: int):
+    def __init__(self, scheduler, max_blocks: int | None = None):
+        """`max_blocks`: the most hashes counted (None: the KV cache's block count)."""
         groups = scheduler.kv_cache_config.kv_cache_groups
         hash_block_size = getattr(scheduler, "hash_block_size", scheduler.block_size)
         if len(groups) != 1 or groups[0].kv_cache_spec.block_size != hash_block_size:
@@ -50,7 +44,7 @@ class PrefixTracker:
             )
         self.scheduler = scheduler
         self.block_size = hash_block_size
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks or scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash → productions since the sink last dropped it
         self.actions: list[tuple] = []  # for the sink, in order: ("hits", req_id, n), ("drop", hash, count)
         self.num_hit_tokens = 0
@@ -73,7 +67,7 @@ class PrefixTracker:
             hashes = requests[new.req_id].block_hashes[:num_blocks]
             gone = [h for h in hashes if h not in self.counts]
             if gone:  # the invariant this module keeps; a hit here would be a sample with holes
-                raise CorecapError(f"prefix cache: request {new.req_id} hit {len(gone)} blocks whose states corecap does not hold")
+                raise CorecapError(f"prefix cache: request {new.req_id} hit {len(gone)} blocks whose producer corecap does not know")
             for h in hashes:
                 self.counts.move_to_end(h)
             self.actions.append(("hits", new.req_id, num_blocks))

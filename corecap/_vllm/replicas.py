@@ -79,7 +79,7 @@ class Replicas:
         if not trackers:
             return None
         hits, evicted = sum(t.num_hit_tokens for t in trackers), sum(t.num_evicted for t in trackers)
-        return f"prefix cache: {hits} prompt tokens taken from it; {evicted} blocks evicted from vLLM for the states budget"
+        return f"prefix cache: {hits} prompt tokens taken from it; {evicted} blocks evicted from vLLM beyond the blocks corecap tracks (--prefix-blocks)"
 
     def step(self) -> StepTiming:
         """One step of the next replica (round robin) that has unfinished samples."""

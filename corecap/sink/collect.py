@@ -8,10 +8,12 @@ stored sample; each run of states is checked against the worker's CRC-32 as it i
 sample is complete when every one of its positions has been received.
 
 With vLLM's prefix caching on, a sample's leading full blocks may never be computed for it: the
-driver says how many (`hits`) and they come from the states cache (corecap/sink/prefix.py),
-which every captured full block of a sample with block hashes feeds. Such a sample is also
-stored once: it refers to the sample that produced its last hit block, if that one was handed
-on already, and only its own tail is encoded (`_refer`; corecap/store/refs.py).
+driver says how many (`hits`) and the states cache (corecap/sink/prefix.py), which every
+captured full block of a sample with block hashes feeds, names the sample that produced each.
+Such a sample is stored once: it refers, for its first j hit blocks, to the producer of block
+j - 1, the last one already handed to the writer, and encodes only the rest, copying the states
+of any later hit blocks from their producers' buffers, still pending (`_refer`;
+corecap/store/refs.py). No cached block is ever copied twice, or at all where it is referred to.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class _Pending:
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
     producer: Producer | None = None  # this sample as others' source (prefix caching on)
     num_hits: int = 0  # leading blocks vLLM took from its prefix cache
-    source: Producer | None = None  # the producer of the last of those: whom this sample refers to
-    held: dict[int, torch.Tensor] = field(default_factory=dict)  # hit block → its cached states, not yet copied
+    sources: dict[int, Producer] = field(default_factory=dict)  # hit block → the sample that produced it
+    held: dict[int, torch.Tensor] = field(default_factory=dict)  # hit block → its producer's states (a view), not yet copied
 
     def cover(self, start: int, num_tokens: int) -> None:
         self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
@@ -162,29 +164,28 @@ class Collector:
             raise CorecapError(f"prefix cache: {num_blocks} cached blocks for request {req_id!r}, which the sink cannot place")
         p.num_hits = num_blocks
         for i in range(num_blocks):
-            states = self.cache.get(p.block_hashes[i])
-            if states is None:  # its producer's chunk is still on its way
+            found = self.cache.get(p.block_hashes[i])
+            if found is None:  # its producer's chunk is still on its way
                 self.cache.wait(p.block_hashes[i], (req_id, i))
-            else:  # cached states are never changed: held, and copied only if the sample is stored whole
-                self._fill(req_id, i, states, self.cache.producer(p.block_hashes[i]), hold=True)
+            else:  # a pending producer's buffer stays as it is: held, copied only if not referred to
+                self._fill(req_id, i, found[1], found[0], hold=True)
         self._complete([req_id])
 
     def drop(self, block_hash: bytes, count: int) -> None:
         self.cache.drop(block_hash, count)
 
-    def _fill(self, req_id: str, i: int, block: torch.Tensor, producer: Producer | None, hold: bool = False) -> None:
-        """Block i of the sample from `block`: copied now, or with `hold` (a tensor that stays
-        as it is) kept until `_complete` knows whether the sample refers to those positions (then
-        never copied: its writer encodes only its own tail) or stores them itself."""
+    def _fill(self, req_id: str, i: int, block: torch.Tensor | None, producer: Producer, hold: bool = False) -> None:
+        """Block i of the sample, produced by `producer`: `block` copied now, or with `hold` kept
+        (a view of the pending producer's buffer; None where that one was handed on) until
+        `_complete` knows whether the sample refers to those positions (then never copied: its
+        writer encodes only what follows them) or stores them itself."""
         p, bs = self.pending[req_id], self.block_size
-        states = p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)
         if hold:
             p.held[i] = block
         else:
-            states[:, i * bs : (i + 1) * bs].copy_(block)
+            p.buffer(block.shape[0], block.shape[2], block.dtype, self.buffers)[:, i * bs : (i + 1) * bs].copy_(block)
         p.cover(i * bs, bs)
-        if i == p.num_hits - 1:
-            p.source = producer
+        p.sources[i] = producer
 
     def _complete(self, req_ids) -> None:
         for req_id in req_ids:
@@ -196,25 +197,28 @@ class Collector:
                 self.on_complete(p)
                 if p.producer is not None:
                     p.producer.queued = True
+                    self.cache.release(p.producer)
 
     def _refer(self, p: _Pending) -> None:
         """Stored once: a sample whose first k blocks were cache hits refers, for positions
-        [0, k x block size), to the producer of its block k - 1 (vLLM's block hash covers the whole
+        [0, j x block size), to the producer of its block j - 1 (vLLM's block hash covers the whole
         prefix, so that sample's tokens there are these), resolved to the samples that store
-        those positions themselves; only when that producer was already handed to the writer,
-        which commits it first (else this sample stores every position itself)."""
-        src, end = p.source, p.num_hits * self.block_size
-        if src is None or not src.queued:
-            self.num_stored_whole += 1
-            bs = self.block_size
-            for i, block in p.held.items():
+        those positions themselves, for the largest j <= k whose producer was already handed to
+        the writer, which commits it first. The hit blocks after j are copied from their
+        producers, still pending (a producer handed on when the hit was placed is one the writer
+        has: such a block is always below j). No j (none handed on): it stores every position."""
+        bs = self.block_size
+        j = next((i + 1 for i in range(p.num_hits - 1, -1, -1) if p.sources[i].queued), 0)
+        for i, block in p.held.items():
+            if i >= j:
                 p.states[:, i * bs : (i + 1) * bs].copy_(block)
-            p.held.clear()
+        p.held.clear()  # the others are the producers' to store
+        if not j:
+            self.num_stored_whole += 1
             return
-        p.held.clear()  # those positions are the producer's to store
-        p.producer.prefix = refs.within(src.layout(), 0, end)
+        p.producer.prefix = refs.within(p.sources[j - 1].layout(), 0, j * bs)
         self.num_referring += 1
-        self.num_referred_tokens += end
+        self.num_referred_tokens += j * bs
 
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)

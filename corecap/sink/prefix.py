@@ -2,8 +2,12 @@
 
 With prefix caching on, vLLM computes a request's leading full blocks only when no earlier
 request computed the same ones (same block hash: the whole prefix up to the block's end), so
-the states of those positions never reach the capture. The sink keeps the states of full
-blocks here, by block hash, and completes every such sample from them (Collector.hits).
+the states of those positions never reach the capture. The sink knows here, by block hash,
+which sample produced each full block, and completes every such sample from it
+(Collector.hits): by reference once that producer was handed to the writer (stored once,
+corecap/store/refs.py), else from the producer's own buffer, which stays as it is until the
+producer is handed on. So the cache copies nothing and holds no states of its own: an entry
+shows its producer's block (a view) only while the producer is pending (`release`).
 
 Who decides what is kept: the driver (corecap/_vllm/prefix.py). Both sides apply one rule to the
 same steps: a block is *produced* when a step computes its last position (`completed_blocks`;
@@ -44,6 +48,7 @@ class Producer:
     num_tokens: int
     prefix: tuple = ()  # the segments its own prefix refers to (empty: it stores every position)
     queued: bool = False
+    entries: list = field(default_factory=list)  # the cache entries that show a view of its buffer
 
     def layout(self) -> tuple:
         return refs.layout(self.key, self.prefix, self.prefix[-1].end if self.prefix else 0, self.num_tokens)
@@ -52,51 +57,54 @@ class Producer:
 @dataclass
 class _Entry:
     count: int = 0  # productions received minus productions dropped
-    states: torch.Tensor | None = None  # [L, block_size, H], while count > 0
-    producer: Producer | None = None  # the sample whose chunk produced `states`
+    producer: Producer | None = None  # the sample whose chunk produced this block, while count > 0
+    states: torch.Tensor | None = None  # [L, block_size, H]: a view of the producer's buffer, while it is pending
 
 
 @dataclass
 class StatesCache:
-    """block hash → the states of that block, kept as the driver says."""
+    """block hash → the sample that produced that block, kept as the driver says."""
 
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     waiters: dict[bytes, list] = field(default_factory=dict)  # hash → what waits for its states
-    nbytes: int = 0
 
-    def get(self, block_hash: bytes) -> torch.Tensor | None:
+    def get(self, block_hash: bytes) -> tuple[Producer, torch.Tensor | None] | None:
+        """The block's producer and, while that one is pending, its states; None: not here (its
+        chunk is on its way, or the block was dropped)."""
         entry = self.entries.get(block_hash)
-        return None if entry is None else entry.states
-
-    def producer(self, block_hash: bytes) -> Producer | None:
-        """The sample whose chunk produced the states `get` returns."""
-        entry = self.entries.get(block_hash)
-        return None if entry is None else entry.producer
+        return None if entry is None or entry.producer is None else (entry.producer, entry.states)
 
     def wait(self, block_hash: bytes, waiter) -> None:
         self.waiters.setdefault(block_hash, []).append(waiter)
 
-    def produce(self, block_hash: bytes, states: torch.Tensor, producer: Producer | None = None) -> list:
-        """A chunk of `producer` completed this block (`states`: a view valid only now). Returns
-        the waiters to serve from `states`."""
+    def produce(self, block_hash: bytes, states: torch.Tensor, producer: Producer) -> list:
+        """A chunk of `producer` (pending) completed this block: `states`, a view of its buffer.
+        Returns the waiters to serve from `states`."""
         entry = self.entries.setdefault(block_hash, _Entry())
         entry.count += 1
-        if entry.count > 0 and entry.states is None:
-            entry.states, entry.producer = states.clone(), producer
-            self.nbytes += entry.states.nbytes
+        if entry.count > 0 and entry.producer is None:  # a later production of a live block changes nothing
+            entry.producer, entry.states = producer, states
+            producer.entries.append(entry)
         elif entry.count == 0:
             del self.entries[block_hash]  # the last production of a dropped generation
         return self.waiters.pop(block_hash, [])
 
+    def release(self, producer: Producer) -> None:
+        """`producer` was handed to the writer, which may reuse its buffer: its blocks are from now
+        on referred to, never read."""
+        for entry in producer.entries:
+            entry.states = None
+        producer.entries.clear()
+
     def drop(self, block_hash: bytes, count: int) -> None:
         entry = self.entries.setdefault(block_hash, _Entry())
         entry.count -= count
-        if entry.count <= 0 and entry.states is not None:
-            self.nbytes -= entry.states.nbytes
-            entry.states = entry.producer = None
+        if entry.count <= 0:
+            entry.producer = entry.states = None
         if entry.count == 0:
             del self.entries[block_hash]
 
     @property
     def num_blocks(self) -> int:
-        return sum(1 for e in self.entries.values() if e.states is not None)
+        """The blocks a hit may name now."""
+        return sum(1 for e in self.entries.values() if e.producer is not None)
