@@ -6,6 +6,7 @@ ring (the default) and, in the TP=2 run, through the socket (the fallback)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -59,7 +60,8 @@ def _case_of(key: str) -> str:
 
 def test_every_sample_matches_hf(exact_run, hf_model):
     cfg, summary = exact_run
-    assert any(line.startswith("states to the store: shared-memory ring 4 slots of") for line in RUN_LOGS["exact"])
+    ring_line = next(line for line in RUN_LOGS["exact"] if line.startswith("states to the store: shared-memory ring 4 slots of"))
+    assert re.search(r"slots of [1-9]\d* (KiB|MiB) in ", ring_line), ring_line  # never "0 MiB"
     _check_store(cfg, summary, hf_model, "text (tokenized)")
 
 

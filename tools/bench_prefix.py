@@ -1,7 +1,7 @@
 """Prefix caching on the CPU: capture rate, stored bytes and peak RSS with caching off and on.
 
     PYTHONPATH=$PWD flock /tmp/corecap-engine.lock python3 tools/bench_prefix.py [--datasets a,b,c]
-        [--modes off,on,on-small] [--samples 24] [--out DIR]
+        [--modes off,on,on-small] [--samples 24] [--model-shape small|wide] [--out DIR]
 
 Datasets (written here, from a fixed seed, as token ids):
   a  a 2,048-token system prompt shared by every sample, plus a unique tail of 256-1,024 tokens
@@ -13,8 +13,8 @@ corecap tracking as many blocks as the KV cache holds), `on-small` (the same wit
 --prefix-blocks 64: fewer than (a)'s system prompt and a step's own, so corecap evicts from
 vLLM), `on-128` (vLLM's CPU block size, 128).
 
-Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama (8
-layers, hidden 512, float32, from a fixed seed), layers 2,4,5,8, 8 sequences and 2,048 tokens
+Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama
+(`--model-shape`: small, 8 layers of hidden 512, or wide, 4 of 1,024; float32, a fixed seed), layers 2,4,5,8 (wide: 1-4), 8 sequences and 2,048 tokens
 a step. The capture rate is the samples' tokens over the time from the first engine step to the
 last commit (from the run's trace); stored bytes are what the run committed (summary.nbytes:
 states and headers) and the store's state files on disk; with caching on a sample that starts
@@ -37,7 +37,8 @@ import tempfile
 import threading
 import time
 
-LAYERS = (2, 4, 5, 8)
+LAYERS = {"small": (2, 4, 5, 8), "wide": (1, 2, 3, 4)}  # by --model-shape
+MEMORY_SHARE = {"small": 0.1, "wide": 0.3}  # wide's activations at 2,048 tokens a step need more than 0.1 leaves
 MODES = {
     "off": {},
     "on": {"enable_prefix_caching": True, "block_size": 32},
@@ -46,15 +47,25 @@ MODES = {
 }
 
 
-def build_model(workdir: str) -> str:
+# `--model-shape`: "small" (hidden 512, 8 layers; attention over a 2.5k context is ~45% of a
+# token's FLOPs) and "wide" (hidden 1,024, 4 layers, a Llama-like MLP ratio; ~27%, nearer an 8B
+# model's ~9%): the share of work that prefix caching cannot remove, since a tail's tokens still
+# attend to the cached prefix.
+MODEL_SHAPES = {
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "wide": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8),
+}
+
+
+def build_model(workdir: str, shape: str = "small") -> str:
     import torch
     import transformers
 
-    model = os.path.join(workdir, "model")
+    model = os.path.join(workdir, f"model-{shape}")
     if not os.path.exists(os.path.join(model, "config.json")):
         config = transformers.LlamaConfig(
-            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            vocab_size=4096, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            **MODEL_SHAPES[shape],
         )
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(model)
@@ -99,8 +110,8 @@ def one(args) -> dict:
     done = threading.Event()
     threading.Thread(target=_watch_rss, args=(peaks, done), daemon=True).start()
     t0 = time.perf_counter()
-    summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS, dtype="float32", batch=8,
-                      max_batched_tokens=2048, max_len=3200, memory_utilization=0.1, log=lines.append,
+    summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS[args.model_shape], dtype="float32", batch=8,
+                      max_batched_tokens=2048, max_len=3200, memory_utilization=MEMORY_SHARE[args.model_shape], log=lines.append,
                       **MODES[args.one])
     wall = time.perf_counter() - t0
     done.set()
@@ -149,6 +160,7 @@ def main() -> None:
     ap.add_argument("--datasets", default="a,b,c")
     ap.add_argument("--modes", default="off,on,on-small")
     ap.add_argument("--samples", type=int, default=24, help="samples per dataset")
+    ap.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="small")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -162,12 +174,12 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench-prefix-")
     records = []
     try:
-        model = build_model(workdir)
+        model = build_model(workdir, args.model_shape)
         for dataset in args.datasets.split(","):
             data = build_data(workdir, dataset, args.samples)
             for mode in args.modes.split(","):
-                rec = {"dataset": dataset, "mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"),
-                       "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir)}
+                rec = {"dataset": dataset, "mode": mode, "model_shape": args.model_shape, "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir, args.model_shape)}
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
                 with open(os.path.join(args.out, "bench_prefix.jsonl"), "a") as f:
@@ -182,10 +194,10 @@ def main() -> None:
                   f"({rec['num_referring']} samples refer, {rec['num_stored_whole']} stored whole, verify {'OK' if rec['verify_ok'] else 'FAILED'})")
 
 
-def _run(mode: str, model: str, data: str, workdir: str) -> dict:
+def _run(mode: str, model: str, data: str, workdir: str, shape: str) -> dict:
     if mode not in MODES:
         raise SystemExit(f"--modes: unknown mode {mode!r} ({', '.join(MODES)})")
-    cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir]
+    cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir, "--model-shape", shape]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not results:

@@ -334,7 +334,8 @@ class _Sender:
             except ring.RingUnavailable as e:
                 self.ring_status = f"off: {e}"  # states go through the socket
             else:
-                self.ring_status = f"{_RING_SLOTS} slots of {slot_bytes / 2**20:.0f} MiB in {self.ring.path}"
+                size = f"{slot_bytes / 2**20:.0f} MiB" if slot_bytes >= 2**20 else f"{slot_bytes / 2**10:.0f} KiB"
+                self.ring_status = f"{_RING_SLOTS} slots of {size} in {self.ring.path}"
                 atexit.register(self.ring.unlink)
                 free = self.ctx.socket(zmq.PULL)
                 free.setsockopt(zmq.LINGER, 0)

@@ -56,7 +56,7 @@ class MergeSummary:
 
     def line(self) -> str:
         return (
-            f"{self.store}: {self.num_samples} samples after merging {self.num_inputs} stores: copied "
+            f"{self.store}: {self.num_samples} samples after merging {self.num_inputs} store{'s' if self.num_inputs != 1 else ''}: copied "
             f"{self.num_copied} ({self.nbytes / 1e6:.1f} MB), {self.num_duplicates} identical duplicates kept once"
         )
 
