@@ -93,7 +93,8 @@ class StatesCache:
         """`producer` was handed to the writer, which may reuse its buffer: its blocks are from now
         on referred to, never read."""
         for entry in producer.entries:
-            entry.states = None
+            if entry.producer is producer:  # not dropped since
+                entry.states = None
         producer.entries.clear()
 
     def drop(self, block_hash: bytes, count: int) -> None:
