@@ -258,7 +258,8 @@ def ls(store) -> None:
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True)
 @_one_line_errors
 def info(store) -> None:
-    """Print a store's metadata (JSON) and its number of samples."""
+    """Print a store's metadata (JSON), its number of samples and tokens, how many of those it
+    stores (the rest, samples refer to others for: stored once) and its state files' bytes."""
     import msgspec
 
     from corecap.store import Store
@@ -266,6 +267,7 @@ def info(store) -> None:
     with Store.open(store) as s:
         meta = msgspec.to_builtins(s.meta)
         meta["num_samples"] = len(s)
+        meta.update(s.contents())
     click.echo(json.dumps(meta, indent=2))
 
 

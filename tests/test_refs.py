@@ -112,6 +112,14 @@ def test_references_read_back_whole_and_store_only_their_tails(tmp_path, codec):
     assert size(refs) < size(whole) * (stored / logical) * 1.1
     report = verify_store(refs)
     assert report.ok and report.num_referring == 6, report.problems
+    # `corecap info` shows what is stored once: tokens, those stored, the referring samples, the bytes
+    for path, num_stored, num_referring in ((refs, stored, 6), (whole, logical, 0)):
+        result = CliRunner().invoke(main, ["info", "--store", path])
+        assert result.exit_code == 0, result.output
+        info = msgspec.json.decode(result.output)
+        assert (info["num_samples"], info["num_tokens"], info["num_stored_tokens"], info["num_referring_samples"]) == (
+            len(rows), logical, num_stored, num_referring)
+        assert info["state_file_bytes"] == size(path)
 
 
 def _problems(path: str) -> dict[str, list[str]]:
