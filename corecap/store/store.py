@@ -168,7 +168,7 @@ class Store:
         num_tokens = num_referred = num_referring = 0
         with lmdb_errors(self.path, "the headers database"), self.env.begin(buffers=True) as txn:
             for k, v in txn.cursor(db=self.headers_db):
-                header = prefixed(self.path, decode_header, key_text(self.path, bytes(k)), v)
+                header = prefixed(self.path, decode_header, bytes(k).decode(errors="backslashreplace"), v)  # a bad key is ls's to name
                 num_tokens += header.num_tokens
                 num_referred += header.num_prefix
                 num_referring += header.prefix is not None
