@@ -1,6 +1,6 @@
 """The driver's half of exact prefix caching (corecap/_vllm/prefix.py), against a stand-in for
 vLLM's scheduler (no engine): what it counts, what it tells the sink, and that a block leaves
-vLLM's prefix cache before the sink is told to drop its states."""
+vLLM's prefix cache before the sink is told to forget it."""
 
 from __future__ import annotations
 
@@ -55,7 +55,12 @@ def _request(scheduler, req_id, hashes):
     scheduler.requests[req_id] = SimpleNamespace(num_computed_tokens=0, block_hashes=hashes)
 
 
-def test_hits_and_productions_and_the_budget():
+def test_the_bound_defaults_to_the_kv_caches_block_count():
+    assert PrefixTracker(_scheduler(_Pool())).max_blocks == 100
+    assert PrefixTracker(_scheduler(_Pool()), max_blocks=7).max_blocks == 7
+
+
+def test_hits_and_productions_and_the_bound():
     pool = _Pool()
     scheduler = _scheduler(pool)
     tracker = PrefixTracker(scheduler, max_blocks=3)
@@ -77,11 +82,11 @@ def test_hits_and_productions_and_the_budget():
     assert tracker.num_evicted == 4  # blocks: both of x's, 1 and 2
 
 
-def test_a_hit_on_states_corecap_dropped_is_an_error_not_a_hole():
+def test_a_hit_on_a_block_corecap_dropped_is_an_error_not_a_hole():
     scheduler = _scheduler(_Pool())
     tracker = PrefixTracker(scheduler, max_blocks=10)
     _request(scheduler, "a", [b"1", b"2"])
-    with pytest.raises(CorecapError, match="hit 1 blocks whose states corecap does not hold"):
+    with pytest.raises(CorecapError, match="hit 1 blocks whose producer corecap does not know"):
         _step(scheduler, tracker, {"a": 4}, {"a": 4})
 
 
