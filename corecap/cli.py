@@ -263,11 +263,12 @@ def info(store) -> None:
     import msgspec
 
     from corecap.store import Store
+    from corecap.store.verify import contents
 
     with Store.open(store) as s:
         meta = msgspec.to_builtins(s.meta)
         meta["num_samples"] = len(s)
-        meta.update(s.contents())
+        meta.update(contents(s))
     click.echo(json.dumps(meta, indent=2))
 
 

@@ -161,21 +161,6 @@ class Store:
                 out[key] = prefixed(self.path, decode_header, key, v).input_fingerprint
         return out
 
-    def contents(self) -> dict:
-        """What the store holds, from the headers alone: its samples' tokens, those that samples
-        refer to others for (stored once, format 4) and so never stored twice, and the bytes of
-        its state files on disk."""
-        num_tokens = num_referred = num_referring = 0
-        with lmdb_errors(self.path, "the headers database"), self.env.begin(buffers=True) as txn:
-            for k, v in txn.cursor(db=self.headers_db):
-                header = prefixed(self.path, decode_header, bytes(k).decode(errors="backslashreplace"), v)  # a bad key is ls's to name
-                num_tokens += header.num_tokens
-                num_referred += header.num_prefix
-                num_referring += header.prefix is not None
-        state_bytes = sum(os.path.getsize(segments.segment_path(self.path, n)) for n in segments.segment_numbers(self.path))
-        return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred, "num_referring_samples": num_referring,
-                "state_file_bytes": state_bytes}
-
     def get(self, key: str) -> Sample:
         """The sample `key`, every field of its records checked before its states are read
         (docs/store.md, "What readers check"); CorecapError naming the store, the key and the

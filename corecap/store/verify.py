@@ -34,9 +34,9 @@ import lmdb
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import Store, decode_header, refs
+from corecap.store import Store, decode_header, refs, segments
 from corecap.store.format import decode_states, header_problems
-from corecap.store.store import lmdb_message
+from corecap.store.store import lmdb_errors, lmdb_message, prefixed
 
 
 @dataclass
@@ -222,3 +222,20 @@ def _strip(error: CorecapError, key: str, path: str | None = None) -> str:
     if path is not None:
         text = text.removeprefix(f"{path}: ")
     return text.removeprefix(f"sample {key!r}: ")
+
+
+def contents(store: Store) -> dict:
+    """What a store holds, from the headers alone (`corecap info`): its samples' tokens, those in
+    their own payloads (the rest, samples refer to others for: stored once, format 4), the
+    samples that refer, and the bytes of its state files on disk."""
+    num_tokens = num_referred = num_referring = 0
+    with lmdb_errors(store.path, "the headers database"), store.env.begin(buffers=True) as txn:
+        for k, v in txn.cursor(db=store.headers_db):
+            key = bytes(k).decode(errors="backslashreplace")  # a key that is not UTF-8 is ls's to name
+            header = prefixed(store.path, decode_header, key, v)
+            num_tokens += header.num_tokens
+            num_referred += header.num_prefix
+            num_referring += header.prefix is not None
+    state_bytes = sum(os.path.getsize(segments.segment_path(store.path, n)) for n in segments.segment_numbers(store.path))
+    return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred, "num_referring_samples": num_referring,
+            "state_file_bytes": state_bytes}
