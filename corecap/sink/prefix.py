@@ -11,14 +11,15 @@ shows its producer's block (a view) only while the producer is pending (`release
 
 Who decides what is kept: the driver (corecap/_vllm/prefix.py). Both sides apply one rule to the
 same steps: a block is *produced* when a step computes its last position (`completed_blocks`;
-that is when vLLM caches it). The driver counts productions per hash, keeps a byte budget by
-dropping the least recently used hashes, evicting them from vLLM's prefix cache first, and sends
-`drop(hash, count)` with the number of productions it saw. A hit can only name a hash that the
-driver still counts, so its states are here, or on their way in a chunk the sink has not read.
+that is when vLLM caches it). The driver counts productions per hash, for at most
+`--prefix-blocks` hashes, dropping the least recently used, evicting them from vLLM's prefix
+cache first, and sends `drop(hash, count)` with the number of productions it saw. A hit can only
+name a hash that the driver still counts, so its producer is known here, or on its way in a
+chunk the sink has not read.
 
 Chunks (from the workers) and the driver's messages travel on different sockets, so a drop can
 arrive before the chunks whose productions it counts. Counting makes that harmless: a hash's
-count here is productions received minus productions dropped; states are kept while it is
+count here is productions received minus productions dropped; the block is known while it is
 positive; a negative count means productions of a dropped generation still to come, which serve
 any request that waits for them and are not kept.
 """
