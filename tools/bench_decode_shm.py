@@ -31,13 +31,16 @@ def best(fn, n=5):
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 def fresh_fill():
     a = np.empty(N, np.uint8); a[:] = raw
-def shm_fill(populate=False):
-    s = torch.UntypedStorage._new_shared(N)
-    t = torch.empty(0, dtype=torch.uint8).set_(s)
+def fresh_shared(populate: bool) -> np.ndarray:
+    """N bytes of fresh shared memory (as torch's pickler allocates it), its pages populated for
+    writing first (madvise MADV_POPULATE_WRITE, 23) when `populate`."""
+    t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(N))
     if populate:
         r = libc.madvise(ctypes.c_void_p(t.data_ptr() & ~4095), ctypes.c_size_t(N), 23)
         assert r == 0, ctypes.get_errno()
-    t.numpy()[:] = raw
+    return t.numpy()
+def shm_fill(populate=False):
+    fresh_shared(populate)[:] = raw
 warm = np.empty(N, np.uint8); warm[:] = 1
 print("memcpy warm", best(lambda: np.copyto(warm, raw)))
 print("fresh np + copy", best(fresh_fill))
@@ -54,7 +57,6 @@ CH = 1 << 18
 def chunked(out):
     d16 = out.view("<u2")
     n = N // 2
-
     rs = [dctx.stream_reader(p) if m == 1 else io.BytesIO(p) for m, p in planes]
     sc = [np.empty(CH, np.uint8) for _ in rs]
     c = 0
@@ -75,11 +77,7 @@ o = np.empty(N, np.uint8)
 print("chunked into warm", best(lambda: chunked(o)))
 assert (o == raw).all() and chunked(o) == crc32(raw)
 def chunked_shm(populate):
-    s = torch.UntypedStorage._new_shared(N)
-    t = torch.empty(0, dtype=torch.uint8).set_(s)
-    if populate:
-        libc.madvise(ctypes.c_void_p(t.data_ptr() & ~4095), ctypes.c_size_t(N), 23)
-    chunked(t.numpy())
+    chunked(fresh_shared(populate))
 print("chunked into shm", best(lambda: chunked_shm(False)))
 print("chunked into shm+populate", best(lambda: chunked_shm(True)))
 print("chunked into fresh np", best(lambda: chunked(np.empty(N, np.uint8))))
