@@ -214,7 +214,7 @@ class _Capture:
             private_network=cfg.private_network and self.cluster is None,  # other nodes must reach them
             pause_at_step=hooks.pause_at_step if hooks else 0, pause_file=hooks.pause_file if hooks else "",
             remote_address=sink.tcp_address,
-            prefix_blocks=cfg.prefix_blocks,
+            prefix_blocks=cfg.prefix_blocks, fp8=cfg.codec == FP8,
         )
         if self.cluster:
             self._join_nodes()

@@ -136,3 +136,28 @@ def test_steps_were_pipelined(exact_run):
         steps = json.load(f)["steps"]
     assert max(s["in_flight"] for s in steps) == 2
     assert sum(s["num_tokens"] for s in steps if s["in_flight"] == 2) > 0
+
+
+def test_fp8_quantised_by_the_workers_is_the_sinks_quantisation_of_the_same_states(exact_run, tmp_path):
+    """--store-dtype fp8: the workers quantise each step (corecap/store/fp8rows.py) and the store
+    holds, sample by sample, exactly what quantising the lossless capture gives (the same
+    configuration, so the same batches: this CPU engine's float32 states are bit-identical)."""
+    from corecap.config import build
+    from corecap.run import run
+    from corecap.store import FP8
+    from corecap.store.codec import dequantize_fp8, quantize_fp8
+
+    cfg, _ = exact_run
+    fp8 = build(model=cfg.model, data=cfg.data, store=str(tmp_path / "fp8"), layers=cfg.layers,
+                batch=4, max_batched_tokens=64, dtype="float32", codec=FP8)
+    summary = run(fp8)
+    with Store.open(cfg.store) as exact, Store.open(fp8.store) as store:
+        keys = sorted(exact.keys())
+        assert summary.num_committed == len(keys) and sorted(store.keys()) == keys
+        for key in keys:
+            states = exact.get(key).hidden_states
+            sample = store.get(key)
+            assert (sample.header.codec, sample.header.dtype, sample.header.hidden_size) == (FP8, "float32", states.shape[-1])
+            assert sample.header.payload_bytes == states.numel() * 4
+            expected = dequantize_fp8(quantize_fp8(states), tuple(states.shape), states.dtype)
+            assert np.array_equal(sample.hidden_states.numpy(), expected.numpy()), key

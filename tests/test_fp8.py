@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from corecap.store import codec
+from corecap.store import codec, fp8rows
 from corecap.store.codec import NonFiniteStates, quantize_fp8
+from corecap.store.fp8rows import fp8_payload, quantize_fp8_rows
 
 # e4m3fn magnitudes by code 0..126 (127 is NaN): subnormals m * 2^-9, normals (1 + m/8) 2^(e-7)
 _CODES = np.arange(127)
@@ -130,3 +131,46 @@ def test_fp8_stores_encode_on_at_most_four_threads_and_lossless_on_all_it_is_giv
     assert sink_encode_threads(RunConfig(codec=FP8, encode_threads=8)) == 4
     assert sink_encode_threads(RunConfig(codec=FP8, encode_threads=2)) == 2
     assert sink_encode_threads(RunConfig(encode_threads=8)) == 8
+
+
+# --- the workers' rows (corecap/store/fp8rows.py) ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_quantised_by_the_workers_give_the_same_payload_to_the_bit(dtype):
+    """What a worker sends under --store-dtype fp8, regrouped by the writer, is the payload the
+    reference gives for the states, taken from each layer's first rows (a step's padded tail is
+    not quantised), and the model's outputs are left as they were."""
+    hard = _hard_rows(dtype)
+    num_tokens = hard.shape[0]
+    layers = [torch.cat([hard, torch.full((5, hard.shape[1]), 7.0, dtype=dtype)]), -hard.flip(0), hard * 0.5]
+    layers = [t if i != 2 else t.t().contiguous().t() for i, t in enumerate(layers)]  # one not row-contiguous
+    before = [t.clone() for t in layers]
+    rows = quantize_fp8_rows(layers, num_tokens)
+    assert rows.dtype == torch.uint8 and rows.shape == (3, num_tokens, hard.shape[1] + fp8rows.ROW_EXTRA)
+    assert all(torch.equal(t, b) for t, b in zip(layers, before))
+    assert fp8_payload(rows).tobytes() == _reference(torch.stack([t[:num_tokens] for t in layers]))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_rows_of_nan_or_inf_are_refused_naming_the_first_layer(value):
+    layers = [torch.randn(4, 40, dtype=torch.bfloat16) for _ in range(3)]
+    layers[1][2, 5] = layers[1][0, 39] = layers[2][1, 0] = value
+    rows = quantize_fp8_rows(layers, 4)
+    assert fp8rows.nonfinite_layers(rows) == [1, 2]
+    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf"):
+        fp8_payload(rows)
+
+
+def test_a_sample_of_rows_encodes_as_its_states_do():
+    """The stored record (header and payload) is the same whether the writer gets the states or
+    the workers' rows of them; a reference's tail is cut from the rows as from the states."""
+    from corecap.store import FP8, encode_sample
+    from corecap.store.format import Segment
+
+    states = torch.randn(2, 9, 32).to(torch.bfloat16)
+    rows = quantize_fp8_rows(list(states), 9)
+    for prefix in (None, (Segment("other", 0, 4),)):
+        a = encode_sample("k", np.arange(9), states, (3, "prenorm"), codec=FP8, prefix=prefix)
+        b = encode_sample("k", np.arange(9), rows, (3, "prenorm"), codec=FP8, prefix=prefix, dtype="bfloat16")
+        assert (a.header, bytes(a.payload), a.num_prefix) == (b.header, bytes(b.payload), b.num_prefix)

@@ -36,6 +36,20 @@ def test_round_trip(dtype):
     assert torch.equal(msg.states, states)
 
 
+def test_fp8_rows_round_trip_and_their_size_is_checked():
+    """--store-dtype fp8: the states are the worker's rows, H + 4 bytes each; `dtype` is what
+    was captured. A frame sized for the captured dtype instead is refused."""
+    from corecap.store.fp8rows import quantize_fp8_rows
+
+    header, ids, states = _chunk(dtype=torch.bfloat16)
+    rows = quantize_fp8_rows(list(states), states.shape[1])
+    header = msgspec.structs.replace(header, fp8=True, crcs=wire.checksums(header.segments, ids, ids, rows))
+    msg = wire.decode(_frames(header, ids, rows), check_states=True)
+    assert msg.header.dtype == "bfloat16" and msg.states.dtype == torch.uint8 and torch.equal(msg.states, rows)
+    with pytest.raises(wire.WireError, match="frame sizes"):
+        wire.decode(_frames(header, ids, states))
+
+
 def test_worker_error_round_trip():
     err = wire.WorkerError(wire.WIRE_VERSION, 1, 123, "boom")
     assert wire.decode(wire.encode_error(err)) == err

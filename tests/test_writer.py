@@ -14,6 +14,7 @@ import torch
 from corecap.errors import CorecapError
 from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, ModelIdentity, Store, StoreMeta
 from corecap.store.codec import quantize_fp8
+from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.sink import writer
 from corecap.sink.writer import NonFiniteError, Writer, all_finite
 
@@ -69,6 +70,28 @@ def test_fp8_finds_nan_without_all_finite_and_stops_as_other_codecs_do(store, mo
     assert "bad" not in store
     stored = store.get("good")
     assert stored.header.codec == FP8 and stored.header.checksum == zlib.crc32(quantize_fp8(good))
+
+
+@pytest.mark.parametrize("store", [FP8], indirect=True)
+def test_fp8_rows_from_the_workers_are_stored_as_their_states_and_a_nan_stops(store):
+    """The workers' rows (uint8 [L, T, H + 4]): stored as the states they quantise would be, the
+    codec ratio counting the captured float32 bytes, and a NaN row stops as in any store."""
+    good = torch.randn(2, 4, 16)
+    bad = torch.randn(2, 4, 16)
+    bad[1, 2, 3] = float("nan")
+    w = Writer(store, codec=FP8)
+    w.put("good", np.arange(4), quantize_fp8_rows(list(good), 4))
+    deadline = time.monotonic() + 30  # a liveness bound: committed alone, before "bad" fails
+    while w.num_committed < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.raw_bytes == good.numel() * 4
+    w.put("bad", np.arange(4), quantize_fp8_rows(list(bad), 4))
+    with pytest.raises(NonFiniteError, match=r"sample 'bad': NaN/Inf in the captured states at layers \[8\]"):
+        w.close()
+    assert "bad" not in store
+    stored = store.get("good")
+    assert stored.header.dtype == "float32" and stored.header.hidden_size == 16
+    assert stored.header.checksum == zlib.crc32(quantize_fp8(good))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -40,6 +40,7 @@ class CaptureSpec:
     pause_at_step: int = 0  # config.TestHooks
     pause_file: str = ""
     prefix_blocks: int | None = None  # with prefix caching on: the most blocks a hit may name (None: the KV cache's)
+    fp8: bool = False  # `--store-dtype fp8`: the sending rank quantises each step (corecap/store/fp8rows.py)
 
 
 @dataclass

@@ -42,6 +42,7 @@ import zmq
 
 from corecap._vllm.sources import LayerSources, model_num_layers
 from corecap._vllm.stage import pipeline_stage, sink_address
+from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.transport import ring, wire
 
 _MAX_IN_FLIGHT = 3
@@ -107,6 +108,7 @@ class _Tap:
     def __init__(self, runner, spec: dict, rank: int):
         self.rank = rank
         self.layers = tuple(spec["layers"])
+        self.fp8 = bool(spec.get("fp8", False))
         model = runner.get_model()
         self.model = model
         self.num_layers = model_num_layers(model)
@@ -282,8 +284,9 @@ class _Tap:
         if positions.dim() == 2:  # M-RoPE: [3, T], the first row is the text position
             positions = positions[0]
         # Fresh buffers on the compute stream: the model's outputs may be static (CUDA graph)
-        # buffers that the next step overwrites.
-        states = torch.stack([t[:num_tokens] for t in selected])
+        # buffers that the next step overwrites. fp8: quantised here, on the device (fp8rows.py).
+        dtype = selected[0].dtype
+        states = quantize_fp8_rows(selected, num_tokens) if self.fp8 else torch.stack([t[:num_tokens] for t in selected])
         ids = input_ids[:num_tokens].to(torch.int32, copy=True)
         pos = positions[:num_tokens].to(torch.int32, copy=True)
         ready = None
@@ -294,12 +297,13 @@ class _Tap:
             version=wire.WIRE_VERSION,
             rank=self.rank,
             step=self.num_steps,
-            dtype=wire.DTYPE_NAMES[states.dtype],
+            dtype=wire.DTYPE_NAMES[dtype],
             layers=self.layers,
-            hidden_size=states.shape[-1],
+            hidden_size=selected[0].shape[-1],
             num_tokens=num_tokens,
             segments=segments,
             t_copy=0.0,  # set when the copy starts
+            fp8=self.fp8,
         )
         self.pending = (header, ids, pos, states, ready)
 

@@ -244,7 +244,7 @@ class Collector:
                 )
             if not np.array_equal(msg.token_ids[lo:hi], p.token_ids[start : start + seg.num_tokens]):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
-            states = p.buffer(len(self.layers), h.hidden_size, msg.states.dtype, self.buffers)
+            states = p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
             copies.extend((states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
             p.cover(start, seg.num_tokens)
             runs.append((seg.req_id, p, start, seg.num_tokens))

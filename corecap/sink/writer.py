@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store import FP8, Record, Store, encode_sample
-from corecap.store.codec import NonFiniteStates
+from corecap.store import FP8, Record, Store, encode_sample, fp8rows
+from corecap.store.codec import ITEMSIZE, NonFiniteStates
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
@@ -74,7 +74,7 @@ class Writer:
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-encode")
         self.queue: queue.Queue = queue.Queue()
         self.buffer_bytes = buffer_bytes
-        self.in_flight = 0  # raw bytes handed to put() and not yet committed
+        self.in_flight = 0  # bytes of states handed to put() and not yet committed
         self.space = threading.Condition()
         self.error: BaseException | None = None
         self.num_committed = 0
@@ -105,6 +105,7 @@ class Writer:
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
         put before it (commits keep the order of `put`); only [n, T) is encoded and written."""
         size = states.numel() * states.element_size()
+        raw = size if states.dtype != torch.uint8 else self._captured_bytes(states)
         with self.space:
             while self.in_flight and self.in_flight + size > self.buffer_bytes:
                 self.raise_if_failed()
@@ -112,7 +113,11 @@ class Writer:
             self.raise_if_failed()
             self.in_flight += size
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix)
-        self.queue.put((future, len(token_ids), size, functools.partial(release, states) if release else None))
+        self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
+
+    def _captured_bytes(self, rows: torch.Tensor) -> int:
+        """The size of what fp8 rows quantised (the raw bytes the codec ratio counts)."""
+        return rows.shape[0] * rows.shape[1] * fp8rows.hidden_size(rows) * ITEMSIZE[self.store.meta.dtype]
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
         start = time.time()
@@ -121,18 +126,21 @@ class Writer:
         return record
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
+        dtype = self.store.meta.dtype
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
-                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix)
+                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix, dtype=dtype)
             except NonFiniteStates:
                 pass  # reported below, as for the other codecs
-        finite = all_finite(states)
+        rows = states.dtype == torch.uint8  # fp8 rows come here only with a NaN or an Inf (its row's scale)
+        finite = not rows and all_finite(states)
         if not finite:
-            bad = [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())]
+            bad = ([self.layers[i] for i in fp8rows.nonfinite_layers(states)] if rows
+                   else [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())])
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")
             self.flagged.append(key)
-        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix)
+        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix, dtype=dtype)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -143,12 +151,12 @@ class Writer:
         try:
             while not done and self.error is None:
                 item = self.queue.get()
-                records, size, tokens, raw, referred, releases = [], 0, 0, 0, 0, []
+                records, size, tokens, raw, referred, held, releases = [], 0, 0, 0, 0, 0, []
                 while True:
                     if item is _DONE:
                         done = True
                         break
-                    future, num_tokens, num_raw, release = item
+                    future, num_tokens, size_in_memory, num_raw, release = item
                     if release:
                         releases.append(release)
                     record = future.result()
@@ -156,6 +164,7 @@ class Writer:
                     size += record.nbytes
                     tokens += num_tokens
                     raw += num_raw
+                    held += size_in_memory
                     referred += num_raw * record.num_prefix // max(1, num_tokens)  # stored by others
                     if size >= self.batch_bytes:
                         break
@@ -167,7 +176,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw, referred, releases))
+                    self.written.put((appended, tokens, raw, referred, held, releases))
         except BaseException as e:
             self._fail(e)
         finally:
@@ -176,7 +185,7 @@ class Writer:
     def _commit_loop(self) -> None:
         try:
             while (item := self.written.get()) is not _DONE:
-                appended, tokens, raw, referred, releases = item  # committed even after a later failure: it is whole
+                appended, tokens, raw, referred, held, releases = item  # committed even after a later failure: it is whole
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
@@ -188,7 +197,7 @@ class Writer:
                 for release in releases:
                     release()
                 with self.space:
-                    self.in_flight -= raw
+                    self.in_flight -= held
                     self.space.notify_all()
         except BaseException as e:
             self._fail(e)

@@ -16,7 +16,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.config import PRENORM, Layer
-from corecap.store import codec as codecs
+from corecap.store import codec as codecs, fp8rows
 from corecap.store.codec import DTYPES
 
 FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
@@ -93,10 +93,8 @@ def decode_meta(raw, path: str) -> StoreMeta:
     if bad_layers or not meta.layers or len(set(meta.layers)) != len(meta.layers):
         raise CorecapError(f"{path}: the store's metadata is damaged (layers {list(meta.layers)}: expected distinct indices >= 0 or {PRENORM!r})")
     if meta.hidden_size <= 0 or meta.dtype not in DTYPES or meta.codec not in KNOWN_CODECS:
-        raise CorecapError(
-            f"{path}: the store's metadata is damaged (hidden_size {meta.hidden_size}, dtype {meta.dtype!r}, codec {meta.codec!r}: "
-            f"expected hidden_size > 0, dtype one of {list(DTYPES)}, codec one of {list(KNOWN_CODECS)})"
-        )
+        raise CorecapError(f"{path}: the store's metadata is damaged (hidden_size {meta.hidden_size}, dtype {meta.dtype!r}, codec {meta.codec!r}: "
+                           f"expected hidden_size > 0, dtype one of {list(DTYPES)}, codec one of {list(KNOWN_CODECS)})")
     return meta
 
 
@@ -186,23 +184,26 @@ def encode_sample(
     loss_mask: np.ndarray | None = None,
     nonfinite: bool = False,
     prefix: tuple[Segment, ...] | None = None,
+    dtype: str | None = None,
 ) -> Record:
     """Encode one sample for the store (the expensive part, compression, runs here: call it off
     the critical path). `codec` is one of `CODECS` or `FP8`. With `prefix` (segments covering
     [0, n)), `states` may be the whole sample [L, T, H] or its own part [L, T - n, H]; only
-    positions [n, T) are encoded."""
+    positions [n, T) are encoded. FP8 also takes the workers' rows (fp8rows.py) of `dtype` states."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
     n = prefix[-1].end if prefix else 0
     states = (states[:, n:] if n and states.shape[1] == len(ids) else states).contiguous()
-    dtype = str(states.dtype).removeprefix("torch.")
+    rows = states.dtype == torch.uint8
+    assert not rows or (codec == FP8 and dtype in codecs.DTYPES), (codec, dtype)
+    dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
+    hidden_size = fp8rows.hidden_size(states) if rows else states.shape[-1]
     if codec == FP8:
-        payload = codecs.quantize_fp8(states)
-        checksum = codecs.crc32(payload)
-        parts = (payload,)
+        parts = (fp8rows.fp8_payload(states) if rows else codecs.quantize_fp8(states),)
+        checksum = codecs.crc32(parts[0])
+    elif codec not in codecs.CODECS:
+        raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
     else:
-        if codec not in codecs.CODECS:
-            raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
         checksum = codecs.crc32(raw)
         parts = tuple(codecs.encode_parts(raw, dtype, codec))
     if loss_mask is not None and len(loss_mask) != len(ids):
@@ -212,12 +213,12 @@ def encode_sample(
         num_tokens=len(ids),
         layers=tuple(layers),
         dtype=dtype,
-        hidden_size=states.shape[-1],
+        hidden_size=hidden_size,
         input_fingerprint=input_fingerprint(ids),
         input_ids=ids.tobytes(),
         codec=codec,
         checksum=checksum,
-        payload_bytes=raw.nbytes,
+        payload_bytes=states.shape[0] * states.shape[1] * hidden_size * codecs.ITEMSIZE[dtype] if rows else raw.nbytes,
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
         prefix=tuple(prefix) if prefix else None,

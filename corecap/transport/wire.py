@@ -3,7 +3,8 @@
 Frame 0 is a msgpack-encoded `Chunk` header (versioned, no pickle) followed by its own CRC-32
 (4 bytes, little-endian); frames 1..3 are raw,
 zero-copy tensor bytes: token ids (int32 [T]), positions (int32 [T]) and the captured hidden
-states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes). When the header
+states ([L, T, H] in `dtype`, little-endian; bf16 travels as its raw two bytes; with `fp8`,
+uint8 [L, T, H + 4] rows quantised by the worker, corecap/store/fp8rows.py). When the header
 names a `ring` slot (corecap/transport/ring.py), frame 3 is empty and the states are in that
 shared-memory slot instead. `segments` say which request owns which run of the T tokens, in
 order. A worker that fails sends a `WorkerError` instead, so that the sink can name it.
@@ -29,8 +30,9 @@ import torch
 
 from corecap.config import Layer
 from corecap.store.codec import DTYPE_NAMES, DTYPES, crc32
+from corecap.store.fp8rows import ROW_EXTRA
 
-WIRE_VERSION = 3  # 3: CRC-32s of every part; a layer may be "prenorm"
+WIRE_VERSION = 4  # 3: CRC-32s of every part; a layer may be "prenorm". 4: fp8 rows
 
 _IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
@@ -74,6 +76,8 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
     # CRC-32 of the ids frame, of the positions frame, then of each states run in the order of
     # `state_runs` (layer-major, then segment).
     crcs: tuple[int, ...] = ()
+    # The states are fp8 rows (uint8 [L, T, H + 4]) of states captured in `dtype`.
+    fp8: bool = False
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=2):
@@ -140,7 +144,7 @@ class DecodedChunk(msgspec.Struct, frozen=True):
     header: Chunk
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]
-    states: torch.Tensor  # [L, T, H], header.dtype
+    states: torch.Tensor  # [L, T, H], header.dtype; fp8: uint8 [L, T, H + 4] rows
 
     def check_run(self, i: int, j: int, run: torch.Tensor) -> None:
         """Raise WireError unless `run` (states of layer i, segment j, as received) has the CRC the
@@ -182,6 +186,8 @@ def decode(frames: list, ring=None, check_states: bool = False) -> DecodedChunk 
     if len(msg.crcs) != 2 + num_layers * len(msg.segments):
         raise WireError(f"{len(msg.crcs)} checksums, expected {2 + num_layers * len(msg.segments)}")
     sizes = [memoryview(f).nbytes for f in frames[1:]]
+    if msg.fp8:  # the rows' bytes, as uint8
+        dtype, hidden = torch.uint8, hidden + ROW_EXTRA
     states_bytes = num_layers * num_tokens * hidden * dtype.itemsize
     expected = [4 * num_tokens, 4 * num_tokens, 0 if msg.ring else states_bytes]
     if sizes != expected:
