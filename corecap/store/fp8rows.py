@@ -38,7 +38,9 @@ def quantize_fp8_rows(layers: Sequence[torch.Tensor], num_tokens: int) -> torch.
     for i, states in enumerate(layers):
         x = states[:num_tokens]
         row_max = torch.amax(torch.bitwise_and(x.view(int_dtype), mask), dim=1)  # sign masked off: |x|'s bits
-        scale = row_max.view(x.dtype).to(torch.float32).div_(FP8_MAX).clamp_min_(FP8_MIN_SCALE)
+        scale = row_max.view(x.dtype).to(torch.float32)
+        # A tensor divisor: CUDA multiplies by a Python number's reciprocal, which rounds otherwise.
+        scale.div_(scale.new_tensor(FP8_MAX)).clamp_min_(FP8_MIN_SCALE)
         out[i, :, :hidden].view(torch.float8_e4m3fn).copy_(x.to(torch.float32, copy=True).div_(scale[:, None]))
         out[i, :, hidden:].copy_(scale.view(torch.uint8).view(num_tokens, ROW_EXTRA))
     return out
