@@ -58,6 +58,9 @@ class Source:
                 return candidate
         return None
 
+    def is_package(self, module: str) -> bool:
+        return os.path.isfile(os.path.join(self.root, *module.split(".")[1:], "__init__.py"))
+
     def module(self, module: str) -> tuple[str, ast.Module]:
         """(text, tree) of a vLLM module."""
         if module not in self._modules:
@@ -110,7 +113,7 @@ class Source:
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     if (alias.asname or alias.name) == name:
-                        return self._resolve(_absolute(module, node, self.path(module)), alias.name, depth + 1)
+                        return self._resolve(_absolute(module, node, self.is_package(module)), alias.name, depth + 1)
             elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):  # Alias = Original
                 if any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
                     return self._resolve(module, node.value.id, depth + 1)
@@ -133,16 +136,16 @@ class Source:
                     if (alias.asname or alias.name) == head:
                         return self._resolve(alias.name, attr)
             if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == head for a in node.names):
-                pkg = _absolute(module, node, self.path(module))
+                pkg = _absolute(module, node, self.is_package(module))
                 real = next(a.name for a in node.names if (a.asname or a.name) == head)
                 return self._resolve(f"{pkg}.{real}", attr)
         return dotted
 
 
-def _absolute(module: str, node: ast.ImportFrom, path: str | None) -> str:
+def _absolute(module: str, node: ast.ImportFrom, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
-    package = module if path and path.endswith("__init__.py") else module.rpartition(".")[0]
+    package = module if is_package else module.rpartition(".")[0]
     for _ in range(node.level - 1):
         package = package.rpartition(".")[0]
     return f"{package}.{node.module}" if node.module else package
@@ -205,10 +208,9 @@ class ClassView:
         return {b.rpartition(".")[2] for c in self.mro() for b in c.bases() if isinstance(b, str)}
 
     def own(self, name: str) -> Method | None:
-        for node in _top_level(self.node.body):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                return Method(self, node)
-        return None
+        """Its own method `name`: the last definition, as Python binds it (after `@overload`s)."""
+        found = [n for n in _top_level(self.node.body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+        return Method(self, found[-1]) if found else None
 
     def method(self, name: str) -> Method | None:
         """`name` as an instance would find it: this class's, or the first base's that has it."""
