@@ -6,11 +6,9 @@ source, or a monkeypatched attribute for the few made live; the check names exac
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from corecap._vllm.doctor import checked_vllm_config, doctor
 from corecap._vllm.source import Source
 from corecap._vllm.versions import installed_dist, known_good_line, version_warning
 from corecap.errors import CorecapError
+from vllm_source_edits import member, moved, parameter, replace_text
 
 pytestmark = pytest.mark.matrix
 
@@ -36,86 +35,10 @@ def _note(results, prefix: str) -> str:
     return note
 
 
-# --- a modified copy of vLLM's source ------------------------------------------------------------
-
-
-def _class(tree: ast.Module, name: str) -> ast.ClassDef:
-    return next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
-
-
-def _first_line(node) -> int:
-    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-
-
-def _member(qualname: str, name: str, new: str | None = None):
-    """An edit of class `qualname`'s member `name` (its methods of that name, or a field):
-    removed (`new` None), replaced by `new`, or `new` added at the class's end."""
-    module, _, cls_name = qualname.rpartition(".")
-
-    def edit(text: str) -> str:
-        cls, lines = _class(ast.parse(text), cls_name), text.splitlines(keepends=True)
-        found = [n for n in cls.body if getattr(n, "name", None) == name or getattr(getattr(n, "target", None), "id", None) == name]
-        added = textwrap.indent(textwrap.dedent(new), " " * cls.body[-1].col_offset) + "\n" if new else ""
-        if not found:
-            return "".join(lines[: cls.end_lineno] + [added] + lines[cls.end_lineno :])
-        for n in reversed(found):
-            del lines[_first_line(n) - 1 : n.end_lineno]
-        at = _first_line(found[0]) - 1
-        return "".join(lines[:at] + [added] + lines[at:])
-
-    return module, edit
-
-
-def _parameter(qualname: str, method: str, name: str, add: bool = False):
-    """An edit of a method's parameter `name` (one a line, as vLLM's formatter writes them):
-    removed, or added as a new required one after `self`."""
-    module, _, cls_name = qualname.rpartition(".")
-
-    def edit(text: str) -> str:
-        lines = text.splitlines(keepends=True)
-        fn = next(n for n in _class(ast.parse(text), cls_name).body if getattr(n, "name", None) == method)
-        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
-        if add:
-            first = args[0]
-            lines.insert(first.lineno, " " * first.col_offset + f"{name},\n")
-        else:
-            arg = next(a for a in args if a.arg == name)
-            positional = fn.args.posonlyargs + fn.args.args
-            defaults = list(zip(positional[len(positional) - len(fn.args.defaults):], fn.args.defaults))
-            default = dict((a.arg, d) for a, d in defaults + list(zip(fn.args.kwonlyargs, fn.args.kw_defaults))).get(name)
-            end = max(arg.end_lineno, default.end_lineno if default is not None else 0)
-            del lines[arg.lineno - 1 : end]
-        return "".join(lines)
-
-    return module, edit
-
-
-def _text(module: str, old: str, new: str):
-    def edit(text: str) -> str:
-        assert old in text, f"{module}: {old!r}"
-        return text.replace(old, new)
-
-    return module, edit
-
-
-def _moved(tmp_path, *edits) -> Source:
-    """The installed vLLM's source with `edits` made, each module a modified copy in tmp_path."""
-    real = Source()
-    texts: dict[str, str] = {}
-    for module, edit in edits:
-        texts[module] = edit(texts.get(module) or real.module(module)[0])
-    replaced = {}
-    for module, text in texts.items():
-        replaced[module] = str(tmp_path / f"{module}.py")
-        with open(replaced[module], "w") as f:
-            f.write(text)
-    return Source(real.root, replaced)
-
-
 @pytest.fixture()
 def request_without_block_hasher(tmp_path, monkeypatch) -> Source:
     """Request() without block_hasher, as doctor and a run read it."""
-    source = _moved(tmp_path, _parameter("vllm.v1.request.Request", "__init__", "block_hasher"))
+    source = moved(tmp_path, parameter("vllm.v1.request.Request", "__init__", "block_hasher"))
     monkeypatch.setattr(doctor_module, "Source", lambda: source)
     return source
 
@@ -128,30 +51,30 @@ def test_request_without_block_hasher(request_without_block_hasher):
 
 
 def test_request_with_a_new_required_argument(tmp_path):
-    source = _moved(tmp_path, _parameter("vllm.v1.request.Request", "__init__", "tenant", add=True))
+    source = moved(tmp_path, parameter("vllm.v1.request.Request", "__init__", "tenant", add=True))
     assert _problems(source) == ["Request() now requires tenant"]
 
 
 def test_sampling_params_without_detokenize(tmp_path):
-    source = _moved(tmp_path, _member("vllm.sampling_params.SamplingParams", "detokenize"))
+    source = moved(tmp_path, member("vllm.sampling_params.SamplingParams", "detokenize"))
     assert _problems(source) == [
         "SamplingParams(max_tokens=1, temperature=0.0, detokenize=False) fails: SamplingParams has no field detokenize"
     ]
 
 
 def test_executor_without_sample_tokens(tmp_path):
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.MultiprocExecutor", "sample_tokens"),
-                    _member("vllm.v1.executor.abstract.Executor", "sample_tokens"))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "sample_tokens"),
+                    member("vllm.v1.executor.abstract.Executor", "sample_tokens"))
     assert _problems(source) == ["MultiprocExecutor.sample_tokens is gone: the two-phase execute_model → sample_tokens step protocol moved"]
 
 
 def test_execute_model_without_non_block(tmp_path):
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.MultiprocExecutor", "execute_model", "def execute_model(self, scheduler_output):\n    pass"))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "execute_model", "def execute_model(self, scheduler_output):\n    pass"))
     assert _problems(source) == ["MultiprocExecutor.execute_model() no longer accepts non_block"]
 
 
 def test_workers_started_elsewhere(tmp_path):
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.MultiprocExecutor", "_init_executor"))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_init_executor"))
     assert _problems(source) == ["MultiprocExecutor no longer defines _init_executor (corecap starts the workers by wrapping it)"]
 
 
@@ -168,14 +91,14 @@ def _start_workers_concurrently(self, start_worker, unready_workers):
 
 def test_workers_started_from_a_pool_made_in_init_executor(tmp_path):
     """vLLM 0.33's way: the pool's threads inherit the namespace of the thread that creates them."""
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _FRESH_POOL))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _FRESH_POOL))
     results = contract.check_contract(source)
     assert [r.problem for r in results if r.problem] == []
     assert _note(results, "MultiprocExecutor").startswith("GPU workers may start from a thread pool made in _init_executor")
 
 
 def test_workers_started_from_a_pool_made_before(tmp_path):
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _KEPT_POOL))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _KEPT_POOL))
     assert _problems(source) == [
         "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: they may escape the private network"
     ]
@@ -187,48 +110,48 @@ def test_engine_core_without_a_block_hasher(tmp_path):
         self.model_executor = executor_class(vllm_config)
         self.scheduler = None
     '''
-    source = _moved(tmp_path, _member("vllm.v1.engine.core.EngineCore", "__init__", init))
+    source = moved(tmp_path, member("vllm.v1.engine.core.EngineCore", "__init__", init))
     assert _problems(source) == ["EngineCore.__init__ no longer sets request_block_hasher"]
 
 
 def test_engine_args_field_removed(tmp_path):
-    source = _moved(tmp_path, _member("vllm.engine.arg_utils.EngineArgs", "worker_extension_cls"))
+    source = moved(tmp_path, member("vllm.engine.arg_utils.EngineArgs", "worker_extension_cls"))
     assert _problems(source) == ["EngineArgs no longer has worker_extension_cls"]
 
 
 def test_worker_replies_before_get_output(tmp_path):
     enqueue = "def enqueue_output(self, output):\n    self.worker_response_mq.enqueue(output)"
-    source = _moved(tmp_path, _member(f"{_EXECUTOR}.WorkerProc", "enqueue_output", enqueue))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.WorkerProc", "enqueue_output", enqueue))
     assert _problems(source) == ["WorkerProc.enqueue_output no longer calls get_output() (corecap's tap copies the states from there)"]
 
 
-def test_a_module_that_moved(tmp_path):
-    """A whole module gone (here: replaced by a file that defines nothing)."""
-    source = _moved(tmp_path, _text("vllm.v1.outputs", "class AsyncModelRunnerOutput(", "class AsyncOutputThatMoved("))
+def test_a_module_thatmoved(tmp_path):
+    """A class renamed: the check names what it looked for and where."""
+    source = moved(tmp_path, replace_text("vllm.v1.outputs", "class AsyncModelRunnerOutput(", "class AsyncOutputThatMoved("))
     assert _problems(source) == ["vllm.v1.outputs.AsyncModelRunnerOutput is gone"]
 
 
 def test_v1_runner_without_model_forward(tmp_path):
-    source = _moved(tmp_path, _member("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward"))
+    source = moved(tmp_path, member("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward"))
     cpu = contract.platform(versions.installed_vllm()[0]) == "cpu"
     assert _problems(source) == [f"{'CPUModelRunner' if cpu else 'GPUModelRunner'}._model_forward is gone"]
 
 
 def test_v2_state_field_renamed(tmp_path):
-    source = _moved(tmp_path, _member("vllm.v1.worker.gpu.model_runner.ExecuteModelState", "aux_hidden_states", "aux_states: object"))
+    source = moved(tmp_path, member("vllm.v1.worker.gpu.model_runner.ExecuteModelState", "aux_hidden_states", "aux_states: object"))
     assert contract.runner_v2_problem(source, contract.RUNNERS[(False, True)]) == "ExecuteModelState has no field aux_hidden_states"
 
 
 def test_v2_runner_that_grew_model_forward(tmp_path):
     grown = "def _model_forward(self, **kwargs):\n    return None"
-    source = _moved(tmp_path, _member("vllm.v1.worker.gpu.model_runner.GPUModelRunner", "_model_forward", grown))
+    source = moved(tmp_path, member("vllm.v1.worker.gpu.model_runner.GPUModelRunner", "_model_forward", grown))
     assert contract.runner_v2_problem(source, contract.RUNNERS[(False, True)]) == (
         "GPUModelRunner (V2) now has _model_forward: corecap's tap would take it for a V1 runner"
     )
 
 
 def test_worker_that_no_longer_sets_its_runner(tmp_path):
-    source = _moved(tmp_path, *(_text(f"vllm.v1.worker.{m}", "self.model_runner", "self.runner") for m in ("worker_base", "gpu_worker", "cpu_worker")))
+    source = moved(tmp_path, *(replace_text(f"vllm.v1.worker.{m}", "self.model_runner", "self.runner") for m in ("worker_base", "gpu_worker", "cpu_worker")))
     worker = contract.platform_worker(source, contract.platform(versions.installed_vllm()[0])).rpartition(".")[2]
     assert _problems(source) == [f"{worker} no longer sets model_runner"]
 
@@ -239,7 +162,7 @@ def test_model_class_from_vllms_registry(tmp_path):
     assert note.startswith("MixtralForCausalLM has no EAGLE-3 auxiliary outputs (not SupportsEagle3): corecap's own, or a one-line refusal")
     note = _note(contract.check_contract(Source(), "NoSuchForCausalLM"), "model class")
     assert note.startswith("NoSuchForCausalLM is not in vLLM's model registry")
-    source = _moved(tmp_path, _text("vllm.model_executor.models.registry", "_VLLM_MODELS = {", "_ALL_MODELS = {"))
+    source = moved(tmp_path, replace_text("vllm.model_executor.models.registry", "_VLLM_MODELS = {", "_ALL_MODELS = {"))
     assert _problems(source) == ["vllm.model_executor.models.registry._VLLM_MODELS is gone"]
 
 
