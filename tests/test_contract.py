@@ -214,6 +214,16 @@ def test_doctor_on_a_broken_install(monkeypatch, request_without_block_hasher):
     assert lines[-1].startswith(f"corecap doctor: 1 of {len(contract.CHECKS)} checks found something moved")
 
 
+def test_doctor_on_a_model_without_config_json(tmp_path):
+    from corecap.cli import main
+
+    result = CliRunner().invoke(main, ["doctor", "--model", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        f"corecap: error: --model {tmp_path}: no config.json there (a model directory, or a model id in the local HF cache)"
+    )
+
+
 def test_doctor_imports_neither_vllm_nor_torch():
     """What keeps doctor at about a second: importing vLLM (and torch) takes 7-25 s."""
     code = ("import sys\nfrom click.testing import CliRunner\nfrom corecap.cli import main\n"

@@ -116,7 +116,7 @@ def _live_results(source: Source, model: str | None) -> list:
 
 def model_architecture(model: str | None) -> str | None:
     """The architecture a model's config.json names (a directory, or a model id in the local HF
-    cache), without vLLM; the probe's without a model; None where there is no config.json."""
+    cache), without vLLM; the probe's without a model; None where the config names none."""
     if model is None:
         return _PROBE_CONFIG["architectures"][0]
     path = os.path.join(model, "config.json")
@@ -125,15 +125,15 @@ def model_architecture(model: str | None) -> str | None:
             from huggingface_hub import try_to_load_from_cache
 
             path = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not an id huggingface_hub accepts: vLLM will say what is wrong
-            return None
+        except Exception:  # not an id huggingface_hub accepts
+            path = None
         if not isinstance(path, str):
-            return None
+            raise CorecapError(f"--model {model}: no config.json there (a model directory, or a model id in the local HF cache)")
     try:
         with open(path, encoding="utf-8") as f:
             architectures = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None
+    except (OSError, ValueError, AttributeError) as e:
+        raise CorecapError(f"{path}: not a readable JSON object ({type(e).__name__}: {e})") from None
     return architectures[0] if architectures and isinstance(architectures[0], str) else None
 
 
