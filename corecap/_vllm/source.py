@@ -127,7 +127,7 @@ class Source:
             try:
                 return self._resolve(module, expr.id)
             except SourceMissing:
-                return expr.id  # a builtin (object, ABC via `from abc import ABC` is resolved above)
+                return expr.id  # a builtin (object, str), or a name this reader cannot follow: kept by name
         dotted = ast.unparse(expr)
         head, _, attr = dotted.rpartition(".")
         for node in _top_level(self.module(module)[1].body):
