@@ -53,7 +53,7 @@ def run_check(name: str, fn, *args) -> Result:
         out = fn(*args)
     except (_Gone, SourceMissing) as e:
         return Result(name, str(e))
-    except Exception as e:  # a source that no longer parses as expected: say what
+    except Exception as e:  # an import, attribute or source shape that moved: say which
         return Result(name, f"{type(e).__name__}: {e}")
     return Result(name, None, str(out)) if isinstance(out, Note) else Result(name, out)
 
