@@ -301,16 +301,18 @@ def merge(out, inputs) -> None:
 
 @main.command()
 @click.option("--model", type=str, default=None, help="Model directory whose class to check too (default: a config-only Llama; no weights read).")
+@click.option("--deep", is_flag=True, help="Import vLLM too (7-25 s) and make the checks that need it: the aux-state semantics, "
+              "the engine configuration vLLM builds, the model class its resolver picks (every `corecap run` makes them).")
 @_one_line_errors
-def doctor(model) -> None:
-    """Check the installed vLLM against what corecap relies on in its internals, in seconds,
-    without a GPU or weights (`corecap run` does the same first). Exit 0: all good; 1: something
-    moved (named, with the vLLM versions known to work)."""
+def doctor(model, deep) -> None:
+    """Check the installed vLLM against what corecap relies on in its internals, in about a second,
+    by reading vLLM's source without importing it; no GPU, no weights (`corecap run` does the same
+    first). Exit 0: all good; 1: something moved (named, with the vLLM versions known to work)."""
     started = time.perf_counter()
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the report (--deep imports vLLM)
     from corecap._vllm.doctor import doctor as check
 
-    report = check(model, started)
+    report = check(model, deep, started)
     for line in report.lines():
         click.echo(line)
     sys.exit(1 if report.num_moved else 0)

@@ -100,14 +100,14 @@ class _Plan:
 
 
 def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
-    from corecap._vllm import environment, vllm_version
+    from corecap._vllm import environment
 
     stop = stop or Stop()
     removed = shm.remove_left_behind()  # a killed run's RAM, before this run needs its own
     if removed.num_files:
         log(removed.line())
     with environment():
-        plan = _prepare(cfg, log, vllm_version())
+        plan = _prepare(cfg, log)
         if plan.todo == 0:
             n = plan.dataset.num_samples
             return RunSummary(cfg.store, n, 0, n, 0, 0, 0.0, 0, plan.dataset.outcomes())
@@ -124,17 +124,18 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     )
 
 
-def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
+def _prepare(cfg: RunConfig, log) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes, placement
+    from corecap._vllm import Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes, placement, vllm_version
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)  # vLLM's contract, then the preflight
-    check_pipeline(vllm_config, vllm_version)
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)  # vLLM's contract (its source first), the preflight
+    version = vllm_version()  # vLLM is imported by now, not before its source was checked
+    check_pipeline(vllm_config, version)
     devices = placement(vllm_config, cfg.engine.data_parallel_size)
     nodes.cluster(vllm_config)  # node 0 only
     log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""))
@@ -153,7 +154,7 @@ def _prepare(cfg: RunConfig, log, vllm_version: str) -> _Plan:
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
         dtype=Engine.dtype_of(vllm_config), hidden_size=identity.hidden_size,
-        corecap_version=__version__, vllm_version=vllm_version, codec=cfg.codec,
+        corecap_version=__version__, vllm_version=version, codec=cfg.codec,
     )
     Store.create_or_open(cfg.store, meta).close()
     log(

