@@ -106,8 +106,9 @@ def test_nan_and_inf_are_refused_naming_the_first_layer(dtype, value):
     states[1, 2, 5] = value
     states[1, 0, 39] = value
     states[2, 1, 0] = value
-    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf"):
+    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf") as refused:
         quantize_fp8(states)
+    assert refused.value.layer_indices == [1, 2]
     assert issubclass(NonFiniteStates, ValueError)  # what callers caught before it had a name
 
 
@@ -157,9 +158,9 @@ def test_rows_of_nan_or_inf_are_refused_naming_the_first_layer(value):
     layers = [torch.randn(4, 40, dtype=torch.bfloat16) for _ in range(3)]
     layers[1][2, 5] = layers[1][0, 39] = layers[2][1, 0] = value
     rows = quantize_fp8_rows(layers, 4)
-    assert fp8rows.nonfinite_layers(rows) == [1, 2]
-    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf"):
+    with pytest.raises(NonFiniteStates, match="fp8: layer index 1 has 2 rows with NaN or Inf") as refused:
         fp8_payload(rows)
+    assert refused.value.layer_indices == [1, 2]
 
 
 def test_a_sample_of_rows_encodes_as_its_states_do():

@@ -27,7 +27,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
-from corecap.store.codec import ITEMSIZE, NonFiniteStates
+from corecap.store.codec import NonFiniteStates
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
@@ -105,7 +105,7 @@ class Writer:
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
         put before it (commits keep the order of `put`); only [n, T) is encoded and written."""
         size = states.numel() * states.element_size()
-        raw = size if states.dtype != torch.uint8 else self._captured_bytes(states)
+        raw = size if states.dtype != torch.uint8 else fp8rows.captured_nbytes(states, self.store.meta.dtype)
         with self.space:
             while self.in_flight and self.in_flight + size > self.buffer_bytes:
                 self.raise_if_failed()
@@ -115,10 +115,6 @@ class Writer:
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix)
         self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
 
-    def _captured_bytes(self, rows: torch.Tensor) -> int:
-        """The size of what fp8 rows quantised (the raw bytes the codec ratio counts)."""
-        return rows.shape[0] * rows.shape[1] * fp8rows.hidden_size(rows) * ITEMSIZE[self.store.meta.dtype]
-
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
         start = time.time()
         record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask, prefix)
@@ -127,15 +123,16 @@ class Writer:
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
         dtype = self.store.meta.dtype
+        refused = None
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
                 return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix, dtype=dtype)
-            except NonFiniteStates:
-                pass  # reported below, as for the other codecs
-        rows = states.dtype == torch.uint8  # fp8 rows come here only with a NaN or an Inf (its row's scale)
+            except NonFiniteStates as e:
+                refused = e  # reported below, as for the other codecs
+        rows = states.dtype == torch.uint8  # fp8 rows come here only when refused: a NaN or an Inf made a row's scale one
         finite = not rows and all_finite(states)
         if not finite:
-            bad = ([self.layers[i] for i in fp8rows.nonfinite_layers(states)] if rows
+            bad = ([self.layers[i] for i in refused.layer_indices] if rows
                    else [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())])
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")

@@ -277,6 +277,12 @@ def _unzstd(payload: memoryview, plane_bytes: int, k: int, stored: int, nbytes: 
 class NonFiniteStates(ValueError):
     """States that fp8 cannot encode: some row holds a NaN or an Inf."""
 
+    def __init__(self, rows_per_layer):
+        """`rows_per_layer`: how many rows of each layer hold a NaN or an Inf (some do)."""
+        self.layer_indices = [i for i, n in enumerate(rows_per_layer) if n]  # those layers, by index
+        i = self.layer_indices[0]
+        super().__init__(f"fp8: layer index {i} has {int(rows_per_layer[i])} rows with NaN or Inf; fp8 needs finite states")
+
 
 # Each dtype's bit patterns as integers, with the sign bit masked off and the pattern of +Inf:
 # IEEE magnitudes order as their patterns do, so a row's largest masked pattern is its absmax
@@ -333,9 +339,7 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
                 work[:n].copy_(x[start:end]).div_(scale[:, None])
             q[start:end].copy_(work[:n])
         if int(row_max.max()) >= inf:  # NaN and Inf rows made garbage above; the payload is dropped
-            bad = (row_max >= inf).view(num_layers, num_tokens).sum(dim=1)
-            i = int(bad.nonzero()[0])
-            raise NonFiniteStates(f"fp8: layer index {i} has {int(bad[i])} rows with NaN or Inf; fp8 needs finite states")
+            raise NonFiniteStates((row_max >= inf).view(num_layers, num_tokens).sum(dim=1).tolist())
     payload[num_values:] = scales.numpy().view(np.uint8)
     return payload
 

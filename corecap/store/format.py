@@ -197,7 +197,6 @@ def encode_sample(
     assert not rows or (codec == FP8 and dtype in codecs.DTYPES), (codec, dtype)
     dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
-    hidden_size = fp8rows.hidden_size(states) if rows else states.shape[-1]
     if codec == FP8:
         parts = (fp8rows.fp8_payload(states) if rows else codecs.quantize_fp8(states),)
         checksum = codecs.crc32(parts[0])
@@ -213,12 +212,12 @@ def encode_sample(
         num_tokens=len(ids),
         layers=tuple(layers),
         dtype=dtype,
-        hidden_size=hidden_size,
+        hidden_size=fp8rows.hidden_size(states) if rows else states.shape[-1],
         input_fingerprint=input_fingerprint(ids),
         input_ids=ids.tobytes(),
         codec=codec,
         checksum=checksum,
-        payload_bytes=states.shape[0] * states.shape[1] * hidden_size * codecs.ITEMSIZE[dtype] if rows else raw.nbytes,
+        payload_bytes=fp8rows.captured_nbytes(states, dtype) if rows else raw.nbytes,
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
         prefix=tuple(prefix) if prefix else None,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from corecap.store.codec import _MAGNITUDES, FP8_MAX, FP8_MIN_SCALE, NonFiniteStates
+from corecap.store.codec import _MAGNITUDES, FP8_MAX, FP8_MIN_SCALE, ITEMSIZE, NonFiniteStates
 
 ROW_EXTRA = 4  # bytes after a row's H codes: its float32 scale, little-endian
 
@@ -50,15 +50,14 @@ def hidden_size(rows: torch.Tensor) -> int:
     return rows.shape[-1] - ROW_EXTRA
 
 
-def nonfinite_layers(rows: torch.Tensor) -> list[int]:
-    """Indices of the layers where some row held a NaN or an Inf (its scale is not finite)."""
-    scales = rows[..., hidden_size(rows):].contiguous().view(torch.float32)  # [L, T, 1]
-    return [i for i, layer in enumerate(scales) if not bool(torch.isfinite(layer).all())]
+def captured_nbytes(rows: torch.Tensor, dtype: str) -> int:
+    """The size of the `dtype` states the rows quantise: what a reader gets back."""
+    return rows.shape[0] * rows.shape[1] * hidden_size(rows) * ITEMSIZE[dtype]
 
 
 def fp8_payload(rows: torch.Tensor) -> np.ndarray:
     """uint8 [L, T, H + 4] host rows → `quantize_fp8`'s payload (codes [L, T, H], then the
-    scales [L, T]); NonFiniteStates if a row held a NaN or an Inf."""
+    scales [L, T]); NonFiniteStates if a row held a NaN or an Inf (its scale is not finite)."""
     num_layers, num_tokens, _ = rows.shape
     hidden = hidden_size(rows)
     num_values = num_layers * num_tokens * hidden
@@ -69,7 +68,5 @@ def fp8_payload(rows: torch.Tensor) -> np.ndarray:
     scales[...] = a[..., hidden:]
     finite = np.isfinite(scales.view("<f4"))
     if not finite.all():
-        bad = (~finite).reshape(num_layers, num_tokens).sum(axis=1)
-        i = int(bad.nonzero()[0][0])
-        raise NonFiniteStates(f"fp8: layer index {i} has {int(bad[i])} rows with NaN or Inf; fp8 needs finite states")
+        raise NonFiniteStates((~finite).reshape(num_layers, num_tokens).sum(axis=1).tolist())
     return payload
