@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import torch.utils.data
 from click.testing import CliRunner
 
 from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB
@@ -253,3 +254,6 @@ def test_export_and_dataset_of_a_referring_store_equal_the_whole_one(tmp_path, v
     for i in range(len(a)):
         x, y = a[i], b[i]
         assert x["key"] == y["key"] and all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "hidden_states"))
+    workers = torch.utils.data.DataLoader(a, batch_size=None, num_workers=2)  # assembled into their shared memory
+    loaded = {item["key"]: item["hidden_states"] for item in workers}
+    assert len(loaded) == len(b) and all(torch.equal(loaded[y["key"]], y["hidden_states"]) for y in b)

@@ -1,6 +1,7 @@
 """corecap.StoreDataset's read rate against reading the same samples from speculators' own
 hs_{i}.safetensors files (an export of the same store), each through DataLoader(num_workers=2,
-batch_size=None): StoreDataset, speculators' ArrowDataset (what its trainer reads) and a bare
+batch_size=None): StoreDataset, the same without its shared-memory pool (reuse_shared_memory=False,
+how it read before), speculators' ArrowDataset (what its trainer reads) and a bare
 safetensors.load_file of each hs file (the files' floor). Warm (page cache) and cold (every file
 dropped from the page cache with posix_fadvise before each pass); and StoreDataset over the same
 samples stored with the raw codec (decoding is then a CRC). Then, on one thread, the time
@@ -8,7 +9,7 @@ per sample split into reading the bytes and decoding them, to show which dominat
 
 EAGLE-3-sized samples: 2,048 tokens x 4 layers (2,16,29,prenorm) x 4,096, bf16, activation-like.
 
-    flock /tmp/corecap-engine.lock python tools/bench_dataset.py --samples 32 [--seconds 20] [--dir /tmp]
+    flock /tmp/corecap-engine.lock python tools/bench_dataset.py --samples 32 [--seconds 20] [--dir /tmp] [--touch]
 """
 
 from __future__ import annotations
@@ -56,13 +57,16 @@ def drop_cache(paths) -> None:
             os.close(fd)
 
 
-def one_pass(loader, cold_files) -> float:
-    """One pass of a DataLoader whose workers persist (their start is not timed)."""
+def one_pass(loader, cold_files, touch: bool) -> float:
+    """One pass of a DataLoader whose workers persist (their start is not timed); with `touch`,
+    the main process reads a byte of every page of each item's states, as a trainer reads them."""
     if cold_files:
         drop_cache(cold_files)
     start = time.perf_counter()
-    for _ in loader:
-        pass
+    for item in loader:
+        for t in item.values() if touch else ():  # speculators' items hold the states in two tensors
+            if isinstance(t, torch.Tensor) and t.nbytes > 1 << 20:
+                int(t.reshape(-1).view(torch.uint8)[::4096].sum())
     return time.perf_counter() - start
 
 
@@ -107,6 +111,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=20.0, help="at least this long per arm and cache state")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--touch", action="store_true", help="the main process reads every page of each item's states")
     args = ap.parse_args()
     from speculators.train.data import ArrowDataset
 
@@ -123,6 +128,7 @@ def main() -> int:
         spec_files = glob.glob(os.path.join(out, "hidden_states", "*.safetensors")) + glob.glob(os.path.join(out, "*.arrow"))
         datasets = {
             "StoreDataset": (corecap.StoreDataset(store), store_files),
+            "StoreDataset, no reuse": (corecap.StoreDataset(store, reuse_shared_memory=False), store_files),
             "StoreDataset, raw codec": (corecap.StoreDataset(raw), raw_files),
             "speculators ArrowDataset": (ArrowDataset(max_len=args.tokens, datapath=out, on_missing="raise"), spec_files),
             "safetensors.load_file": (HsFiles(out, args.samples), spec_files),
@@ -135,13 +141,14 @@ def main() -> int:
         for cold in (False, True):
             times = {name: [] for name in arms}
             for name, (ds, files) in arms.items():  # a warm-up pass each (also fills the cache for "warm")
-                one_pass(ds, files if cold else None)
+                one_pass(ds, files if cold else None, args.touch)
             while min(sum(t) for t in times.values()) < args.seconds:
                 for name, (ds, files) in arms.items():  # alternating
-                    times[name].append(one_pass(ds, files if cold else None))
+                    times[name].append(one_pass(ds, files if cold else None, args.touch))
             for name, t in times.items():
                 per_s = [args.samples / x for x in t]
-                print(f"{'cold' if cold else 'warm'} {name:26s} passes {len(t):2d}  samples/s {min(per_s):6.1f}-{max(per_s):6.1f}  "
+                print(f"{'cold' if cold else 'warm'} {name:26s} passes {len(t):2d}  samples/s {min(per_s):6.1f}-{max(per_s):6.1f} "
+                      f"(median {sorted(per_s)[len(per_s) // 2]:5.1f})  "
                       f"GB/s of states {min(per_s) * sample_gb:.2f}-{max(per_s) * sample_gb:.2f}", flush=True)
         for cold in (False, True):
             r, d, mb = split_store(store, cold)

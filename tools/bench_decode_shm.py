@@ -1,9 +1,10 @@
 """Where a DataLoader worker's time goes for one EAGLE-3-sized sample (4 x 2,048 x 4,096 bf16,
 67 MB; zstd-planes 44.7 MB), one thread, best and median of 5: a copy into fresh numpy memory
 against one into fresh shared memory (what torch's pickler makes every worker-returned tensor
-go through, for StoreDataset and speculators' files alike), the CRC-32s, corecap's decode as
-merged, and a chunked decode (both planes streamed 256 KiB at a time, joined and CRC'd while
-in cache) into warm, fresh and shared memory. A measurement for issue 15, not a reader.
+go through, for StoreDataset and speculators' files alike), the CRC-32s, corecap's decode,
+`codec.decode_into` into memory already touched (what StoreDataset's workers do), and the
+prototype of that: a chunked decode (both planes streamed 256 KiB at a time, joined and CRC'd
+while in cache) into warm, fresh and shared memory. A measurement for issue 15, not a reader.
 
     PYTHONPATH=$PWD python3 tools/bench_decode_shm.py
 """
@@ -49,6 +50,9 @@ print("shm + populate + copy", best(lambda: shm_fill(True)))
 print("crc32 raw", best(lambda: crc32(raw)))
 print("crc32 enc", best(lambda: crc32(enc)))
 print("decode current", best(lambda: codec.decode(enc, "bfloat16", N, "zstd-planes")))
+print("decode + crc32 (what a reader did before decode_into)", best(lambda: crc32(codec.decode(enc, "bfloat16", N, "zstd-planes"))))
+touched = np.ones(N, np.uint8)
+print("decode_into memory already touched (a reused pool slot), crc32 included", best(lambda: codec.decode_into(enc, "bfloat16", N, "zstd-planes", touched)))
 planes = codec.check_planes(enc, "bfloat16", N)
 print("check_planes (crc)", best(lambda: codec.check_planes(enc, "bfloat16", N)))
 dctx = zstandard.ZstdDecompressor()

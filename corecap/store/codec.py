@@ -32,7 +32,7 @@ Measured on real activations: max 0.0357 of absmax, row-relative L2 error about 
 Rows must be finite; all-zero rows come back as zeros.
 
 Thread safety: all functions may be called from several threads at once. zstd contexts are not
-thread-safe, so each thread keeps its own compressor and decompressor (threading.local);
+thread-safe, so each thread keeps its own compressor and decompressors (threading.local);
 zstandard, crc32 and the numpy plane copies release the GIL, so a thread pool over samples
 scales with free cores (1.6-1.9x on 2 threads of a shared 2-core machine, docs/codec.md).
 """
@@ -73,6 +73,9 @@ _ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
 # zstd over them saves 15-25% of the encode time on bf16 (docs/codec.md).
 _PROBE_BYTES = 1 << 17
 _PROBE_MIN_SAVING = 0.03
+# decode_into joins planes this many values at a time: small enough that the decompressed slices
+# stay in L2, large enough to keep per-slice overhead small (64 KiB-1 MiB measured alike here).
+_JOIN_BYTES = 1 << 17
 
 _local = threading.local()
 
@@ -88,19 +91,20 @@ def _compressor() -> zstandard.ZstdCompressor:
     return cctx
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    dctx = getattr(_local, "dctx", None)
-    if dctx is None:
-        dctx = _local.dctx = zstandard.ZstdDecompressor()
-    return dctx
-
-
 def _check_args(dtype: str, codec: str) -> int:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}, expected one of {list(CODECS)}")
     if dtype not in ITEMSIZE:
         raise ValueError(f"codec {codec!r}: unknown dtype {dtype!r}, expected one of {sorted(ITEMSIZE)}")
     return ITEMSIZE[dtype]
+
+
+def _declared(nbytes: int, dtype: str, codec: str) -> int:
+    """The itemsize of `dtype`, once `nbytes` is found to be a size of whole values of it."""
+    itemsize = _check_args(dtype, codec)
+    if nbytes < 0 or nbytes % itemsize:
+        raise CodecError(f"codec {codec!r}: declared size {nbytes} is not a whole number of {dtype} values")
+    return itemsize
 
 
 def _as_uint8(raw) -> np.ndarray:
@@ -176,15 +180,50 @@ def max_encoded_bytes(nbytes: int, itemsize: int, codec: str) -> int:
 def decode(buf, dtype: str, nbytes: int, codec: str):
     """Inverse of `encode`: a writable buffer of exactly `nbytes` (the original size): a
     bytearray (raw) or a flat uint8 numpy array (zstd-planes)."""
-    itemsize = _check_args(dtype, codec)
-    mv = memoryview(buf).cast("B")
-    if nbytes < 0 or nbytes % itemsize:
-        raise CodecError(f"codec {codec!r}: declared size {nbytes} is not a whole number of {dtype} values")
+    _declared(nbytes, dtype, codec)
     if codec == "raw":
+        mv = memoryview(buf).cast("B")
         if mv.nbytes != nbytes:
             raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
         return bytearray(mv)
-    return _decode_planes(mv, dtype, nbytes)
+    out = np.empty(nbytes, dtype=np.uint8)  # not zero-filled: decode_into writes every byte
+    decode_into(buf, dtype, nbytes, codec, out)
+    return out
+
+
+def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> int:
+    """`decode` into `out` (a writable uint8 array of `nbytes`), returning the crc32 of the
+    decoded bytes. zstd-planes planes are decompressed and joined a slice at a time, so the
+    decompressed slices stay in cache and `out` is written once: into memory already touched,
+    about 0.7x the time of a `decode` into fresh memory and its crc32 (67 MB of bf16 here:
+    docs/benchmarks.md, "StoreDataset's shared-memory pool")."""
+    itemsize = _declared(nbytes, dtype, codec)
+    if out.dtype != np.uint8 or out.nbytes != nbytes or not out.flags.c_contiguous:
+        raise ValueError(f"codec {codec!r}: out must be {nbytes} contiguous uint8 bytes, got {out.dtype} {out.shape}")
+    mv = memoryview(buf).cast("B")
+    if codec == "raw":
+        if mv.nbytes != nbytes:
+            raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
+        out[:] = np.frombuffer(mv, dtype=np.uint8)
+        return crc32(out)
+    planes = check_planes(mv, dtype, nbytes)
+    plane_bytes = nbytes // itemsize
+    slices = [_slices(payload, method, k, plane_bytes, f"(buffer of {mv.nbytes} bytes, expected {nbytes} decoded)")
+              for k, (method, payload) in enumerate(planes)]
+    columns, crc = out.reshape(-1, itemsize), 0
+    for start, part in zip(range(0, plane_bytes, _JOIN_BYTES), zip(*slices)):
+        rows = columns[start : start + len(part[0])]
+        if itemsize == 2:  # word shifts: 2.5x faster than a strided byte copy per plane
+            words = rows.view("<u2").reshape(-1)
+            np.left_shift(part[1], 8, out=words, dtype=np.uint16)
+            np.bitwise_or(words, part[0], out=words)
+        else:
+            for k, plane in enumerate(part):
+                rows[:, k] = plane
+        crc = crc32(rows, crc)
+    for s in slices:  # each zstd frame's end: its epilogue read and checked, nothing after it
+        next(s, None)
+    return crc
 
 
 def check_planes(buf, dtype: str, nbytes: int) -> list[tuple[int, memoryview]]:
@@ -238,40 +277,30 @@ def check_planes(buf, dtype: str, nbytes: int) -> list[tuple[int, memoryview]]:
     return planes
 
 
-def _decode_planes(mv: memoryview, dtype: str, nbytes: int) -> np.ndarray:
-    """The planes put back together, into a buffer that is not zero-filled first (its pages are
-    faulted in by the first write: the zero-fill cost as much as the copy). Two-byte values
-    (bf16, fp16) are put together by word shifts (plane k is byte k of each little-endian value),
-    2.5x faster than a strided byte copy per plane."""
-    planes = check_planes(mv, dtype, nbytes)
-    itemsize = len(planes)
-    plane_bytes = nbytes // itemsize
-    data = [np.frombuffer(payload if method == _STORED else _unzstd(payload, plane_bytes, k, mv.nbytes, nbytes), dtype=np.uint8)
-            for k, (method, payload) in enumerate(planes)]
-    if itemsize == 2:
-        words = data[1].astype("<u2")
-        words <<= 8
-        words |= data[0]
-        return words.view(np.uint8)
-    out = np.empty(nbytes, dtype=np.uint8)
-    columns = out.reshape(-1, itemsize)
-    for k, plane in enumerate(data):
-        columns[:, k] = plane
-    return out
-
-
-def _unzstd(payload: memoryview, plane_bytes: int, k: int, stored: int, nbytes: int) -> bytes:
-    """One plane's frame, whose content size `check_planes` found to be `plane_bytes`."""
-    def fail(what: str) -> CodecError:
-        return CodecError(f"codec 'zstd-planes': plane {k}: {what} (buffer of {stored} bytes, expected {nbytes} decoded)")
-
+def _slices(payload: memoryview, method: int, k: int, plane_bytes: int, where: str):
+    """Plane k in consecutive slices of _JOIN_BYTES (the last shorter); a zstd frame (declaring
+    `plane_bytes`: `check_planes`) decompressed into one buffer of this thread's for plane k."""
+    if method == _STORED:
+        yield from (np.frombuffer(payload[i : i + _JOIN_BYTES], dtype=np.uint8) for i in range(0, plane_bytes, _JOIN_BYTES))
+        return
+    buf, dctx = getattr(_local, f"plane{k}", (None, None))
+    if buf is None:  # a decompressor per plane: one runs one stream at a time
+        buf, dctx = np.empty(_JOIN_BYTES, np.uint8), zstandard.ZstdDecompressor()
+        setattr(_local, f"plane{k}", (buf, dctx))
+    reader = dctx.stream_reader(payload, read_size=_JOIN_BYTES)
     try:
-        plane = _decompressor().decompress(payload, max_output_size=plane_bytes)
+        for start in range(0, plane_bytes, _JOIN_BYTES):
+            view, done = memoryview(buf)[: min(_JOIN_BYTES, plane_bytes - start)], 0
+            while done < view.nbytes:
+                got = reader.readinto(view[done:])
+                if not got:
+                    raise CodecError(f"codec 'zstd-planes': plane {k}: frame ends at byte {start + done} of {plane_bytes} {where}")
+                done += got
+            yield buf[:done]
+        if reader.readinto(memoryview(buf)[:1]):
+            raise CodecError(f"codec 'zstd-planes': plane {k}: frame holds more than its declared {plane_bytes} bytes {where}")
     except zstandard.ZstdError as e:
-        raise fail(str(e)) from None
-    if len(plane) != plane_bytes:
-        raise fail(f"{len(plane)} bytes, expected {plane_bytes}")
-    return plane
+        raise CodecError(f"codec 'zstd-planes': plane {k}: {e} {where}") from None
 
 
 class NonFiniteStates(ValueError):
@@ -344,8 +373,8 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
     return payload
 
 
-def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `quantize_fp8`, up to the documented rounding error, in `dtype`."""
+def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `quantize_fp8`, up to the documented rounding error, in `dtype` (into `out`)."""
     num_layers, num_tokens, hidden = shape
     mv = memoryview(payload).cast("B")
     num_values = num_layers * num_tokens * hidden
@@ -354,9 +383,9 @@ def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype) -> 
             f"fp8: payload is {mv.nbytes} bytes, expected {num_values + 4 * num_layers * num_tokens} "
             f"for shape {list(shape)} (values, then float32 row scales)"
         )
+    out = torch.empty(shape, dtype=dtype) if out is None else out
     if not num_values:
-        return torch.zeros(shape, dtype=dtype)
-    out = torch.empty(shape, dtype=dtype)
+        return out
     values = torch.frombuffer(_writable(mv[:num_values]), dtype=torch.uint8).view(torch.float8_e4m3fn).view(shape)
     scale = torch.frombuffer(bytearray(mv[num_values:]), dtype=torch.float32).view(num_layers, num_tokens, 1)  # aligned
     for i in range(num_layers):  # one layer at a time bounds the float32 temporaries

@@ -21,6 +21,11 @@ fork), and a `Store` of the same directory may be opened in this process between
 refuses a second open of one environment in a process, since LMDB's locks are per process:
 don't hold one open while reading items). A sample without a loss mask gets all ones,
 as `corecap export` gives it.
+
+In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
+trainer is done with an item (corecap/store/shared.py): torch's pickler would otherwise copy every
+item into new shared memory, which cost as much as decoding it. What the trainer gets is a plain
+tensor either way; `reuse_shared_memory=False` turns the pool off.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.utils.data
 
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
+from corecap.store import shared
 from corecap.store.store import Store
 
 
@@ -40,8 +46,9 @@ class StoreDataset(torch.utils.data.Dataset):
     """Samples of the store at `store`, with the stored layers `layers` (default: all, in the
     stored order), by index or by key."""
 
-    def __init__(self, store: str | os.PathLike, layers: list[Layer] | str | None = None):
+    def __init__(self, store: str | os.PathLike, layers: list[Layer] | str | None = None, *, reuse_shared_memory: bool = True):
         self.path = os.fspath(store)
+        self.reuse_shared_memory = reuse_shared_memory
         with Store.open(self.path) as s:
             self.meta = s.meta
             self.keys = tuple(s.keys())  # each checked (UTF-8, its length)
@@ -68,11 +75,13 @@ class StoreDataset(torch.utils.data.Dataset):
             if not -len(self.keys) <= index < len(self.keys):
                 raise IndexError(f"index {index} is out of range for {len(self.keys)} samples")
             key = self.keys[index]
+        alloc = shared.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
         with Store.open(self.path) as store:
-            sample = store.get(key)
+            sample = store.get(key, alloc if self._positions is None else None)
         states = sample.hidden_states
         if self._positions is not None:
-            states = states[self._positions]
+            chosen = (len(self._positions), *states.shape[1:])
+            states = torch.index_select(states, 0, torch.tensor(self._positions), out=alloc(chosen, states.dtype)) if alloc else states[self._positions]
         mask = sample.loss_mask
         num_tokens = len(sample.input_ids)
         return {

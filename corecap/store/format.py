@@ -360,10 +360,11 @@ def check_stored(key: str, header: SampleHeader, payload) -> None:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
 
 
-def decode_states(key: str, header: SampleHeader, payload) -> Sample:
+def decode_states(key: str, header: SampleHeader, payload, out: torch.Tensor | None = None) -> Sample:
     """The sample `key`, whose (checked: `header_problems`) header is `header`, from its stored
-    states; CorecapError when they do not decode to what the header declares. A header with a
-    prefix gives the states of its own positions [n, T) only (corecap/store/refs.py assembles)."""
+    states, decoded into `out` (a contiguous tensor of their shape and dtype) or new memory;
+    CorecapError when they do not decode to what the header declares. A header with a prefix
+    gives the states of its own positions [n, T) only (corecap/store/refs.py assembles)."""
     expected, _ = stored_bytes(header, key)
     dtype = DTYPES[header.dtype]
     shape = (len(header.layers), header.num_tokens - header.num_prefix, header.hidden_size)
@@ -371,21 +372,22 @@ def decode_states(key: str, header: SampleHeader, payload) -> Sample:
     try:
         if header.codec == FP8:
             check_stored(key, header, payload)
-            return Sample(header, ids, codecs.dequantize_fp8(payload, shape, dtype))
-        if header.codec == "raw":
+            return Sample(header, ids, codecs.dequantize_fp8(payload, shape, dtype, out))
+        if header.codec == "raw" and out is None:
             if memoryview(payload).nbytes != expected:
                 raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
             raw = payload if not memoryview(payload).readonly else bytearray(payload)  # the reader's own buffer, or a copy
+            crc, states = codecs.crc32(raw), torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
         else:
-            raw = codecs.decode(payload, header.dtype, expected, header.codec)
+            states = torch.from_numpy(np.empty(expected, np.uint8)) if out is None else out.view(-1).view(torch.uint8)
+            crc = codecs.decode_into(payload, header.dtype, expected, header.codec, states.numpy())
     except codecs.CodecError as e:
         raise CorecapError(f"sample {key!r}: {e}") from None
     except MemoryError:
         raise CorecapError(f"sample {key!r}: its {expected} bytes of states do not fit in memory") from None
-    if codecs.crc32(raw) != header.checksum:
+    if crc != header.checksum:
         raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-    states = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if len(raw) else torch.empty(0, dtype=dtype)
-    return Sample(header, ids, states.view(shape))
+    return Sample(header, ids, states.view(dtype).view(shape) if out is None else out)
 
 
 def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:

@@ -93,13 +93,13 @@ def read_owners(store, txn, key: str, header: SampleHeader, end) -> list[tuple[S
     return [(found[o][0], store.states(o, *found[o], end), segs) for o, segs in owners(header).items()]
 
 
-def assemble(key: str, own: Sample, parts) -> Sample:
+def assemble(key: str, own: Sample, parts, out: torch.Tensor | None = None) -> Sample:
     """The whole sample from its own decoded part and its owners' stored parts (`read_owners`),
-    each owner decoded (its checksum checked) and dropped in turn."""
+    each owner decoded (its checksum checked) and dropped in turn, into `out` or new memory."""
     header = own.header
     n, dtype = header.num_prefix, DTYPES[header.dtype]
     try:
-        states = torch.empty((len(header.layers), header.num_tokens, header.hidden_size), dtype=dtype)
+        states = torch.empty((len(header.layers), header.num_tokens, header.hidden_size), dtype=dtype) if out is None else out
     except RuntimeError:
         raise CorecapError(f"sample {key!r}: its states do not fit in memory") from None
     states[:, n:] = own.hidden_states

@@ -24,8 +24,8 @@ import msgspec
 from corecap.errors import CorecapError
 from corecap.store import refs, segments
 from corecap.store.format import (
-    MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header, decode_meta,
-    decode_states, stored_bytes,
+    DTYPES, MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header,
+    decode_meta, decode_states, stored_bytes,
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
@@ -161,10 +161,11 @@ class Store:
                 out[key] = prefixed(self.path, decode_header, key, v).input_fingerprint
         return out
 
-    def get(self, key: str) -> Sample:
+    def get(self, key: str, alloc=None) -> Sample:
         """The sample `key`, every field of its records checked before its states are read
         (docs/store.md, "What readers check"); CorecapError naming the store, the key and the
-        field when anything is wrong."""
+        field when anything is wrong. `alloc(shape, dtype)`, when given, returns the contiguous
+        tensor the states are decoded into (corecap/store/shared.py's pool)."""
         raw_key = self._key(key)
         with lmdb_errors(self.path, f"sample {key!r}"), self.env.begin(buffers=True) as txn:
             header_value = txn.get(raw_key, db=self.headers_db)
@@ -177,13 +178,16 @@ class Store:
             end = self.committed_end(txn)
             states = self.states(key, header, value, end)
             parts = refs.read_owners(self, txn, key, header, end) if header.prefix else ()
-        return self.decode(key, header, states, parts)
+        return self.decode(key, header, states, parts, alloc)
 
-    def decode(self, key: str, header: SampleHeader, states, parts=()) -> Sample:
+    def decode(self, key: str, header: SampleHeader, states, parts=(), alloc=None) -> Sample:
         """The sample from its stored states and, when it refers to others, their stored parts
-        (`refs.read_owners`, read in the same transaction)."""
-        sample = prefixed(self.path, decode_states, key, header, states)
-        return prefixed(self.path, refs.assemble, key, sample, parts) if header.prefix else sample
+        (`refs.read_owners`, read in the same transaction), into `alloc`'s tensor (`get`)."""
+        out = None if alloc is None else alloc((len(header.layers), header.num_tokens, header.hidden_size), DTYPES[header.dtype])
+        if header.prefix:
+            sample = prefixed(self.path, decode_states, key, header, states)
+            return prefixed(self.path, refs.assemble, key, sample, parts, out)
+        return prefixed(self.path, decode_states, key, header, states, out)
 
     def committed_end(self, txn) -> tuple[int, int] | None:
         """The committed end of the state files (`segments.END`) as `txn` sees it; None in a store
