@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -85,10 +87,60 @@ def test_a_fork_pins_what_the_main_process_holds():
     if pid == 0:  # the child may still read `got`: its slot must never be reused
         os._exit(0)
     assert os.waitpid(pid, 0)[1] == 0
+    want = got.clone()
+    second = pool.tensor((4, 1024), torch.float32)  # the pinned slot leaves the pool, its memory stays
+    assert _slot(second) is not first and first not in pool.slots and first.map.closed
+    second.fill_(7)
+    assert torch.equal(got, want)
     del got
     gc.collect()
-    assert not first.free()
-    assert _slot(pool.tensor((4, 1024), torch.float32)) is not first
+    assert len(pool.slots) == 1 and pool.created == 2
+
+
+def test_a_tensor_sent_twice_is_copied_the_second_time():
+    """One lease a slot: the first copy in the main process dying must not free what the second
+    still reads."""
+    pool = shared.Pool()
+    a = pool.tensor((1024,), torch.float32).fill_(1)
+    slot = _slot(a)
+    first, second = _send(a), _send(a)  # a worker's own cache of items, sent again
+    assert torch.equal(first, second) and len(shared._leases) == 1
+    del first
+    gc.collect()
+    assert not shared._leases and slot.map[slot.capacity] == 0  # FREE: the worker may reuse it
+    slot.map[: 4096] = b"\x07" * 4096  # as it would
+    assert torch.equal(second, torch.ones(1024))
+
+
+def test_threads_never_share_a_slot(monkeypatch):
+    """Items read from several threads at once each get their own slot."""
+    pool, hand_out = shared.Pool(), shared._Slot.hand_out
+
+    def slow_hand_out(slot, shape, dtype):  # widen the window between choosing a slot and taking it
+        time.sleep(0.001)
+        return hand_out(slot, shape, dtype)
+
+    monkeypatch.setattr(shared._Slot, "hand_out", slow_hand_out)
+    barrier, held = threading.Barrier(4, timeout=60), []
+
+    def take():
+        for _ in range(5):
+            barrier.wait()
+            t = pool.tensor((256,), torch.float32)
+            barrier.wait()
+            held.append(t._corecap_slot[0])
+            barrier.wait()
+            del t
+            gc.collect()
+
+    threads = [threading.Thread(target=take, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    rounds = [held[i : i + 4] for i in range(0, len(held), 4)]
+    assert len(held) == 20 and all(len(set(r)) == 4 for r in rounds)
 
 
 def test_a_full_pool_and_a_changed_tensor_go_torchs_way(monkeypatch):

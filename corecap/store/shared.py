@@ -13,12 +13,16 @@ A slot is reused for a later item only when nothing refers to the earlier one, i
   was pickled, or dropped (a collate function that stacks items copies them);
 - in the main process, the tensor rebuilt from the descriptor views a memoryview of its own
   mapping, whose finalizer runs when the last tensor or storage using it dies and writes FREE into
-  the slot's last page. The pickler wrote SENT there before sending.
+  the slot's last page. The pickler wrote SENT there before sending, and sends a slot only while
+  it reads FREE: a tensor pickled again before then is copied the torch way (one lease a slot).
 That tensor's storage is not torch's shared memory, so torch copies it if the trainer passes it on
-to another process. Before the main process forks, every slot it still holds is pinned (never
-freed): a forked child may use the tensors it inherits. When the pool is full (MAX_SLOTS) and no
-slot is free, an item is decoded into new memory and torch's copy applies, as without the pool.
-Linux only (memfd); elsewhere every item takes that path.
+to another process: `share_memory_()` (which a torch.multiprocessing queue calls) moves it to new
+memory in place, as it does any tensor not in shared memory, and numpy arrays taken from it before
+then must not be used after. Before the main process forks, every slot it still holds is pinned:
+PINNED is written and never FREE, as a forked child may use the tensors it inherits; the worker
+then drops the slot from its pool (its memory lives on in the processes that map it). When the
+pool is full (MAX_SLOTS) and no slot is free, an item is decoded into new memory and torch's copy
+applies, as without the pool. Linux only (memfd); elsewhere every item takes that path.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 import weakref
 from multiprocessing.reduction import DupFd, ForkingPickler
 
@@ -35,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef, reduce_tensor
 # Slots a worker keeps at most. A DataLoader has prefetch_factor (default 2) items of each worker
 # in flight and the trainer holds one or two more, so 4 to 5 slots a worker are in use at a time.
 MAX_SLOTS = 8
-_FREE, _SENT = 0, 1
+_FREE, _SENT, _PINNED = 0, 1, 2
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
 
@@ -65,9 +70,13 @@ class _Slot:
             raise
         self.handed: StorageWeakRef | None = None  # the storage of the tensor last handed out
 
+    def idle(self) -> bool:
+        """No tensor handed out from this slot lives on in the worker."""
+        return self.handed is None or self.handed.expired()
+
     def free(self) -> bool:
         # The weak reference first: a pickled tensor's storage dies only after SENT was written.
-        return (self.handed is None or self.handed.expired()) and self.map[self.capacity] == _FREE
+        return self.idle() and self.map[self.capacity] == _FREE
 
     def hand_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> SharedStates:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -89,6 +98,7 @@ class Pool:
         self.slots: list[_Slot] = []
         self.created = 0  # slots made so far (tests and tools read it)
         self.usable = hasattr(os, "memfd_create")
+        self.lock = threading.Lock()  # a dataset may read items from several threads
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor to decode states of `shape` and `dtype` into: in a free slot that
@@ -96,6 +106,13 @@ class Pool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0 or not self.usable:
             return torch.empty(shape, dtype=dtype)
+        with self.lock:
+            return self._take(shape, dtype, nbytes)
+
+    def _take(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        for slot in [s for s in self.slots if s.map[s.capacity] == _PINNED and s.idle()]:
+            slot.close()  # the main process keeps it for good: no longer ours to reuse
+            self.slots.remove(slot)
         free = [s for s in self.slots if s.free()]
         fits = [s for s in free if s.capacity >= nbytes]
         if fits:
@@ -128,11 +145,12 @@ def pool() -> Pool:
 
 def _reduce(t: SharedStates):
     """Pickling (ForkingPickler, in the worker): the slot's descriptor, unless the tensor was
-    changed since it was handed out (resized, set to other memory): then torch's own copy."""
+    changed since it was handed out (resized, set to other memory) or the main process still holds
+    it (sent before): then torch's own copy."""
     slot, address, nbytes = getattr(t, "_corecap_slot", (None, 0, 0))
     plain = t.as_subclass(torch.Tensor)
-    if (slot is None or slot.map.closed or plain.untyped_storage().data_ptr() != address or plain.storage_offset()
-            or plain.nbytes != nbytes or not plain.is_contiguous() or plain.requires_grad):
+    if (slot is None or slot.map.closed or slot.map[slot.capacity] != _FREE or plain.untyped_storage().data_ptr() != address
+            or plain.storage_offset() or plain.nbytes != nbytes or not plain.is_contiguous() or plain.requires_grad):
         return reduce_tensor(plain)
     slot.map[slot.capacity] = _SENT
     return _rebuild, (DupFd(slot.fd), slot.capacity, nbytes, tuple(plain.shape), plain.dtype)
@@ -150,6 +168,11 @@ class _Lease:
         if self.map is not None:  # None: pinned before a fork
             self.map[self.capacity] = _FREE
             self.map = None
+
+    def pin(self) -> None:
+        whole, self.map = self.map, None
+        if whole is not None:  # else released meanwhile
+            whole[self.capacity] = _PINNED
 
 
 _leases: set[_Lease] = set()
@@ -170,7 +193,7 @@ def _rebuild(fd: DupFd, size: int, nbytes: int, shape: tuple[int, ...], dtype: t
 def _pin_leases() -> None:
     """Before a fork: the slots held now stay held for good (a child may use what it inherits)."""
     for lease in list(_leases):
-        lease.map = None
+        lease.pin()
     _leases.clear()
 
 
