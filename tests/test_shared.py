@@ -116,9 +116,9 @@ def test_threads_never_share_a_slot(monkeypatch):
     """Items read from several threads at once each get their own slot."""
     pool, hand_out = shared.Pool(), shared._Slot.hand_out
 
-    def slow_hand_out(slot, shape, dtype):  # widen the window between choosing a slot and taking it
+    def slow_hand_out(slot, *args):  # widen the window between choosing a slot and taking it
         time.sleep(0.001)
-        return hand_out(slot, shape, dtype)
+        return hand_out(slot, *args)
 
     monkeypatch.setattr(shared._Slot, "hand_out", slow_hand_out)
     barrier, held = threading.Barrier(4, timeout=60), []

@@ -182,10 +182,7 @@ def decode(buf, dtype: str, nbytes: int, codec: str):
     bytearray (raw) or a flat uint8 numpy array (zstd-planes)."""
     _declared(nbytes, dtype, codec)
     if codec == "raw":
-        mv = memoryview(buf).cast("B")
-        if mv.nbytes != nbytes:
-            raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
-        return bytearray(mv)
+        return bytearray(_raw(buf, nbytes))
     out = np.empty(nbytes, dtype=np.uint8)  # not zero-filled: decode_into writes every byte
     decode_into(buf, dtype, nbytes, codec, out)
     return out
@@ -200,12 +197,10 @@ def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> in
     itemsize = _declared(nbytes, dtype, codec)
     if out.dtype != np.uint8 or out.nbytes != nbytes or not out.flags.c_contiguous:
         raise ValueError(f"codec {codec!r}: out must be {nbytes} contiguous uint8 bytes, got {out.dtype} {out.shape}")
-    mv = memoryview(buf).cast("B")
     if codec == "raw":
-        if mv.nbytes != nbytes:
-            raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
-        out[:] = np.frombuffer(mv, dtype=np.uint8)
+        out[:] = np.frombuffer(_raw(buf, nbytes), dtype=np.uint8)
         return crc32(out)
+    mv = memoryview(buf).cast("B")
     planes = check_planes(mv, dtype, nbytes)
     plane_bytes = nbytes // itemsize
     slices = [_slices(payload, method, k, plane_bytes, f"(buffer of {mv.nbytes} bytes, expected {nbytes} decoded)")
@@ -224,6 +219,13 @@ def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> in
     for s in slices:  # each zstd frame's end: its epilogue read and checked, nothing after it
         next(s, None)
     return crc
+
+
+def _raw(buf, nbytes: int) -> memoryview:
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes != nbytes:
+        raise CodecError(f"codec 'raw': buffer is {mv.nbytes} bytes, expected {nbytes}")
+    return mv
 
 
 def check_planes(buf, dtype: str, nbytes: int) -> list[tuple[int, memoryview]]:

@@ -78,8 +78,7 @@ class _Slot:
         # The weak reference first: a pickled tensor's storage dies only after SENT was written.
         return self.idle() and self.map[self.capacity] == _FREE
 
-    def hand_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> SharedStates:
-        nbytes = math.prod(shape) * dtype.itemsize
+    def hand_out(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> SharedStates:
         t = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes).view(dtype).view(shape).as_subclass(SharedStates)
         t._corecap_slot = (self, t.untyped_storage().data_ptr(), nbytes)
         self.handed = StorageWeakRef(t.untyped_storage())
@@ -116,7 +115,7 @@ class Pool:
         free = [s for s in self.slots if s.free()]
         fits = [s for s in free if s.capacity >= nbytes]
         if fits:
-            return min(fits, key=lambda s: s.capacity).hand_out(shape, dtype)
+            return min(fits, key=lambda s: s.capacity).hand_out(shape, dtype, nbytes)
         if len(self.slots) >= MAX_SLOTS:
             if not free:
                 return torch.empty(shape, dtype=dtype)
@@ -129,7 +128,7 @@ class Pool:
             return torch.empty(shape, dtype=dtype)
         self.slots.append(slot)
         self.created += 1
-        return slot.hand_out(shape, dtype)
+        return slot.hand_out(shape, dtype, nbytes)
 
 
 _pool: Pool | None = None
