@@ -20,6 +20,7 @@ from corecap.errors import CorecapError
 PRENORM = "prenorm"  # the residual stream after the last decoder layer, before the final norm
 Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
 DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
+FP8_CODEC = "fp8-e4m3-rowscale"  # `--store-dtype fp8`, lossy: corecap/store/codec.py (store.FP8)
 # fp8's encode in the sink (torch ops, corecap/store/codec.py quantize_fp8) got slower past 4
 # threads on the H200 host, where zstd-planes still gains to 8: 1B-shaped samples, samples/s on 4
 # against 8 threads, 566-728 against 270-453 (tools/bench_sink.py --only scaling-1b). The workers
@@ -105,6 +106,42 @@ class TestHooks:
     pause_file: str = ""
 
 
+# The sampling settings of `--max-tokens` runs, by vLLM's SamplingParams names. Unset ones take
+# the model's defaults (its generation_config.json, as `vllm serve` does), then vLLM's.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """`max_tokens` > 0: the model writes each sample's response and corecap captures it in the
+    same run (corecap/generation.py). 0: the given tokens only (prefill)."""
+
+    max_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: tuple[str, ...] = ()  # strings that end a response (the one that matched is kept)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 0:
+            raise CorecapError(f"--max-tokens {self.max_tokens}: expected 0 (capture the given tokens) or more")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise CorecapError(f"--stop {list(self.stop)!r}: expected non-empty strings")
+
+    @property
+    def generate(self) -> bool:
+        return self.max_tokens > 0
+
+    def given(self) -> dict:
+        """The sampling settings set by the user (the rest come from the model)."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+
 @dataclass(frozen=True)
 class RunConfig:
     data: str | None = None  # None: the built-in demo dataset
@@ -125,6 +162,17 @@ class RunConfig:
     ring: bool = True  # states through a shared-memory ring (False: inside the messages)
     private_network: bool = True  # vLLM's workers in a network namespace of their own
     test_hooks: TestHooks | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    chat_template_kwargs: tuple[tuple[str, object], ...] = ()  # passed to the chat template (e.g. enable_thinking)
+
+    def __post_init__(self):
+        """The combinations that cannot work, refused here, for the CLI and `corecap.capture` alike."""
+        if self.codec == FP8_CODEC and self.nonfinite == "store":
+            raise CorecapError("--nonfinite store and --store-dtype fp8 exclude each other (fp8 cannot hold NaN or Inf): "
+                               "store such samples lossless, or stop at them")
+        if self.sampling.generate and self.nonfinite == "store":
+            raise CorecapError("--max-tokens and --nonfinite store exclude each other: a response sampled from NaN/Inf "
+                               "states is no training data (stop at them instead)")
 
     @property
     def model(self) -> str | None:
@@ -135,18 +183,25 @@ def build(**options) -> RunConfig:
     """A RunConfig from flat keyword options: RunConfig's fields, EngineOptions' (vLLM's names)
     and the short forms in `ALIASES` (tp, batch, max_len, ...). Any other name is an engine
     argument for vLLM, checked by the adapter when the engine is configured."""
-    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"engine"}
+    run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"engine", "sampling"}
     engine_fields = {f.name for f in dataclasses.fields(EngineOptions)} - {"extra"}
-    run_args, engine_args, extra = {}, {}, []
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingOptions)}
+    run_args, engine_args, sampling_args, extra = {}, {}, {}, []
     for name, value in options.items():
         name = ALIASES.get(name, name)
         if name in run_fields:
             run_args[name] = value
+        elif name in sampling_fields:
+            sampling_args[name] = tuple(value) if name == "stop" else value
         elif name in engine_fields:
             engine_args[name] = value
         else:
             extra.append((name, value))
-    return RunConfig(**run_args, engine=EngineOptions(**engine_args, extra=tuple(extra)))
+    if isinstance(run_args.get("chat_template_kwargs"), dict):
+        run_args["chat_template_kwargs"] = tuple(run_args["chat_template_kwargs"].items())
+    return RunConfig(
+        **run_args, engine=EngineOptions(**engine_args, extra=tuple(extra)), sampling=SamplingOptions(**sampling_args),
+    )
 
 
 def parse_layers(text: str) -> tuple[Layer, ...]:

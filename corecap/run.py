@@ -23,6 +23,7 @@ import msgspec
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig, resolve_layers
+from corecap.generation import Response, Responses, StopRule, request_seed
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
@@ -46,6 +47,7 @@ class RunSummary:
     num_referring: int = 0  # stored once: samples whose prefix refers to earlier samples' states
     referred_bytes: int = 0  # the raw states those references stand for (not written)
     num_stored_whole: int = 0  # with prefix cache hits, stored whole: their source was not yet committed
+    generated: str = ""  # --max-tokens: the responses written, e.g. "1,800 tokens in 23 responses (eos 20, length 3)"
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0
@@ -55,6 +57,7 @@ class RunSummary:
             f"{self.store}: committed {self.num_committed} samples ({self.num_tokens} tokens), "
             f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
             f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
+            + (f"; generated {self.generated}" if self.generated else "")
             + (f"; input: {self.outcomes}" if self.outcomes else "")
             + (f"; stored once: {self.num_referring} samples refer to earlier ones for their prefix "
                f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), {self.num_stored_whole} with cache hits "
@@ -97,6 +100,8 @@ class _Plan:
     layers: tuple
     identity: object  # store.ModelIdentity
     devices: list  # per replica: the environment its workers start with (_vllm.placement)
+    sampling: dict | None = None  # --max-tokens: the sampling settings in effect (vLLM's names)
+    stop_rule: StopRule | None = None  # --max-tokens: when a response ends
 
 
 def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
@@ -120,7 +125,7 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     return RunSummary(
         cfg.store, plan.dataset.num_samples, done.num_committed, plan.dataset.num_samples - plan.todo,
         done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
-        done.num_referring, done.referred_bytes, done.num_stored_whole,
+        done.num_referring, done.referred_bytes, done.num_stored_whole, capture.responses.line(),
     )
 
 
@@ -138,11 +143,14 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
     check_pipeline(vllm_config, version)
     devices = placement(vllm_config, cfg.engine.data_parallel_size)
     nodes.cluster(vllm_config)  # node 0 only
-    log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""))
+    tokenizer = load_tokenizer(model_dir)
+    settings, stop_rule, generation_line = _generation(cfg, vllm_config, tokenizer)
+    log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else "") + generation_line)
     max_len = max_prompt_len(vllm_config)
     read = dict(
-        tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size, max_len=max_len,
+        tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
+        max_tokens=cfg.sampling.max_tokens, template_kwargs=dict(cfg.chat_template_kwargs),
     )
     # Keys already committed, read before validating so that the same pass checks their inputs;
     # the store itself is created (and its metadata checked) only once the input is known good.
@@ -161,7 +169,27 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
         f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
         f"{dataset.num_samples - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
-    return _Plan(cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices)
+    return _Plan(
+        cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices,
+        settings, stop_rule,
+    )
+
+
+def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, StopRule | None, str]:
+    """With --max-tokens: the sampling settings in effect (checked by vLLM), when a response
+    ends, and the run's first line's part that says both."""
+    from corecap._vllm import sampling
+
+    options = cfg.sampling
+    if not options.generate:
+        return None, None, ""
+    settings, source = sampling.effective_sampling(options, vllm_config)
+    sampling.check_sampling(settings, options)
+    eos = frozenset() if options.ignore_eos else sampling.eos_token_ids(vllm_config, tokenizer)
+    if options.stop and tokenizer is None:
+        raise CorecapError("--stop needs the model's tokenizer to read the responses, and the model directory has none")
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    return settings, StopRule(eos, options.stop, decode), "; " + sampling.describe(options, settings, source, eos)
 
 
 class _Capture:
@@ -173,6 +201,7 @@ class _Capture:
         self.workers: list[dict] = []
         self.start = self.end = time.time()
         self.engine = None
+        self.responses = Responses()
         from corecap._vllm import nodes
 
         self.nodes = None  # the other nodes of an engine across nodes (_vllm.nodes.Leader)
@@ -260,13 +289,19 @@ class _Capture:
                     exhausted = True
                     break
                 req_id = str(sample.line)
-                block_hashes = engine.add(req_id, sample.token_ids.tolist())  # scheduled only in step()
-                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask, block_hashes)
-                added += len(sample.token_ids)
+                response = None
+                if sample.max_tokens:
+                    seed = request_seed(self.cfg.engine.seed, sample.key)
+                    response = Response(len(sample.token_ids), sample.max_tokens, plan.stop_rule, seed)
+                block_hashes = engine.add(req_id, sample.token_ids.tolist(), response, plan.sampling)  # scheduled only in step()
+                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask, block_hashes, sample.max_tokens)
+                added += len(sample.token_ids) + sample.max_tokens
             if engine.num_unfinished == 0:
                 return
             timing = engine.step()
-            sink.prefix(engine.take_prefix_actions())
+            sink.prefix(engine.take_prefix_actions())  # before any response: a block hash first, then the sample whole
+            for req_id, response in timing.responses:
+                sink.generated(req_id, response.token_ids, self.responses.record(response, plan.sampling))
             if self.steps is not None:
                 self.steps.append(timing)
             progress.update(len(timing.finished), timing.num_tokens)

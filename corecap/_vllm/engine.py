@@ -58,6 +58,7 @@ class StepTiming:
     in_flight: int = 0  # batches at the workers while this one's output was awaited, itself included
     replica: int = 0  # the data-parallel replica that ran it
     finished: list[str] = field(default_factory=list)
+    responses: list[tuple[str, object]] = field(default_factory=list)  # (req_id, generation.Response) finished in this step
 
 
 @dataclass
@@ -138,7 +139,8 @@ class Engine:
             raise CorecapError(f"vLLM's engine failed to start: {worker_error(e)}") from None
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
-        self.tokens: dict[str, int] = {}  # unfinished request → its prompt's length
+        self.tokens: dict[str, int] = {}  # unfinished request → its prompt's length (+ its response's most)
+        self.responses: dict = {}  # generating request → its generation.Response
         self.num_outstanding_tokens = 0
         # Pipeline parallelism needs a batch per stage in flight to keep every stage busy.
         self.steps_in_flight = max(STEPS_IN_FLIGHT, vllm_config.parallel_config.pipeline_parallel_size)
@@ -197,23 +199,35 @@ class Engine:
                 self._interrupted = reason
                 self.executor.shutdown()
 
-    def add(self, req_id: str, token_ids: list[int]) -> list[bytes] | None:
-        """Queue a sample; with prefix caching on, returns vLLM's hashes of its full blocks."""
+    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None) -> list[bytes] | None:
+        """Queue a sample; with prefix caching on, returns vLLM's hashes of its full blocks.
+        `response` (a generation.Response): the model writes one, sampled with `settings`."""
         from vllm.v1.request import Request
 
+        from corecap._vllm.sampling import sampling_params
+
+        params = self.sampling_params
+        if response is not None:
+            params = sampling_params(settings or {}, response.max_tokens, response.seed)
         request = Request(
             request_id=req_id,
             prompt_token_ids=token_ids,
-            sampling_params=self.sampling_params,
+            sampling_params=params,
             pooling_params=None,
             arrival_time=time.time(),
             block_hasher=self.core.request_block_hasher,
         )
         self.core.add_request(request)
         self.num_unfinished += 1
-        self.tokens[req_id] = len(token_ids)
-        self.num_outstanding_tokens += len(token_ids)
-        return list(request.block_hashes) if self.prefix is not None else None
+        self.tokens[req_id] = len(token_ids) + (response.max_tokens if response is not None else 0)
+        self.num_outstanding_tokens += self.tokens[req_id]
+        if response is not None:
+            self.responses[req_id] = response
+        if self.prefix is None:
+            return None
+        if response is not None:  # the blocks its response completes are told as they are
+            self.prefix.told(req_id, len(request.block_hashes))
+        return list(request.block_hashes)
 
     def take_prefix_actions(self) -> list[tuple]:
         """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix.py)."""
@@ -263,7 +277,23 @@ class Engine:
         timing.update = timing.end = time.time()
         timing.num_tokens = batch.scheduler_output.total_num_scheduled_tokens
         timing.num_reqs = len(batch.scheduler_output.num_scheduled_tokens)
-        timing.finished = [o.request_id for eo in outputs.values() for o in eo.outputs if o.finish_reason is not None]
+        for eo in outputs.values():
+            for o in eo.outputs:
+                response = self.responses.get(o.request_id)
+                if response is None:
+                    if o.finish_reason is not None:
+                        timing.finished.append(o.request_id)
+                elif response.take(o.new_token_ids) or o.finish_reason is not None:
+                    response.capped()  # where vLLM ended it first (a no-op otherwise)
+                    timing.responses.append((o.request_id, self.responses.pop(o.request_id)))
+        if timing.responses:  # its final token's states are computed: nothing more to run
+            from vllm.v1.request import RequestStatus
+
+            done = [req_id for req_id, _ in timing.responses]
+            self.core.scheduler.finish_requests(done, RequestStatus.FINISHED_ABORTED)
+            if self.prefix is not None:
+                self.prefix.forget(done)
+            timing.finished += done
         self.num_unfinished -= len(timing.finished)
         for req_id in timing.finished:
             self.num_outstanding_tokens -= self.tokens.pop(req_id, 0)

@@ -46,7 +46,8 @@ class PrefixTracker:
         self.block_size = hash_block_size
         self.max_blocks = max_blocks or scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash → productions since the sink last dropped it
-        self.actions: list[tuple] = []  # for the sink, in order: ("hits", req_id, n), ("drop", hash, count)
+        self.actions: list[tuple] = []  # for the sink, in order: ("hits", req_id, n), ("drop", hash, count), ("hash", req_id, i, hash)
+        self.num_told: dict[str, int] = {}  # generating request → the block hashes the sink knows of it
         self.num_hit_tokens = 0
         self.num_evicted = 0
 
@@ -56,8 +57,12 @@ class PrefixTracker:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             end = request.num_computed_tokens  # already advanced past this step's tokens
+            told = self.num_told.get(req_id)
             for i in completed_blocks(end - num_tokens, end, bs, len(request.block_hashes)):
                 h = request.block_hashes[i]
+                if told is not None and i >= told:  # a response's block: its hash is new to the sink
+                    self.actions.append(("hash", req_id, i, h))
+                    told = self.num_told[req_id] = i + 1
                 self.counts[h] = self.counts.get(h, 0) + 1
                 self.counts.move_to_end(h)
         for new in scheduler_output.scheduled_new_reqs:
@@ -76,6 +81,15 @@ class PrefixTracker:
             h, count = self.counts.popitem(last=False)
             self._evict(h)
             self.actions.append(("drop", h, count))
+
+    def told(self, req_id: str, num_hashes: int) -> None:
+        """A generating request whose first `num_hashes` block hashes (its prompt's) the sink was
+        given: the hashes of the blocks its response completes go to the sink as they come."""
+        self.num_told[req_id] = num_hashes
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.num_told.pop(req_id, None)
 
     def _evict(self, block_hash: bytes) -> None:
         """Every block vLLM caches under this hash (a recomputed block is cached again, in a block

@@ -66,9 +66,9 @@ class Replicas:
     def steps_in_flight(self) -> int:
         return self.engines[0].steps_in_flight
 
-    def add(self, req_id: str, token_ids: list[int]) -> list[bytes] | None:
+    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None) -> list[bytes] | None:
         """To the replica with the fewest prompt tokens still to capture (ties: the first)."""
-        return min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids)
+        return min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids, response, settings)
 
     def take_prefix_actions(self) -> list[tuple]:
         return [a for e in self.engines for a in e.take_prefix_actions()]

@@ -19,8 +19,9 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def parse_messages(obj: dict, name: str, where: str) -> list[dict]:
-    """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped."""
+def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> list[dict]:
+    """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped. `generate`: the
+    model writes the answer, so the conversation needs a user turn, not an assistant turn."""
     turns = obj[name]
     sharegpt = name == "conversations"
     role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
@@ -48,9 +49,20 @@ def parse_messages(obj: dict, name: str, where: str) -> list[dict]:
         messages.append({"role": roles[role], "content": content})
     if all(not m["content"].strip() for m in messages):
         raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
-    if not any(m["role"] == "assistant" for m in messages):
+    if generate:
+        if not any(m["role"] == "user" for m in prompt_turns(messages)):
+            raise RowError(where, f"field {name!r} has no user turn before its last assistant turns (nothing to answer)", "nothing to answer")
+    elif not any(m["role"] == "assistant" for m in messages):
         raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
     return messages
+
+
+def prompt_turns(messages: list[dict]) -> list[dict]:
+    """What the model answers: the turns before the trailing assistant turns (which it replaces)."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
 
 
 class ChatRenderer:
@@ -62,7 +74,7 @@ class ChatRenderer:
     a template that renders a prefix differently from the start of the whole conversation
     (e.g. one that drops earlier turns' reasoning) is refused. docs/datasets.md says more."""
 
-    def __init__(self, tokenizer, where: str, name: str):
+    def __init__(self, tokenizer, where: str, name: str, template_kwargs: dict | None = None):
         if tokenizer is None:
             raise CorecapError(f"{where}: field {name!r} needs a tokenizer, and the model directory has none")
         if not getattr(tokenizer, "chat_template", None):
@@ -72,23 +84,30 @@ class ChatRenderer:
         if not getattr(tokenizer, "is_fast", False):
             raise CorecapError(f"{where}: field {name!r} needs a fast tokenizer (tokenizer.json) for its loss mask")
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})  # the template's own switches (e.g. enable_thinking)
         template = tokenizer.chat_template
         self.marked = _GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)) is not None
 
     def _text(self, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
             )
         except Exception as e:  # jinja2 and the template's own raise_exception raise many types
             raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+
+    def prompt(self, messages: list[dict], where: str) -> np.ndarray:
+        """The token ids the model answers: the template over `prompt_turns`, with its generation
+        prompt (the start of an assistant turn)."""
+        text = self._text(prompt_turns(messages), where, True)
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
     def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
         if self.marked:
             try:
                 out = self.tokenizer.apply_chat_template(
                     messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                    add_generation_prompt=False,
+                    add_generation_prompt=False, **self.template_kwargs,
                 )
             except Exception as e:  # as in _text
                 raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None

@@ -17,6 +17,7 @@ engine runs. Both apply the same policies (overflow, invalid rows, shard), so th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -46,6 +47,7 @@ class Sample:
     token_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray | None = None  # uint8 [T], 1 = train on this token; None: no mask given
     where: str = ""  # "data.jsonl:7", "data.json: element 7", "data.parquet: row 7"
+    max_tokens: int = 0  # > 0: the model writes up to this many tokens after token_ids (the prompt)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,9 @@ def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
-def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tuple[np.ndarray, np.ndarray | None]:
+def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, generate: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The row's token ids and loss mask; `generate`: the prompt the model answers, whose
+    tokens are not trained on (the response's are)."""
     present = [name for name in INPUT_FIELDS if name in obj]
     if not present:
         raise RowError(
@@ -156,10 +160,15 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tu
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        messages = parse_messages(obj, name, where)
+        messages = parse_messages(obj, name, where, generate)
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
-            chat["renderer"] = ChatRenderer(tokenizer, where, name)
-        arr, mask = chat["renderer"].render(messages, where)
+            chat["renderer"] = ChatRenderer(tokenizer, where, name, chat.get("template_kwargs"))
+        if generate:
+            arr = chat["renderer"].prompt(messages, where)
+        else:
+            arr, mask = chat["renderer"].render(messages, where)
+    if generate:
+        mask = np.zeros(len(arr), np.uint8)
     if arr.size == 0:
         raise RowError(where, "empty sample (no tokens)", "empty sample")
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
@@ -169,7 +178,7 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tu
             where, f"token id {int(arr[i])} at position {i} is outside the vocabulary [0, {vocab_size})",
             "token outside the vocabulary",
         )
-    if mask is not None and not mask.any():
+    if mask is not None and not mask.any() and not generate:
         raise RowError(where, "the loss mask marks no token (nothing to train on)", "empty loss mask")
     return arr.astype(np.int32), mask
 
@@ -178,14 +187,15 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict) -> tu
 # The whole file
 
 
-def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard):
+def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
     Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
-    Raise at the first problem the policies refuse."""
+    Raise at the first problem the policies refuse. `max_tokens` > 0: each sample is a prompt
+    the model answers with up to that many tokens, all within `max_len`."""
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
-        chat: dict = {}
+        chat: dict = {"template_kwargs": template_kwargs}
         last = 0
         for n, where, obj in rows:
             last = n
@@ -208,11 +218,14 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard)
                 yield "other shard", None
                 continue
             try:
-                ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat)
+                ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0)
             except RowError as e:
                 if invalid != "skip":
                     raise
                 yield "skipped", e
+                continue
+            if max_tokens:
+                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens), max_len, overflow)
                 continue
             if len(ids) <= max_len:
                 yield "sample", Sample(key, n, ids, mask, where)
@@ -233,17 +246,35 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard)
         yield "rows", last
 
 
+def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, object]:
+    """A prompt and its response must fit in `max_len`: what `overflow` does with one that
+    leaves too little room (error: stop; skip: leave it out; truncate: a shorter response)."""
+    room = max_len - len(sample.token_ids)
+    if room >= sample.max_tokens:
+        return "sample", sample
+    too_long = (f"sample {sample.key!r} has a prompt of {len(sample.token_ids)} tokens, and --max-tokens "
+                f"{sample.max_tokens} after it makes more than --max-len {max_len}")
+    if overflow == "error":
+        raise CorecapError(f"{sample.where}: {too_long} (--overflow truncate writes a shorter response, skip leaves it out)")
+    if overflow == "skip":
+        return "skipped", RowError(sample.where, too_long, "longer than --max-len")
+    if room < 1:
+        return "skipped", RowError(sample.where, f"{too_long}, and leaves no room for a response", "no room for a response")
+    return "truncated", dataclasses.replace(sample, max_tokens=room)
+
+
 def read_samples(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
-    invalid: str | None = None, shard: tuple[int, int] | None = None,
+    invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
 ) -> Iterator[Sample]:
     """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
     the first problem the policies refuse. `overflow` says what happens to a sample longer than
     `max_len` (error, truncate, skip); `invalid` to an invalid row (error, skip; default: skip
-    under overflow="skip", else error)."""
+    under overflow="skip", else error). `max_tokens` > 0: prompts the model answers (`_prompt_outcome`)."""
     invalid = _check_policies(overflow, invalid, shard)
     for kind, value in _outcomes(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
+        max_tokens=max_tokens, template_kwargs=template_kwargs,
     ):
         if kind in ("sample", "truncated"):
             yield value
@@ -252,7 +283,7 @@ def read_samples(
 def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
-    on_sample: Callable[[Sample], None] | None = None,
+    on_sample: Callable[[Sample], None] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
     outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
@@ -265,7 +296,8 @@ def validate(
     num_tokens = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
+        max_tokens=max_tokens, template_kwargs=template_kwargs,
     ):
         counts[kind] += 1
         if kind == "unit":

@@ -46,6 +46,12 @@ class _Pending:
     num_hits: int = 0  # leading blocks vLLM took from its prefix cache
     sources: dict[int, Producer] = field(default_factory=dict)  # hit block → the sample that produced it
     held: dict[int, torch.Tensor] = field(default_factory=dict)  # hit block → its producer's states (a view), not yet copied
+    # A response the model writes: positions [len(token_ids), capacity) are its, received before
+    # the driver says which tokens it holds (`Collector.generated`); their ids as received.
+    capacity: int = 0
+    received: np.ndarray | None = None  # int32 [capacity]
+    generation: object = None  # store.Generation, once the response is known
+    final: bool = True  # token_ids is the whole sample
 
     def cover(self, start: int, num_tokens: int) -> None:
         self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
@@ -53,9 +59,13 @@ class _Pending:
 
     def buffer(self, num_layers: int, hidden_size: int, dtype: torch.dtype, buffers) -> torch.Tensor:
         if self.states is None:
-            shape = (num_layers, len(self.token_ids), hidden_size)
+            shape = (num_layers, self.capacity, hidden_size)
             self.states = buffers.take(shape, dtype) if buffers else torch.empty(shape, dtype=dtype)
         return self.states
+
+    def stored_states(self) -> torch.Tensor:
+        """The states of the sample's tokens (a response's buffer may hold room for more)."""
+        return self.states if self.states.shape[1] == len(self.token_ids) else self.states[:, : len(self.token_ids)]
 
 
 @dataclass
@@ -150,12 +160,50 @@ class Collector:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
-        block_hashes: list[bytes] | None = None,
+        block_hashes: list[bytes] | None = None, max_new: int = 0,
     ) -> None:
+        """A sample to reassemble; `max_new` > 0: the model writes up to that many tokens after
+        `token_ids` (the prompt), which `generated` names once the response is written."""
+        capacity = len(token_ids) + max_new
         self.pending[req_id] = _Pending(
-            key, token_ids, loss_mask, covered=np.zeros(len(token_ids), bool), block_hashes=block_hashes,
+            key, token_ids, loss_mask, covered=np.zeros(capacity, bool),
+            block_hashes=None if block_hashes is None else list(block_hashes),
             producer=Producer(key, len(token_ids)) if self.block_size else None,
+            capacity=capacity, received=np.zeros(capacity, np.int32) if max_new else None, final=not max_new,
         )
+
+    def generated(self, req_id: str, token_ids: np.ndarray, generation) -> None:
+        """The response written for `req_id`: the sample is its prompt and these tokens, every one
+        of whose states is on its way (or here), none beyond (the driver aborted the request)."""
+        p = self.pending.get(req_id)
+        if p is None or p.final:
+            raise CorecapError(f"a response for request {req_id!r}, which the sink does not expect one for")
+        prompt = len(p.token_ids)
+        end = prompt + len(token_ids)
+        if end > p.capacity:
+            raise CorecapError(f"sample {p.key!r}: a response of {len(token_ids)} tokens, more than the {p.capacity - prompt} expected")
+        seen = p.covered[prompt:end]
+        if not np.array_equal(p.received[prompt:end][seen], np.asarray(token_ids, np.int32)[seen]) or p.covered[end:].any():
+            raise CorecapError(f"sample {p.key!r}: the states received for its response are of other tokens than the response's")
+        p.token_ids = np.concatenate([p.token_ids, np.asarray(token_ids, np.int32)])
+        mask = np.zeros(prompt, np.uint8) if p.loss_mask is None else p.loss_mask
+        p.loss_mask = np.concatenate([mask, np.ones(len(token_ids), np.uint8)])
+        p.generation, p.final, p.received = generation, True, None
+        if p.producer is not None:
+            p.producer.num_tokens = end
+        self._complete([req_id])
+
+    def block_hash(self, req_id: str, index: int, block_hash: bytes) -> None:
+        """The hash of a block that a response completes (prefix caching on): produced here once
+        its positions are here, whichever of the two comes first."""
+        p = self.pending.get(req_id)
+        if p is None or p.block_hashes is None or index != len(p.block_hashes):
+            raise CorecapError(f"prefix cache: the hash of block {index} of request {req_id!r}, which the sink cannot place")
+        p.block_hashes.append(block_hash)
+        bs = self.block_size
+        if p.covered[index * bs : (index + 1) * bs].all():
+            served = self._produce(p, index)
+            self._complete(served)
 
     def hits(self, req_id: str, num_blocks: int) -> None:
         """vLLM took the first `num_blocks` blocks of this request from its prefix cache."""
@@ -190,7 +238,7 @@ class Collector:
     def _complete(self, req_ids) -> None:
         for req_id in req_ids:
             p = self.pending.get(req_id)
-            if p is not None and p.num_covered == len(p.token_ids):
+            if p is not None and p.final and p.num_covered == len(p.token_ids):
                 del self.pending[req_id]
                 if p.num_hits:
                     self._refer(p)
@@ -220,6 +268,16 @@ class Collector:
         self.num_referring += 1
         self.num_referred_tokens += j * bs
 
+    def _produce(self, p: _Pending, i: int) -> list[str]:
+        """Block i of `p` is here, and its hash known: the requests it serves."""
+        bs = self.block_size
+        block = p.states[:, i * bs : (i + 1) * bs]
+        served = []
+        for req_id, k in self.cache.produce(p.block_hashes[i], block, p.producer):
+            self._fill(req_id, k, block, p.producer)
+            served.append(req_id)
+        return served
+
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
 
@@ -237,13 +295,18 @@ class Collector:
                 raise CorecapError(f"worker sent states for unknown request {seg.req_id!r}")
             positions = msg.positions[lo:hi]
             start = int(positions[0])
-            if not np.array_equal(positions, np.arange(start, start + seg.num_tokens)) or start + seg.num_tokens > len(p.token_ids):
+            end = start + seg.num_tokens
+            limit = len(p.token_ids) if p.final else p.capacity
+            if not np.array_equal(positions, np.arange(start, end)) or end > limit:
                 raise CorecapError(
                     f"sample {p.key!r}: received positions {start}..{int(positions[-1])}, "
-                    f"not a contiguous run inside its {len(p.token_ids)} tokens"
+                    f"not a contiguous run inside its {limit} tokens"
                 )
-            if not np.array_equal(msg.token_ids[lo:hi], p.token_ids[start : start + seg.num_tokens]):
+            known = min(end, len(p.token_ids))  # the response's ids are checked when it is known
+            if not np.array_equal(msg.token_ids[lo : lo + max(0, known - start)], p.token_ids[start:known]):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
+            if not p.final and end > len(p.token_ids):
+                p.received[known:end] = msg.token_ids[lo + known - start : hi]
             states = p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
             copies.extend((states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
             p.cover(start, seg.num_tokens)
@@ -256,13 +319,9 @@ class Collector:
                 _copy(item)
         served = []
         if self.block_size:  # every full block this chunk completed, for later hits on it
-            bs = self.block_size
             for _, p, start, n in runs:
-                for i in completed_blocks(start, start + n, bs, len(p.block_hashes or ())):
-                    block = p.states[:, i * bs : (i + 1) * bs]
-                    for req_id, k in self.cache.produce(p.block_hashes[i], block, p.producer):
-                        self._fill(req_id, k, block, p.producer)
-                        served.append(req_id)
+                for i in completed_blocks(start, start + n, self.block_size, len(p.block_hashes or ())):
+                    served += self._produce(p, i)
         self._complete([r[0] for r in runs] + served)
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
 

@@ -28,6 +28,10 @@ import zmq
 
 from corecap.errors import CorecapError
 from corecap.sink.collect import BufferPool, Collector
+from corecap.sink.messages import (
+    Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
+)
+from corecap.store.generated import Generation
 from corecap.transport import ring, wire
 
 _CONTROL = "control.sock"
@@ -43,61 +47,6 @@ _TORCH_THREADS = 1
 def copy_threads() -> int:
     """Threads that copy chunks into samples: a quarter of the cores, 2 to 4."""
     return min(4, max(2, (os.cpu_count() or 2) // 4))
-
-
-class Expect(msgspec.Struct, array_like=True, tag=1):
-    req_id: str
-    key: str
-    token_ids: bytes  # int32 LE
-    loss_mask: bytes | None = None
-    block_hashes: list[bytes] | None = None  # vLLM's, of each full block, with prefix caching on
-
-
-class Hits(msgspec.Struct, array_like=True, tag=6):
-    """vLLM took this request's first `num_blocks` blocks from its prefix cache (sink/prefix.py)."""
-
-    req_id: str
-    num_blocks: int
-
-
-class Drop(msgspec.Struct, array_like=True, tag=7):
-    """Stop keeping this block's states: the driver counted `count` productions of it."""
-
-    block_hash: bytes
-    count: int
-
-
-class Finish(msgspec.Struct, array_like=True, tag=2):
-    pass
-
-
-class Abort(msgspec.Struct, array_like=True, tag=3):
-    pass
-
-
-class Done(msgspec.Struct, array_like=True, tag=4):
-    num_committed: int
-    num_tokens: int
-    nbytes: int
-    raw_bytes: int
-    num_incomplete: int
-    flagged: list[str]
-    chunks: list[dict]
-    commits: list[dict]
-    encodes: list[dict]
-    writes: list[dict]
-    num_referring: int = 0  # stored once: samples committed with a reference to others
-    referred_bytes: int = 0  # the raw states those references stand for, not written
-    num_stored_whole: int = 0  # samples with cache hits stored whole (their source not yet committed)
-
-
-class Failed(msgspec.Struct, array_like=True, tag=5):
-    message: str
-    num_committed: int
-
-
-Control = Expect | Finish | Abort | Hits | Drop
-Status = Done | Failed
 
 
 @dataclass(frozen=True)
@@ -165,15 +114,20 @@ class Sink:
             return self.result.message
         return f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
 
-    def expect(self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None) -> None:
+    def expect(
+        self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None, max_new: int = 0,
+    ) -> None:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes))
+        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new))
+
+    def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
+        self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
 
     def prefix(self, actions) -> None:
-        """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks) and
-        ("drop", block_hash, count) (corecap/_vllm/prefix.py)."""
-        for kind, a, b in actions:
-            self._send(Hits(a, b) if kind == "hits" else Drop(a, b))
+        """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks),
+        ("drop", block_hash, count) and ("hash", req_id, index, block_hash) (corecap/_vllm/prefix.py)."""
+        for kind, *args in actions:
+            self._send(Hits(*args) if kind == "hits" else Drop(*args) if kind == "drop" else BlockHash(*args))
 
     def check(self) -> None:
         """Raise if the sink failed or died (cheap; call once per step)."""
@@ -295,7 +249,8 @@ class _Loop:
         buffers = BufferPool(spec.buffer_bytes // 2)
         self.collector = Collector(
             store.meta.layers, lambda p: self.writer.put(
-                p.key, p.token_ids, p.states, p.loss_mask, release=buffers.give, prefix=p.producer.prefix if p.producer else None,
+                p.key, p.token_ids, p.stored_states(), p.loss_mask, release=buffers.give,
+                prefix=p.producer.prefix if p.producer else None, generation=p.generation,
             ),
             buffers, copy_threads(), spec.block_size,
         )
@@ -328,7 +283,11 @@ class _Loop:
         msg = self.decoder.decode(raw)
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
-            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes)
+            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes, msg.max_new)
+        elif isinstance(msg, Generated):
+            self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
+        elif isinstance(msg, BlockHash):
+            self.collector.block_hash(msg.req_id, msg.index, msg.block_hash)
         elif isinstance(msg, Hits):
             self.collector.hits(msg.req_id, msg.num_blocks)
         elif isinstance(msg, Drop):

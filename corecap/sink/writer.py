@@ -97,13 +97,14 @@ class Writer:
 
     def put(
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
-        prefix: tuple | None = None,
+        prefix: tuple | None = None, generation=None,
     ) -> None:
         """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
         (one sample larger than the buffer still goes through alone). `release(states)` is called
         once the sample is committed: until then its encoded bytes may be views of `states`.
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
-        put before it (commits keep the order of `put`); only [n, T) is encoded and written."""
+        put before it (commits keep the order of `put`); only [n, T) is encoded and written.
+        `generation` (store.Generation): the model wrote the sample's response."""
         size = states.numel() * states.element_size()
         raw = size if states.dtype != torch.uint8 else fp8rows.captured_nbytes(states, self.store.meta.dtype)
         with self.space:
@@ -112,21 +113,21 @@ class Writer:
                 self.space.wait(0.1)
             self.raise_if_failed()
             self.in_flight += size
-        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix)
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
         self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
 
-    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
+    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         start = time.time()
-        record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask, prefix)
+        record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask, prefix, generation)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
         return record
 
-    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix) -> Record:
+    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         dtype = self.store.meta.dtype
         refused = None
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
-                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix, dtype=dtype)
+                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix, dtype=dtype, generation=generation)
             except NonFiniteStates as e:
                 refused = e  # reported below, as for the other codecs
         rows = states.dtype == torch.uint8  # fp8 rows come here only when refused: a NaN or an Inf made a row's scale one
@@ -137,7 +138,7 @@ class Writer:
             if self.nonfinite == "stop":
                 raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")
             self.flagged.append(key)
-        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix, dtype=dtype)
+        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix, dtype=dtype, generation=generation)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

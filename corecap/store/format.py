@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.config import PRENORM, Layer
+from corecap.config import FP8_CODEC, PRENORM, Layer
 from corecap.store import codec as codecs, fp8rows
 from corecap.store.codec import DTYPES
+from corecap.store.generated import Generation
+from corecap.store.record import Record
 
 FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
 REFERENCE_VERSION = 4  # 4: samples may refer to others for their prefix; a store becomes 4 with its first such sample
@@ -29,7 +31,7 @@ LAYER_MEANING = (
     "prenorm = the residual stream after the last decoder layer, before the final norm "
     "(vLLM's aux index N, speculators' verifier state)"
 )
-FP8 = "fp8-e4m3-rowscale"  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
+FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
 KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
@@ -127,32 +129,11 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
     # segment, and this sample's payload holds positions [n, T) only (checksum and payload_bytes
     # are the payload's). None: the payload holds every position.
     prefix: tuple[Segment, ...] | None = None
+    generation: Generation | None = None  # the model wrote the sample's response (corecap run --max-tokens)
 
     @property
     def num_prefix(self) -> int:  # n: the leading positions that other samples store
         return self.prefix[-1].end if self.prefix else 0
-
-
-@dataclass(frozen=True)
-class Record:
-    """One sample ready to commit: its header and its encoded states as buffers whose
-    concatenation is the payload (the codec's parts: writing them one after another saves joining
-    them, a copy of the whole payload that took 10-15 ms of a 56-61 ms bf16 encode here;
-    tools/bench_sink.py --only parts)."""
-
-    key: str
-    header: bytes
-    parts: tuple  # buffers
-    num_prefix: int = 0  # the header's: a record that refers to others commits after them
-
-    @property
-    def payload(self):
-        """The parts joined (one part: itself)."""
-        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.header) + sum(memoryview(p).nbytes for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -171,6 +152,13 @@ def input_fingerprint(token_ids: np.ndarray) -> str:
     return hashlib.blake2b(np.asarray(token_ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
 
 
+def prompt_fingerprint(header: SampleHeader) -> str:
+    """The fingerprint of what the sample's input was: its prompt where the model wrote the rest."""
+    if header.generation is None:
+        return header.input_fingerprint
+    return input_fingerprint(np.frombuffer(header.input_ids, "<i4")[: header.generation.num_prompt])
+
+
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(SampleHeader)
 
@@ -185,6 +173,7 @@ def encode_sample(
     nonfinite: bool = False,
     prefix: tuple[Segment, ...] | None = None,
     dtype: str | None = None,
+    generation: Generation | None = None,
 ) -> Record:
     """Encode one sample for the store (the expensive part, compression, runs here: call it off
     the critical path). `codec` is one of `CODECS` or `FP8`. With `prefix` (segments covering
@@ -221,6 +210,7 @@ def encode_sample(
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
         prefix=tuple(prefix) if prefix else None,
+        generation=generation,
     )
     header = msgspec.structs.replace(header, header_crc=header_crc(header))
     return Record(key, _header_encoder.encode(header), parts, n)
@@ -278,6 +268,8 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
     mask = header.loss_mask
     if mask is not None and (len(mask) != header.num_tokens or np.frombuffer(mask, np.uint8).max(initial=0) > 1):
         other.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
+    if header.generation is not None and header.generation.problem(header.num_tokens):
+        other.append(header.generation.problem(header.num_tokens))
     if header.header_crc is not None and header_crc(header) != header.header_crc:
         other.append(f"header checksum mismatch (header_crc {header.header_crc}, its fields' crc32 {header_crc(header)})")
     return shape + other, not shape

@@ -25,7 +25,7 @@ from corecap.errors import CorecapError
 from corecap.store import refs, segments
 from corecap.store.format import (
     DTYPES, MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header,
-    decode_meta, decode_states, stored_bytes,
+    decode_meta, decode_states, prompt_fingerprint, stored_bytes,
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
@@ -158,7 +158,7 @@ class Store:
         with lmdb_errors(self.path, "the headers database"), self.env.begin(buffers=True) as txn:
             for k, v in txn.cursor(db=self.headers_db):
                 key = key_text(self.path, bytes(k))
-                out[key] = prefixed(self.path, decode_header, key, v).input_fingerprint
+                out[key] = prompt_fingerprint(prefixed(self.path, decode_header, key, v))
         return out
 
     def get(self, key: str, alloc=None) -> Sample:

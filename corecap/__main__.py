@@ -1,0 +1,5 @@
+"""`python -m corecap`: the command line."""
+
+from corecap.cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""`python -m corecap.cli`."""
+
+from corecap.cli import main
+
+main()

@@ -1,0 +1,80 @@
+"""What the driver and the sink process say to each other (corecap/sink/process.py): the driver's
+control messages, in order on one socket, and the sink's final status."""
+
+from __future__ import annotations
+
+import msgspec
+
+from corecap.store.generated import Generation
+
+
+class Expect(msgspec.Struct, array_like=True, tag=1):
+    req_id: str
+    key: str
+    token_ids: bytes  # int32 LE
+    loss_mask: bytes | None = None
+    block_hashes: list[bytes] | None = None  # vLLM's, of each full block, with prefix caching on
+    max_new: int = 0  # the model writes up to this many tokens after token_ids (`Generated` says which)
+
+
+class Hits(msgspec.Struct, array_like=True, tag=6):
+    """vLLM took this request's first `num_blocks` blocks from its prefix cache (sink/prefix.py)."""
+
+    req_id: str
+    num_blocks: int
+
+
+class Drop(msgspec.Struct, array_like=True, tag=7):
+    """Stop keeping this block's states: the driver counted `count` productions of it."""
+
+    block_hash: bytes
+    count: int
+
+
+class BlockHash(msgspec.Struct, array_like=True, tag=8):
+    """The hash of block `index` of a generating request, which its response completes."""
+
+    req_id: str
+    index: int
+    block_hash: bytes
+
+
+class Generated(msgspec.Struct, array_like=True, tag=9):
+    """The response the model wrote for a request: the sample is its prompt, then these tokens."""
+
+    req_id: str
+    token_ids: bytes  # int32 LE
+    generation: Generation
+
+
+class Finish(msgspec.Struct, array_like=True, tag=2):
+    pass
+
+
+class Abort(msgspec.Struct, array_like=True, tag=3):
+    pass
+
+
+class Done(msgspec.Struct, array_like=True, tag=4):
+    num_committed: int
+    num_tokens: int
+    nbytes: int
+    raw_bytes: int
+    num_incomplete: int
+    flagged: list[str]
+    chunks: list[dict]
+    commits: list[dict]
+    encodes: list[dict]
+    writes: list[dict]
+    num_referring: int = 0  # stored once: samples committed with a reference to others
+    referred_bytes: int = 0  # the raw states those references stand for, not written
+    num_stored_whole: int = 0  # samples with cache hits stored whole (their source not yet committed)
+
+
+class Failed(msgspec.Struct, array_like=True, tag=5):
+    message: str
+    num_committed: int
+
+
+Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated
+Status = Done | Failed
