@@ -300,7 +300,7 @@ class _Capture:
                 return
             timing = engine.step()
             sink.prefix(engine.take_prefix_actions())  # before any response: a block hash first, then the sample whole
-            for req_id, response in timing.responses:
+            for req_id, response in engine.take_responses():
                 sink.generated(req_id, response.token_ids, self.responses.record(response, plan.sampling))
             if self.steps is not None:
                 self.steps.append(timing)

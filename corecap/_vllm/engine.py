@@ -58,7 +58,7 @@ class StepTiming:
     in_flight: int = 0  # batches at the workers while this one's output was awaited, itself included
     replica: int = 0  # the data-parallel replica that ran it
     finished: list[str] = field(default_factory=list)
-    responses: list[tuple[str, object]] = field(default_factory=list)  # (req_id, generation.Response) finished in this step
+    num_responses: int = 0  # of those, the responses written (`Engine.take_responses`)
 
 
 @dataclass
@@ -141,6 +141,7 @@ class Engine:
         self.num_unfinished = 0
         self.tokens: dict[str, int] = {}  # unfinished request → its prompt's length (+ its response's most)
         self.responses: dict = {}  # generating request → its generation.Response
+        self.written: list[tuple[str, object]] = []  # (req_id, Response) done, not yet taken
         self.num_outstanding_tokens = 0
         # Pipeline parallelism needs a batch per stage in flight to keep every stage busy.
         self.steps_in_flight = max(STEPS_IN_FLIGHT, vllm_config.parallel_config.pipeline_parallel_size)
@@ -233,6 +234,11 @@ class Engine:
         """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix.py)."""
         return self.prefix.take_actions() if self.prefix is not None else []
 
+    def take_responses(self) -> list[tuple[str, object]]:
+        """(req_id, generation.Response) of every response written since the last call."""
+        written, self.written = self.written, []
+        return written
+
     def step(self) -> StepTiming:
         try:
             return self._step()
@@ -285,11 +291,12 @@ class Engine:
                         timing.finished.append(o.request_id)
                 elif response.take(o.new_token_ids) or o.finish_reason is not None:
                     response.capped()  # where vLLM ended it first (a no-op otherwise)
-                    timing.responses.append((o.request_id, self.responses.pop(o.request_id)))
-        if timing.responses:  # its final token's states are computed: nothing more to run
+                    self.written.append((o.request_id, self.responses.pop(o.request_id)))
+                    timing.num_responses += 1
+        if timing.num_responses:  # their final tokens' states are computed: nothing more to run
             from vllm.v1.request import RequestStatus
 
-            done = [req_id for req_id, _ in timing.responses]
+            done = [req_id for req_id, _ in self.written[-timing.num_responses :]]
             self.core.scheduler.finish_requests(done, RequestStatus.FINISHED_ABORTED)
             if self.prefix is not None:
                 self.prefix.forget(done)

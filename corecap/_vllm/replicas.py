@@ -73,6 +73,9 @@ class Replicas:
     def take_prefix_actions(self) -> list[tuple]:
         return [a for e in self.engines for a in e.take_prefix_actions()]
 
+    def take_responses(self) -> list[tuple]:
+        return [r for e in self.engines for r in e.take_responses()]
+
     def prefix_line(self) -> str | None:
         """How much vLLM's prefix cache saved, or None where it is off."""
         trackers = [e.prefix for e in self.engines if e.prefix is not None]

@@ -31,7 +31,7 @@ def check_sampling(settings: dict, options: SamplingOptions) -> None:
     """vLLM's own checks of the settings, as one line, before any weight loads."""
     try:
         sampling_params(settings, options.max_tokens, seed=0)
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # ValueError, or vLLM's own VLLMValidationError (not one in every release)
         given = ", ".join(f"{k}={v}" for k, v in settings.items())
         raise CorecapError(f"sampling settings ({given}): vLLM refuses them: {str(e).splitlines()[0]}") from None
 

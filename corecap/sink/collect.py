@@ -302,8 +302,8 @@ class Collector:
                     f"sample {p.key!r}: received positions {start}..{int(positions[-1])}, "
                     f"not a contiguous run inside its {limit} tokens"
                 )
-            known = min(end, len(p.token_ids))  # the response's ids are checked when it is known
-            if not np.array_equal(msg.token_ids[lo : lo + max(0, known - start)], p.token_ids[start:known]):
+            known = max(start, min(end, len(p.token_ids)))  # a response's ids are checked once it is known
+            if not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known]):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
             if not p.final and end > len(p.token_ids):
                 p.received[known:end] = msg.token_ids[lo + known - start : hi]

@@ -1,0 +1,200 @@
+"""Generation and capture in one run (`--max-tokens`): the stored samples are prompt + the
+model's own response, every token's states equal HF transformers' over the stored sequence
+(float32), greedy responses equal HF's greedy decoding token for token, and every refusal comes
+before the model loads. One engine (batch 4, a 64-token step budget: chunked prefill and decode
+steps mixed), shared by the tests here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import NUM_LAYERS, SEED, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
+from corecap.config import PRENORM, SamplingOptions, build
+from corecap.errors import CorecapError
+from corecap.generation import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Response, StopRule, request_seed
+from corecap.store import Store
+
+TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-7 here
+MAX_TOKENS = 20
+LAYERS = (0, 2, 4, NUM_LAYERS, PRENORM)
+NEAR_TIE = 1e-4  # HF's own top-2 logit gap below which a greedy difference is a tie, not a bug
+
+
+def _rows() -> list[dict]:
+    rng = np.random.default_rng(SEED + 33)
+    rows = [{"id": f"ids-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate((1, 7, 40, 90, 150))]
+    rows.append({"id": "text", "text": "the quick brown fox"})
+    rows.append({"id": "chat", "messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "hidden states for a draft head"},
+        {"role": "assistant", "content": "the lazy dog"},  # replaced by the model's answer
+    ]})
+    rows.append({"id": "user-only", "conversations": [{"from": "human", "value": "the quick brown fox jumps"}]})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def generate_run(tiny_model, tmp_path_factory):
+    from corecap.run import run
+
+    tmp = tmp_path_factory.mktemp("generate")
+    data = write_jsonl(tmp / "data.jsonl", _rows())
+    cfg = build(
+        model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
+        dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0,
+    )
+    log: list[str] = []
+    summary = run(cfg, log=log.append)
+    return cfg, summary, log
+
+
+def _hf_greedy(hf_model, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens after `prompt`, and the top-2 logit gap at each step."""
+    ids, gaps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            top = torch.topk(logits, 2)
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids.append(int(top.indices[0]))
+    return ids[len(prompt):], gaps
+
+
+@pytest.mark.engine
+def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, tiny_model):
+    from corecap.model import load_tokenizer
+
+    cfg, summary, log = generate_run
+    assert summary.num_committed == len(_rows())
+    assert "generation: max tokens 20, temperature 0.0" in log[0], log[0]
+    tokenizer = load_tokenizer(tiny_model)
+    with Store.open(cfg.store) as store:
+        for row in _rows():
+            sample = store.get(row["id"])
+            gen = sample.header.generation
+            assert gen is not None and gen.num_prompt + gen.num_generated == len(sample.input_ids)
+            assert 1 <= gen.num_generated <= MAX_TOKENS
+            assert gen.finish_reason in (FINISH_EOS, FINISH_LENGTH)
+            assert (gen.finish_reason == FINISH_LENGTH) == (gen.num_generated == MAX_TOKENS), gen
+            assert gen.sampling == {"temperature": 0.0} and gen.seed == request_seed(0, row["id"])
+            prompt = sample.input_ids[: gen.num_prompt].tolist()
+            if "input_ids" in row:
+                assert prompt == row["input_ids"]
+            if "messages" in row or "conversations" in row:  # the template's generation prompt ends it
+                assert tokenizer.decode(prompt).endswith("<|assistant|>")
+                assert "the lazy dog" not in tokenizer.decode(prompt)
+            mask = sample.loss_mask
+            assert mask.tolist() == [0] * gen.num_prompt + [1] * gen.num_generated
+            # Every stored token's states, the last response token's too, against HF over the whole sequence.
+            ref = hf_hidden_states(hf_model, sample.input_ids, cfg.layers)
+            per_sample, per_token = relative_errors(sample.hidden_states, ref)
+            record_error("generated (prompt + response)", per_sample, per_token)
+            assert per_token.max() <= TOLERANCE, (row["id"], per_token.max())
+            # Greedy: the response is HF's greedy decoding, up to a near tie in HF's own logits.
+            response = sample.input_ids[gen.num_prompt :].tolist()
+            expected, gaps = _hf_greedy(hf_model, prompt, len(response))
+            differ = next((i for i, (a, b) in enumerate(zip(response, expected)) if a != b), None)
+            if differ is not None:
+                assert gaps[differ] < NEAR_TIE, (row["id"], differ, response, expected, gaps[differ])
+                print(f"{row['id']}: greedy differs from HF at response token {differ}, a near tie (gap {gaps[differ]:.2e})")
+            elif gen.finish_reason == FINISH_EOS:
+                assert response[-1] in (tokenizer.eos_token_id,)
+
+
+@pytest.mark.engine
+def test_a_rerun_resumes_a_generated_store(generate_run, tiny_model):
+    """Every key stored: nothing runs again (the prompt is what a resume compares)."""
+    from corecap.run import run
+
+    cfg, _, _ = generate_run
+    summary = run(cfg, log=lambda line: None)
+    assert summary.num_committed == 0 and summary.num_skipped == len(_rows())
+
+
+def _prepare_error(tiny_model, tmp_path, rows, **options) -> str:
+    from corecap.run import run
+
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(CorecapError) as e:
+        run(build(model=tiny_model, data=data, store=str(tmp_path / "store"), dtype="float32", **options), log=lambda line: None)
+    return str(e.value)
+
+
+def test_refusals_come_before_the_model_loads(tiny_model, tmp_path):
+    long = [{"id": "long", "input_ids": list(range(3, 500))}]
+    message = _prepare_error(tiny_model, tmp_path, long, max_tokens=64)
+    assert "data.jsonl:1: sample 'long' has a prompt of 497 tokens, and --max-tokens 64 after it makes more than --max-len 512" in message
+    assert "--overflow truncate writes a shorter response" in message
+    nothing = [{"id": "c", "messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+    assert "has no user turn before its last assistant turns (nothing to answer)" in _prepare_error(tiny_model, tmp_path, nothing, max_tokens=4)
+    short = [{"id": "s", "input_ids": [5, 6]}]
+    assert "vLLM refuses them" in _prepare_error(tiny_model, tmp_path, short, max_tokens=4, top_p=1.5)
+    assert not (tmp_path / "store" / "data.mdb").exists()  # nothing stored by any of them
+    with pytest.raises(CorecapError, match="--max-tokens and --nonfinite store exclude each other"):
+        build(model=tiny_model, max_tokens=4, nonfinite="store")
+    with pytest.raises(CorecapError, match="--max-tokens -1"):
+        SamplingOptions(max_tokens=-1)
+
+
+def test_overflow_truncate_writes_a_shorter_response(tiny_model, tmp_path):
+    from corecap import data
+    from corecap.model import load_tokenizer
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "input_ids": list(range(3, 103))}, {"id": "b", "input_ids": list(range(3, 13))}])
+    read = dict(tokenizer=load_tokenizer(tiny_model), vocab_size=VOCAB, max_len=110, max_tokens=20)
+    assert [(s.key, s.max_tokens) for s in data.read_samples(path, overflow="truncate", **read)] == [("a", 10), ("b", 20)]
+    assert [s.key for s in data.read_samples(path, overflow="skip", **read)] == ["b"]
+    samples = list(data.read_samples(path, overflow="truncate", **read))
+    assert all(s.loss_mask.tolist() == [0] * len(s.token_ids) for s in samples)
+
+
+def _response(max_tokens=5, eos=(2,), stop=(), decode=None) -> Response:
+    return Response(num_prompt=3, max_tokens=max_tokens, rule=StopRule(frozenset(eos), tuple(stop), decode))
+
+
+def test_a_response_ends_one_step_after_its_final_token():
+    r = _response(max_tokens=3)
+    assert not r.take([10]) and not r.take([11]) and not r.take([12])  # the third is the last: not yet fed
+    assert r.finish_reason == FINISH_LENGTH and not r.done
+    assert r.take([13]) and r.done and r.token_ids == [10, 11, 12]  # fed: the token after it is dropped
+    r = _response()
+    assert not r.take([7]) and not r.take([2]) and r.finish_reason == FINISH_EOS
+    assert r.take([9]) and r.token_ids == [7, 2]  # EOS is stored
+    r = _response(eos=())
+    for t in (7, 2, 8, 9):
+        r.take([t])
+    assert r.token_ids == [7, 2, 8, 9]  # --ignore-eos: no end-of-sequence id
+    chunked = _response()
+    assert not chunked.take([]) and chunked.token_ids == []  # a prefill chunk samples nothing
+
+
+def test_a_stop_string_ends_the_response_at_the_token_that_completes_it():
+    vocab = {10: "he", 11: "llo", 12: " wor", 13: "ld", 14: "!"}
+    r = _response(max_tokens=10, stop=("o wo",), decode=lambda ids: "".join(vocab[i] for i in ids))
+    for t in (10, 11):
+        assert not r.take([t]) and r.finish_reason is None
+    assert not r.take([12]) and (r.finish_reason, r.stop_reason) == (FINISH_STOP, "o wo")
+    assert r.take([13]) and r.token_ids == [10, 11, 12]
+
+
+def test_vllm_capping_a_response_drops_the_token_it_never_fed():
+    r = _response(max_tokens=10)
+    r.take([10])
+    r.take([11])
+    r.capped()
+    assert r.done and r.token_ids == [10] and r.finish_reason == FINISH_LENGTH
+
+
+def test_request_seeds_are_stable_across_processes_and_differ_by_key():
+    import subprocess
+    import sys
+
+    other = subprocess.run(
+        [sys.executable, "-c", "from corecap.generation import request_seed; print(request_seed(0, 'a'), request_seed(5, 'key-9'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()
+    assert [int(x) for x in other] == [request_seed(0, "a"), request_seed(5, "key-9")]
+    assert request_seed(0, "a") != request_seed(0, "b") and request_seed(0, "a") != request_seed(1, "a")
+    assert all(0 <= request_seed(7, k) < 2**63 for k in ("x", "y", ""))
