@@ -5,7 +5,7 @@ own input reader and written with the store's own encoder: a store to try `corec
 `corecap.StoreDataset` or the readers on without starting an engine (`corecap run` captures
 prenorm itself).
 
-    python tools/synthetic_capture.py --store demo.lmdb [--model DIR] [--data FILE] [--layers 2,4,5,8,prenorm] [--dtype bfloat16]
+    python -m tools.synthetic_capture --store demo.lmdb [--model DIR] [--data FILE] [--layers 2,4,5,8,prenorm] [--dtype bfloat16]
 """
 
 from __future__ import annotations

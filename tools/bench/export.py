@@ -4,11 +4,10 @@ store's samples decoded on the same number of threads, nothing written). Also th
 plus the layout's gather and cast (every copy the export makes, minus the file writes), to show
 what Python adds, and the export's peak RSS as the store doubles (a fresh process each time).
 
-EAGLE-3-sized samples: 2,048 tokens x 4 layers x 4,096, bf16, activation-like (per-channel
-scales, so zstd-planes compresses them as it does real states); speculators' store holds layers
-2,16,29,prenorm, SpecForge's 2,16,29,32.
+EAGLE-3-sized samples (tools/common/stores.py): 2,048 tokens x 4 layers x 4,096, bf16,
+activation-like.
 
-    flock /tmp/corecap-engine.lock python tools/bench_export.py --format speculators --samples 128 [--workers 2] [--dir /tmp]
+    flock /tmp/corecap-engine.lock python -m tools.bench.export --format speculators --samples 128 [--workers 2] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -24,63 +23,16 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import numpy as np
-import torch
 
-from corecap.store import (
-    FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Record, Store, StoreMeta, decode_header, decode_sample, encode_sample,
-)
+from corecap.store import Store, decode_header, decode_sample
 from corecap.store import layouts
 from corecap.store.codec import DTYPES
-from corecap.store.format import header_crc
+from tools.common.child import child_env
+from tools.common.disk import dd_rate
+from tools.common.stores import HIDDEN, LAYERS, build_store
 
-TOKENS, HIDDEN, NUM_LAYERS = 2048, 4096, 32
-LAYERS = {"speculators": (2, 16, 29, "prenorm"), "specforge": (2, 16, 29, 32)}
-_DISTINCT = 8  # distinct state tensors, reused under other keys (encoding is the slow part of building)
-
-
-def build_store(path: str, fmt: str, first: int, count: int, tokens: int, codec: str = "zstd-planes") -> None:
-    """Samples first..first+count-1 (keys s000000...), committed 8 at a time."""
-    layers = LAYERS[fmt]
-    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, NUM_LAYERS, HIDDEN, 128256)
-    meta = StoreMeta(
-        format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
-        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="bench", vllm_version="none", codec=codec,
-    )
-    g = torch.Generator().manual_seed(0)
-    scale = torch.exp(torch.randn(HIDDEN, generator=g))  # activations: a few channels much larger
-    base = []
-    for i in range(_DISTINCT):
-        states = (torch.randn(len(layers), tokens, HIDDEN, generator=g) * scale).bfloat16()
-        ids = np.random.default_rng(i).integers(0, 128256, size=tokens).astype(np.int32)
-        mask = (np.arange(tokens) >= tokens // 4).astype(np.uint8)
-        base.append(encode_sample("x", ids, states, layers, codec=codec, loss_mask=mask))
-    encoder = msgspec.msgpack.Encoder()
-    with Store.create_or_open(path, meta) as store:
-        batch = []
-        for i in range(first, first + count):
-            r = base[i % _DISTINCT]
-            key = f"s{i:06d}"
-            header = msgspec.structs.replace(decode_header("x", r.header), id=key)
-            header = msgspec.structs.replace(header, header_crc=header_crc(header))  # over the new id too
-            batch.append(Record(key, encoder.encode(header), r.parts))
-            if len(batch) == 8:
-                store.put_many(batch)
-                batch = []
-        if batch:
-            store.put_many(batch)
-
-
-def dd_rate(directory: str, nbytes: int) -> float:
-    """GB/s of `dd conv=fsync` writing nbytes (16 MiB blocks) into directory."""
-    path = os.path.join(directory, "dd.bin")
-    count = max(1, nbytes // (16 << 20))
-    start = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}", "conv=fsync"], check=True, capture_output=True)
-    seconds = time.perf_counter() - start
-    os.unlink(path)
-    return count * (16 << 20) / seconds / 1e9
+TOKENS = 2048
 
 
 def decode_rate(path: str, workers: int, gather: str | None) -> tuple[float, float]:
@@ -152,8 +104,7 @@ print(json.dumps({"seconds": s.seconds, "wall": time.perf_counter() - start, "nb
 
 def export_once(store: str, out: str, fmt: str, workers: int) -> dict:
     """One export in a fresh process: its rate and peak RSS."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    done = subprocess.run([sys.executable, "-c", _CHILD, store, out, fmt, str(workers)], env=env, check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _CHILD, store, out, fmt, str(workers)], env=child_env(), check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["gb_s"] = result["nbytes"] / result["seconds"] / 1e9
     result["samples_s"] = result["samples"] / result["seconds"]

@@ -9,7 +9,7 @@ per sample split into reading the bytes and decoding them, to show which dominat
 
 EAGLE-3-sized samples: 2,048 tokens x 4 layers (2,16,29,prenorm) x 4,096, bf16, activation-like.
 
-    flock /tmp/corecap-engine.lock python tools/bench_dataset.py --samples 32 [--seconds 20] [--dir /tmp] [--touch]
+    flock /tmp/corecap-engine.lock python -m tools.bench.dataset --samples 32 [--seconds 20] [--dir /tmp] [--touch]
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import time
 import torch
 import torch.utils.data
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_export import build_store  # noqa: E402
-
-import corecap  # noqa: E402
-from corecap.store import Store, decode_header, decode_sample  # noqa: E402
-from corecap.store.export import export_store  # noqa: E402
+import corecap
+from corecap.store import Store, decode_header, decode_sample
+from corecap.store.export import export_store
+from tools.common.stores import build_store
 
 
 class HsFiles(torch.utils.data.Dataset):

@@ -2,7 +2,7 @@
 transformers on the same GPU, for a tiny Llama (head_dim 64), in bf16 and float32, on the V2 and
 V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-token sample included.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_exact.py [--tp N] [--out DIR] \
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.exact [--tp N] [--out DIR] \
         [--cases bfloat16,float32,bfloat16:v1,float32:highest]
 
 A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0), `:highest`
@@ -28,7 +28,8 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+from tools.common.child import child_env
+from tools.common.models import exactness_rows, write_rows
 
 VOCAB = 1024
 LAYERS = (0, 1, 2, 4, 7, 8, "prenorm")  # prenorm: the last decoder layer's output (HF: a forward hook)
@@ -50,19 +51,7 @@ def build_model(path: str) -> None:
 
 
 def rows() -> list[dict]:
-    rng = np.random.default_rng(1234)
-    prefix = rng.integers(3, VOCAB, size=300).tolist()
-    dup = rng.integers(3, VOCAB, size=200).tolist()
-    out = [
-        {"id": "one", "input_ids": [7]},
-        {"id": "long-chunked", "input_ids": rng.integers(0, VOCAB, size=700).tolist()},
-        {"id": "prefix-a", "input_ids": prefix + rng.integers(0, VOCAB, size=50).tolist()},
-        {"id": "prefix-b", "input_ids": prefix + rng.integers(0, VOCAB, size=90).tolist()},
-        {"id": "dup-1", "input_ids": dup},
-        {"id": "dup-2", "input_ids": dup},
-    ]
-    out += [{"id": f"rand-{i}", "input_ids": rng.integers(0, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 300, size=24))]
-    return out
+    return exactness_rows(VOCAB, low=0, max_random=300)
 
 
 def one_case(model: str, data: str, store: str, dtype: str, variant: str, tp: int) -> None:
@@ -130,19 +119,16 @@ def main() -> None:
     model = os.path.join(work, "model")
     build_model(model)
     data_rows = rows()
-    data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in data_rows)
+    data = write_rows(os.path.join(work, "data.jsonl"), data_rows)
     results = []
     cases = args.cases or ("bfloat16,float32,bfloat16:v1" if args.tp == 1 else "bfloat16,float32")
     for case in cases.split(","):
         dtype, _, variant = case.partition(":")
         v2 = "0" if variant == "v1" else "1"
         store = os.path.join(work, f"store-{dtype}-{variant or 'v2'}")
-        env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}
-        env.update(VARIANT_ENV.get(variant, {}))
+        env = child_env({"VLLM_USE_V2_MODEL_RUNNER": v2, **VARIANT_ENV.get(variant, {})})
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--tp", str(args.tp), "--case", model, data, store, dtype, variant],
+        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--tp", str(args.tp), "--case", model, data, store, dtype, variant],
                               env=env, capture_output=True, text=True, timeout=420)
         rec = {"dtype": dtype, "variant": variant, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
         if proc.returncode == 0:

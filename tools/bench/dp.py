@@ -1,6 +1,6 @@
 """Data-parallel replicas on the CPU: capture throughput of `-dp N` against one engine.
 
-    PYTHONPATH=$PWD flock /tmp/corecap-engine.lock python3 tools/bench_dp.py [--dp 1,2] [--seconds 20] [--out DIR]
+    flock /tmp/corecap-engine.lock python3 -m tools.bench.dp [--dp 1,2] [--seconds 20] [--out DIR]
 
 Each configuration is one `corecap.capture` in a process of its own, on the same synthetic
 Llama (8 layers, hidden 512, float32, built from a fixed seed: big enough that the forward
@@ -22,10 +22,12 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
+
+from tools.common import traces
+from tools.common.child import append_jsonl, parse_or_answer, run_child
+from tools.common.models import tiny_llama
 
 PROMPT_LEN = 512
 PINNED = {"dp1-1core": "0", "dp1-2cores": "0-1"}
@@ -35,17 +37,8 @@ LAYERS = (2, 4, 5, 8)
 def build_inputs(workdir: str, num_prompts: int) -> tuple[str, str]:
     import numpy as np
 
-    import torch
-    import transformers
-
-    model = os.path.join(workdir, "model")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        config = transformers.LlamaConfig(
-            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        )
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(model)
+    model = tiny_llama(os.path.join(workdir, "model"), vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
     data = os.path.join(workdir, f"prompts-{num_prompts}.jsonl")
     rng = np.random.default_rng(0)
     with open(data, "w") as f:
@@ -65,16 +58,12 @@ def one(args) -> dict:
     summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS, dtype="float32", dp=dp,
                       max_len=PROMPT_LEN + 8, memory_utilization=0.1, log=lambda m: print(m, flush=True))
     wall = time.perf_counter() - t0
-    with open(os.path.join(store, "trace.json")) as f:
-        trace = json.load(f)
-    first_step = trace["steps"][0]["start"]
-    capture_end = max(c["t_done"] for c in trace["chunks"])
-    durable_end = max(c["end"] for c in trace["commits"])
+    trace = traces.load(store)
     shutil.rmtree(store, ignore_errors=True)
-    tokens = summary.num_tokens
+    rates = traces.rates(trace, summary.num_tokens)
     return {
-        "capture_tok_s": tokens / (capture_end - first_step), "durable_tok_s": tokens / (durable_end - first_step),
-        "capture_s": capture_end - first_step, "tokens": tokens, "samples": summary.num_committed, "wall_s": wall,
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"], "capture_s": rates["capture_s"],
+        "tokens": summary.num_tokens, "samples": summary.num_committed, "wall_s": wall,
         "replicas": sorted({s.get("replica", 0) for s in trace["steps"]}),
     }
 
@@ -84,13 +73,8 @@ def main() -> None:
     ap.add_argument("--dp", default="1,2", help="replica counts to measure (and dp1-1core)")
     ap.add_argument("--seconds", type=float, default=20.0, help="capture time of -dp 1 to aim for")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.one:
-        print("RESULT", json.dumps(one(args)), flush=True)
+    args = parse_or_answer(ap, one)
+    if args is None:
         return
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-dp-")
@@ -107,24 +91,18 @@ def main() -> None:
             rec = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_before": os.getloadavg()[0],
                    **_run(args, mode, model, data, workdir)}
             print(json.dumps(rec), flush=True)
-            with open(os.path.join(args.out, "bench_dp.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_jsonl(os.path.join(args.out, "bench_dp.jsonl"), rec)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run(args, mode: str, model: str, data: str, workdir: str) -> dict:
-    env = dict(os.environ)
-    if mode in PINNED:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = PINNED[mode]
-    cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
-        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": PINNED[mode]} if mode in PINNED else None
+    result, proc = run_child(__spec__.name, ["--one", mode, "--model", model, "--data", data, "--workdir", workdir],
+                             timeout=1800, env=env)
     lines = (proc.stdout + proc.stderr).splitlines()  # vLLM logs to stdout
     binding = sorted({line.split("] ", 1)[-1].strip() for line in lines if "core ids=" in line})
-    return {**json.loads(results[-1]), "binding": binding}
+    return {**result, "binding": binding}
 
 
 if __name__ == "__main__":

@@ -3,8 +3,12 @@ corecap vs HF transformers, on a Llama-3-8B-shaped model with dummy weights, 512
 random tokens, layers 2,16,29,32, prefix caching off; plus the disk's fsync'd sequential bandwidth
 (dd) and the store's, with corecap's commit pattern, against LMDB's.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench_gpu.py \
-        --modes dd,store,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR]
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.bench \
+        --modes dd,store,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR] [--dir DISK]
+
+(/root/vsite: where ../shared/gpukit's remote_install.sh unpacks vLLM.) --dir is the disk under
+test (default: the home directory, /root on the lent H200, where every figure in
+docs/benchmarks.md was measured): the model's config.json, the stores and dd's file go there.
 
 A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-prompts-double check).
 `--dp N` (a multi-GPU machine): corecap runs N engine replicas, one per GPU, into one store
@@ -47,7 +51,10 @@ import subprocess
 import sys
 import time
 
-MODEL_DIR = "/root/llama8b"
+from tools.common import traces
+from tools.common.child import PREFIX, append_jsonl, child_env
+from tools.common.disk import dd_rate
+
 CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -57,7 +64,6 @@ CONFIG = dict(
 LAYERS = [2, 16, 29, 32]
 PROMPT_LEN = 1024
 ENGINE = dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=16384, gpu_memory_utilization=0.85)
-DISK = "/root"
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -65,19 +71,17 @@ def prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(10, 128000) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
+def model_dir(args) -> str:
+    return os.path.join(args.dir, "llama8b")
+
+
 def emit(out: str, rec: dict) -> None:
-    print("RESULT", json.dumps(rec), flush=True)
-    with open(os.path.join(out, "bench_gpu.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    print(PREFIX + json.dumps(rec), flush=True)
+    append_jsonl(os.path.join(out, "bench_gpu.jsonl"), rec)
 
 
 def mode_dd(args) -> dict:
-    path = os.path.join(DISK, "dd.bin")
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=2048", "conv=fsync"], check=True, capture_output=True)
-    dt = time.perf_counter() - t
-    os.remove(path)
-    return {"gb_s": 2048 * 2**20 / dt / 1e9}
+    return {"gb_s": dd_rate(args.dir, 2048 << 20, block_mib=1)}
 
 
 def mode_store(args) -> dict:
@@ -92,7 +96,7 @@ def mode_store(args) -> dict:
 
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
-    path = os.path.join(DISK, "bw.store")
+    path = os.path.join(args.dir, "bw.store")
     ident = ModelIdentity("x", "x", "x", "x", 32, 4096, 128256)
     states = torch.randn(4, PROMPT_LEN, 4096).bfloat16()
     ids = np.arange(PROMPT_LEN)
@@ -145,7 +149,7 @@ def mode_plain(args) -> dict:
 
     extra = {"async_scheduling": False} if args.one == "plain-sync" else {}
     t0 = time.perf_counter()
-    llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE, **extra)
+    llm = LLM(model=model_dir(args), load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE, **extra)
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
     ps = prompts(args.prompts)
@@ -164,12 +168,12 @@ def mode_extract(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    path = os.path.join(DISK, "hs_extract")
+    path = os.path.join(args.dir, "hs_extract")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     t0 = time.perf_counter()
     llm = LLM(
-        model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE,
+        model=model_dir(args), load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE,
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}},
         kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -209,40 +213,35 @@ def mode_corecap(args) -> dict:
     from corecap.config import build
     from corecap.run import run
 
-    data = os.path.join(DISK, f"prompts-{args.prompts}.jsonl")
+    data = os.path.join(args.dir, f"prompts-{args.prompts}.jsonl")
     with open(data, "w") as f:
         for i, p in enumerate(prompts(args.prompts)):
             f.write(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n")
-    store = os.path.join(DISK, "corecap.lmdb")
+    store = os.path.join(args.dir, "corecap.lmdb")
     shutil.rmtree(store, ignore_errors=True)
     extra = corecap_options(args.one, args.codec)
     cfg = build(
-        model=MODEL_DIR, data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
+        model=model_dir(args), data=data, store=store, layers=tuple(LAYERS), batch=ENGINE["max_num_seqs"],
         max_len=ENGINE["max_model_len"], max_batched_tokens=ENGINE["max_num_batched_tokens"],
         load_format="dummy", memory_utilization=ENGINE["gpu_memory_utilization"], dp=args.dp, **extra,
     )
     t0 = time.perf_counter()
     summary = run(cfg, log=lambda m: print(m, flush=True))
     wall = time.perf_counter() - t0
-    with open(os.path.join(store, "trace.json")) as f:
-        trace = json.load(f)
+    trace = traces.load(store)
     # From the moment corecap starts reading the dataset and adding requests, as plain vLLM's
     # clock starts when generate() is called (calls 1-7 and the first calls of 2026-11-30's third
     # session started at the first engine step: `*_from_first_step`, kept for comparison).
-    start = trace["start"]
-    first_step = trace["steps"][0]["start"]
-    capture_end = max(c["t_done"] for c in trace["chunks"])
-    durable_end = max(c["end"] for c in trace["commits"])
     tokens = summary.num_tokens
+    rates, from_first_step = traces.rates(trace, tokens, since="start"), traces.rates(trace, tokens)
     name = f"trace_{args.one}_{args.prompts}_{time.strftime('%H%M%S')}.json"  # one per run, repeats too
     shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
     shutil.rmtree(store, ignore_errors=True)
     return {
-        "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
-        "steps_tok_s": tokens / (trace["steps"][-1]["end"] - first_step),
-        "capture_from_first_step_tok_s": tokens / (capture_end - first_step),
-        "durable_from_first_step_tok_s": tokens / (durable_end - first_step),
-        "feed_s": first_step - start,
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"], "steps_tok_s": rates["steps_tok_s"],
+        "capture_from_first_step_tok_s": from_first_step["capture_tok_s"],
+        "durable_from_first_step_tok_s": from_first_step["durable_tok_s"],
+        "feed_s": trace["steps"][0]["start"] - trace["start"],
         "bytes_per_token": summary.nbytes / tokens, "committed": summary.num_committed,
         "driver_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, "wall_s": wall,
@@ -308,13 +307,14 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas, one GPU each (corecap -dp N; plain: N processes)")
+    ap.add_argument("--dir", default=os.path.expanduser("~"), help="the disk under test: model config, stores, dd (default: ~)")
     args = ap.parse_args()
     try:
         modes = parse_modes(args.one or args.modes, args.prompts)
     except ValueError as e:
         ap.error(str(e))
-    os.makedirs(MODEL_DIR, exist_ok=True)
-    with open(os.path.join(MODEL_DIR, "config.json"), "w") as f:
+    os.makedirs(model_dir(args), exist_ok=True)
+    with open(os.path.join(model_dir(args), "config.json"), "w") as f:
         json.dump(CONFIG, f)
     if args.one:
         rec = {"mode": args.one, "prompts": args.prompts, **MODES[args.one](args)}
@@ -322,7 +322,8 @@ def main() -> None:
         return
     for r in range(args.repeat):
         for mode, num in modes:
-            cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(num), "--out", args.out, "--dp", str(args.dp)]
+            cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(num), "--out", args.out, "--dp", str(args.dp),
+                   "--dir", args.dir]
             if args.codec:
                 cmd += ["--codec", args.codec]
             t = time.time()
@@ -330,7 +331,7 @@ def main() -> None:
                 _plain_replicas(args, mode, num, r)
                 continue
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
                 rc, err = proc.returncode, proc.stderr
             except subprocess.TimeoutExpired as e:
                 rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
@@ -345,14 +346,15 @@ def _plain_replicas(args, mode: str, prompts: int, repeat: int) -> None:
     share = prompts // args.dp
     procs = []
     for k in range(args.dp):
-        cmd = [sys.executable, __file__, "--one", mode, "--prompts", str(share), "--out", os.path.join(args.out, f"replica{k}")]
-        os.makedirs(cmd[-1], exist_ok=True)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
+        out = os.path.join(args.out, f"replica{k}")
+        cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(share), "--out", out, "--dir", args.dir]
+        os.makedirs(out, exist_ok=True)
+        env = child_env({"CUDA_VISIBLE_DEVICES": str(k)})
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     results = []
     for k, proc in enumerate(procs):
         out, err = proc.communicate(timeout=args.timeout)
-        lines = [json.loads(x.removeprefix("RESULT ")) for x in out.splitlines() if x.startswith("RESULT ")]
+        lines = [json.loads(x.removeprefix(PREFIX)) for x in out.splitlines() if x.startswith(PREFIX)]
         if proc.returncode != 0 or not lines:
             emit(args.out, {"mode": mode, "dp": args.dp, "replica": k, "repeat": repeat, "rc": proc.returncode, "stderr_tail": err[-3000:]})
             return

@@ -1,7 +1,7 @@
 """What recording the run's timeline (<store>/trace.json) costs: an A/B benchmark.
 
-    CORECAP_CACHE=/tmp/cc python tools/bench_trace_overhead.py                  # 2 runs per arm
-    python tools/bench_trace_overhead.py --repeats 3 --copies 40 -- --max-batched-tokens 256
+    CORECAP_CACHE=/tmp/cc python -m tools.bench.trace_overhead                  # 2 runs per arm
+    python -m tools.bench.trace_overhead --repeats 3 --copies 40 -- --max-batched-tokens 256
 
 Two parts:
 1. In process, no engine: the cost of the records themselves. It times building and appending
@@ -9,11 +9,11 @@ Two parts:
    per step) and `write_trace` for them, so the per-step cost is known even where the
    end-to-end difference drowns in noise.
 2. End to end: `corecap run` on the demo data repeated --copies times (fresh ids, so a longer
-   steady state than the 23-sample demo), alternating arm A (tracing on) and arm B (env
-   CORECAP_NO_TRACE=1: run.py skips the per-step appends and trace.json), each into a fresh
-   store. Capture seconds come from the run's summary line (tokens / tokens/s; model loading
-   and engine start are not in it). Arm B must leave no trace.json: if one appears, this
-   corecap ignores CORECAP_NO_TRACE and the comparison is void, which the script says.
+   steady state than the 23-sample demo), alternating arm A (tracing on) and arm B (RunConfig.trace=False, set
+   in a child that runs the CLI: run.py skips the per-step appends and trace.json), each into a
+   fresh store. Capture seconds come from the run's summary line (tokens / tokens/s; model loading
+   and engine start are not in it). Arm B must leave no trace.json: if one appears, the
+   switch did not reach the run and the comparison is void, which the script says.
 
 It prints a Markdown block to paste into docs/benchmarks.md (command, machine, date, results).
 Each end-to-end run starts an engine (~1 min on 2 CPU cores): keep --repeats small.
@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from tools.common.child import child_env, command_line
 
 DEFAULT_RUN_ARGS = ["--max-batched-tokens", "64", "--layers", "0,2,8"]
 SUMMARY = re.compile(r"committed (\d+) samples \((\d+) tokens\).* \((\d+) tokens/s\)")
@@ -75,14 +77,23 @@ def demo_copies(path: str, copies: int) -> int:
     return copies * len(rows)
 
 
+# Arm B's child: `corecap run` as the CLI parses it, with the frozen RunConfig's `trace` field
+# turned off (the CLI has no flag for it; the library's callers set RunConfig.trace=False).
+_UNTRACED = """
+import dataclasses, sys
+from corecap import cli
+traced = cli.capture
+cli.capture = lambda cfg, **kw: traced(dataclasses.replace(cfg, trace=False), **kw)
+cli.main(sys.argv[1:], prog_name="corecap")
+"""
+
+
 def run_once(arm: str, data: str, store: str, run_args: list[str]) -> dict:
-    env = dict(os.environ)
-    env.pop("CORECAP_NO_TRACE", None)
-    if arm == "B":
-        env["CORECAP_NO_TRACE"] = "1"
-    cmd = [sys.executable, "-m", "corecap.cli", "run", "--data", data, "--store", store, *run_args]
+    """Arm A: `corecap run` as users run it; arm B: the same with RunConfig.trace=False."""
+    args = ["run", "--data", data, "--store", store, *run_args]
+    cmd = [sys.executable, "-m", "corecap.cli", *args] if arm == "A" else [sys.executable, "-c", _UNTRACED, *args]
     begin = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
     process_s = time.perf_counter() - begin
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -126,7 +137,7 @@ def main() -> None:
     lines = [
         f"### Trace overhead ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Command: `{shlex.join(['python', sys.argv[0], *sys.argv[1:]])}`; machine: {machine()}.",
+        f"Command: `{command_line()}`; machine: {machine()}.",
         "",
         f"In process: {m['record_us']:.2f} µs per step to build and keep its step, chunk and commit "
         f"records; write_trace for {m['num_steps']:,} steps: {m['write_s']:.2f} s, "
@@ -149,7 +160,7 @@ def main() -> None:
                   f"({num_samples} samples), {args.repeats} runs per arm, alternating:", "",
                   "| arm | tracing | capture s (each) | mean s | tokens/s (mean) |", "| --- | --- | --- | --- | --- |"]
         means = {}
-        for arm, label in (("A", "on"), ("B", "off (CORECAP_NO_TRACE=1)")):
+        for arm, label in (("A", "on"), ("B", "off (RunConfig.trace=False)")):
             runs = [r for r in results if r["arm"] == arm]
             seconds = [r["capture_s"] for r in runs]
             means[arm] = statistics.mean(seconds)
@@ -164,7 +175,7 @@ def main() -> None:
             noise = "one run per arm gives no noise estimate: use --repeats 3 or more."
         lines += ["", f"Tracing costs {overhead:+.1%} of capture time (A vs B); {noise}"]
         if any(r["traced"] for r in results if r["arm"] == "B"):
-            lines.append("WARNING: arm B wrote trace.json: this corecap ignores CORECAP_NO_TRACE, both arms traced.")
+            lines.append("WARNING: arm B wrote trace.json: RunConfig.trace=False did not reach the run, both arms traced.")
     print("\n".join(lines))
 
 

@@ -3,7 +3,7 @@ tokens x 4,096, bf16, random), written once, then verified with 1 thread and wit
 number (`corecap verify --threads`); on one thread the time per sample is split into reading +
 decoding and the states checks (NaN/Inf, all-zero layers).
 
-    python tools/bench_verify.py [--samples 24] [--codec zstd-planes] [--repeat 3] [--threads 1,4]
+    python -m tools.bench.verify [--samples 24] [--codec zstd-planes] [--repeat 3] [--threads 1,4]
 """
 
 from __future__ import annotations
@@ -15,27 +15,10 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import torch
-
 from corecap.store import verify
-from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+from tools.common.stores import HIDDEN, LAYERS, random_store
 
-LAYERS, TOKENS, HIDDEN = (2, 16, 29, 32), 1024, 4096
-
-
-def make_store(path: str, num_samples: int, codec: str) -> None:
-    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 32, HIDDEN, 128256)
-    meta = StoreMeta(
-        format_version=FORMAT_VERSION, model=identity, layers=LAYERS, layer_meaning=LAYER_MEANING,
-        dtype="bfloat16", hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=codec,
-    )
-    g = torch.Generator().manual_seed(0)
-    with Store.create_or_open(path, meta) as store:
-        for i in range(num_samples):
-            states = torch.randn(len(LAYERS), TOKENS, HIDDEN, generator=g).bfloat16()
-            ids = np.arange(TOKENS, dtype=np.int32)
-            store.put_many([encode_sample(f"s{i:06d}", ids, states, LAYERS, codec=codec)])
+TOKENS = 1024
 
 
 def main() -> int:
@@ -48,7 +31,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="bench-verify-")
     try:
         path = os.path.join(tmp, "store")
-        make_store(path, args.samples, args.codec)
+        random_store(path, args.samples, TOKENS, args.codec)
         checks = []
         original = verify._check_states
 
@@ -71,7 +54,7 @@ def main() -> int:
                 check = sum(checks) / args.samples * 1e3
                 split = f": read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms" if threads == 1 else ""
                 print(
-                    f"{args.samples} samples of {len(LAYERS)}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}, "
+                    f"{args.samples} samples of {len(LAYERS['specforge'])}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}, "
                     f"{threads} thread(s): {per_sample:.1f} ms per sample ({args.samples / total:.1f} samples/s){split}"
                 )
     finally:

@@ -1,10 +1,10 @@
 """The architectures of tests/test_architectures.py on the GPU: corecap's bf16 capture on vLLM's
 default path (torch.compile + CUDA graphs) against HF transformers float32, tiny models built
-from a seed by tests/tiny_models.py (random norm weights), every layer 0..N and prenorm, over
+from a seed by the tests' tiny_models.py (random norm weights), every layer 0..N and prenorm, over
 that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
-1-token sample). DeepSeek-V3 has its own tool (tools/gpu_deepseek_exact.py: its routing flips).
+1-token sample). DeepSeek-V3 has its own tool (tools/gpu/deepseek_exact.py: its routing flips).
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_archs.py \
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.archs \
         [--archs gemma3,mixtral,qwen2_moe,gpt_oss,qwen3_next] [--out DIR]
 
 The models are those of the CPU suite, widened to head_dim 64 (hidden 128, 2 heads) because
@@ -20,15 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import importlib.util
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from tools.common.child import ROOT
 
-import tiny_models  # noqa: E402
+# The tests' tiny models, run here as a file: tests/support/ holds what tests share (tests/ before).
+TINY_MODELS = next(p for p in (os.path.join(ROOT, "tests", "support", "tiny_models.py"), os.path.join(ROOT, "tests", "tiny_models.py"))
+                   if os.path.exists(p))
+_spec = importlib.util.spec_from_file_location("tiny_models", TINY_MODELS)
+tiny_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny_models)
 
 ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
 WIDER = {"hidden_size": 128, "head_dim": 64}
@@ -52,7 +57,7 @@ def one_arch(name: str, work: str) -> dict:
     refs = {}
     for dtype in ("float32", "bfloat16"):
         out = os.path.join(work, f"refs-{dtype}.pt")
-        subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "tiny_models.py"), "reference", model, data, out, dtype],
+        subprocess.run([sys.executable, TINY_MODELS, "reference", model, data, out, dtype],
                        check=True, timeout=600, capture_output=True)
         refs[dtype] = torch.load(out)
     store = os.path.join(work, "store")

@@ -1,6 +1,6 @@
 """Prefix caching on the CPU: capture rate, stored bytes and peak RSS with caching off and on.
 
-    PYTHONPATH=$PWD flock /tmp/corecap-engine.lock python3 tools/bench_prefix.py [--datasets a,b,c]
+    flock /tmp/corecap-engine.lock python3 -m tools.bench.prefix [--datasets a,b,c]
         [--modes off,on,on-small] [--samples 24] [--model-shape small|wide] [--out DIR]
 
 Datasets (written here, from a fixed seed, as token ids):
@@ -31,11 +31,13 @@ import json
 import os
 import resource
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 import time
+
+from tools.common import traces
+from tools.common.child import append_jsonl, parse_or_answer, run_child
+from tools.common.models import tiny_llama
+from tools.common.rss import RssPeaks, children_by_role
 
 LAYERS = {"small": (2, 4, 5, 8), "wide": (1, 2, 3, 4)}  # by --model-shape
 MEMORY_SHARE = {"small": 0.1, "wide": 0.3}  # wide's activations at 2,048 tokens a step need more than 0.1 leaves
@@ -58,18 +60,7 @@ MODEL_SHAPES = {
 
 
 def build_model(workdir: str, shape: str = "small") -> str:
-    import torch
-    import transformers
-
-    model = os.path.join(workdir, f"model-{shape}")
-    if not os.path.exists(os.path.join(model, "config.json")):
-        config = transformers.LlamaConfig(
-            vocab_size=4096, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-            **MODEL_SHAPES[shape],
-        )
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(model)
-    return model
+    return tiny_llama(os.path.join(workdir, f"model-{shape}"), vocab_size=4096, max_position_embeddings=4096, **MODEL_SHAPES[shape])
 
 
 def build_data(workdir: str, dataset: str, num_samples: int) -> str:
@@ -106,53 +97,29 @@ def one(args) -> dict:
     store = os.path.join(args.workdir, f"store-{args.one}")
     shutil.rmtree(store, ignore_errors=True)
     lines: list[str] = []
-    peaks: dict[str, float] = {}
-    done = threading.Event()
-    threading.Thread(target=_watch_rss, args=(peaks, done), daemon=True).start()
     t0 = time.perf_counter()
-    summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS[args.model_shape], dtype="float32", batch=8,
-                      max_batched_tokens=2048, max_len=3200, memory_utilization=MEMORY_SHARE[args.model_shape], log=lines.append,
-                      **MODES[args.one])
+    with RssPeaks(children_by_role, interval=0.05) as peaks:
+        summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS[args.model_shape], dtype="float32",
+                          batch=8, max_batched_tokens=2048, max_len=3200, memory_utilization=MEMORY_SHARE[args.model_shape],
+                          log=lines.append, **MODES[args.one])
     wall = time.perf_counter() - t0
-    done.set()
-    with open(os.path.join(store, "trace.json")) as f:
-        trace = json.load(f)
-    first_step = trace["steps"][0]["start"]
-    durable_end = max(c["end"] for c in trace["commits"])
-    computed = sum(s["num_tokens"] for s in trace["steps"])
+    rates = traces.rates(traces.load(store), summary.num_tokens)
     state_files = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store) if f.startswith("states-"))
     from corecap.store.verify import verify_store
 
     report = verify_store(store)
     shutil.rmtree(store, ignore_errors=True)
     return {
-        "capture_tok_s": summary.num_tokens / (durable_end - first_step), "capture_s": durable_end - first_step,
-        "tokens": summary.num_tokens, "computed_tokens": computed, "samples": summary.num_committed,
+        "capture_tok_s": rates["durable_tok_s"], "capture_s": rates["durable_s"],
+        "tokens": summary.num_tokens, "computed_tokens": rates["computed_tokens"], "samples": summary.num_committed,
         "stored_bytes": summary.nbytes, "state_file_bytes": state_files, "raw_bytes": summary.raw_bytes,
         "referred_bytes": summary.referred_bytes, "num_referring": summary.num_referring,
         "num_stored_whole": summary.num_stored_whole, "verify_ok": report.ok, "wall_s": wall,
         "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "sink_peak_rss_mib": peaks.get("corecap-sink", 0.0), "worker_peak_rss_mib": peaks.get("worker", 0.0),
+        "sink_peak_rss_mib": peaks.mib.get("corecap-sink", 0.0), "worker_peak_rss_mib": peaks.mib.get("worker", 0.0),
         "prefix_line": next((x for x in lines if x.startswith("prefix cache: ")), None),
         "engine_line": next((x for x in lines if x.startswith("engine: ")), None),
     }
-
-
-def _watch_rss(peaks: dict, done: threading.Event) -> None:
-    """Sample the sink's RSS (it holds the states cache) and the workers' every 50 ms."""
-    import multiprocessing
-
-    import psutil
-
-    while not done.is_set():
-        for child in multiprocessing.active_children():
-            name = "corecap-sink" if child.name == "corecap-sink" else "worker"
-            try:
-                rss = psutil.Process(child.pid).memory_info().rss / 2**20
-            except psutil.Error:
-                continue
-            peaks[name] = max(peaks.get(name, 0.0), rss)
-        time.sleep(0.05)
 
 
 def main() -> None:
@@ -162,13 +129,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=24, help="samples per dataset")
     ap.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default="small")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.one:
-        print("RESULT", json.dumps(one(args)), flush=True)
+    args = parse_or_answer(ap, one)
+    if args is None:
         return
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-prefix-")
@@ -182,8 +144,7 @@ def main() -> None:
                        "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir, args.model_shape)}
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
-                with open(os.path.join(args.out, "bench_prefix.jsonl"), "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                append_jsonl(os.path.join(args.out, "bench_prefix.jsonl"), rec)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for rec in records:  # against caching off on the same dataset
@@ -197,12 +158,8 @@ def main() -> None:
 def _run(mode: str, model: str, data: str, workdir: str, shape: str) -> dict:
     if mode not in MODES:
         raise SystemExit(f"--modes: unknown mode {mode!r} ({', '.join(MODES)})")
-    cmd = [sys.executable, __file__, "--one", mode, "--model", model, "--data", data, "--workdir", workdir, "--model-shape", shape]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
-        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(results[-1])
+    args = ["--one", mode, "--model", model, "--data", data, "--workdir", workdir, "--model-shape", shape]
+    return run_child(__spec__.name, args, timeout=3600)[0]
 
 
 if __name__ == "__main__":

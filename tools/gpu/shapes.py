@@ -3,8 +3,12 @@
 --load-format dummy` and nothing else, against `LLM(model, load_format="dummy").generate(...,
 max_tokens=1)`. One process per mode; every result a JSON line in OUT/bench_shapes.jsonl.
 
-    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 tools/bench_shapes.py \
-        --runs 1b:plain,1b:corecap,1b:corecap-fp8,1b:corecap-raw,8b:plain,8b:corecap [--out DIR]
+    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.shapes \
+        --runs 1b:plain,1b:corecap,1b:corecap-fp8,1b:corecap-raw,8b:plain,8b:corecap [--out DIR] [--dir DIR]
+
+(/root/vsite, /root/whl: where ../shared/gpukit installs vLLM and the wheels.) --dir holds the
+models' configs, the prompts, the store and dd's file (default: BENCH_SHAPES_ROOT, else
+~/shapes: /root/shapes on the lent H200, as measured).
 
 Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,024 tokens),
 1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
@@ -30,12 +34,16 @@ import resource
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 
-ROOT = os.environ.get("BENCH_SHAPES_ROOT", "/root/shapes")
+from tools.common import traces
+from tools.common.child import PREFIX, append_jsonl, child_env
+from tools.common.disk import dd_rate
+from tools.common.rss import RssPeaks, process_tree
+
+ROOT = os.environ.get("BENCH_SHAPES_ROOT", os.path.expanduser("~/shapes"))  # --dir's default
 LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
              hidden_act="silu", torch_dtype="bfloat16")
 SHAPES = {
@@ -78,7 +86,7 @@ SHAPES = {
                  prompt_len=128, plain_prompts=64, corecap_prompts=64, layers="1,2,4"),
 }
 # Issue 19's dataset (a) on a shape: one 2,048-token system prompt shared by every prompt, then a
-# unique tail of 256-1,024 tokens (the same seed and lengths as tools/bench_prefix.py's (a)).
+# unique tail of 256-1,024 tokens (the same seed and lengths as tools/bench/prefix.py's (a)).
 SHARED_PREFIX, TAILS = 2048, (256, 1024)
 SHAPES["8b-a"] = dict(SHAPES["8b"], shared_prefix=True, plain_prompts=1024, corecap_prompts=1024)
 SHAPES["tiny-a"] = dict(SHAPES["tiny"], config={**SHAPES["tiny"]["config"], "max_position_embeddings": 4096},
@@ -87,8 +95,8 @@ CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "coreca
                  "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
 
 
-def model_dir(shape: str) -> str:
-    path = os.path.join(ROOT, shape)
+def model_dir(root: str, shape: str) -> str:
+    path = os.path.join(root, shape)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(SHAPES[shape]["config"], f)
@@ -107,12 +115,7 @@ def prompts(shape: str, n: int) -> list[np.ndarray]:
 
 
 def mode_dd(args) -> dict:
-    path = os.path.join(ROOT, "dd.bin")
-    t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=4096", "conv=fsync"], check=True, capture_output=True)
-    dt = time.perf_counter() - t
-    os.remove(path)
-    return {"gb_s": 4096 * 2**20 / dt / 1e9}
+    return {"gb_s": dd_rate(args.dir, 4096 << 20, block_mib=1)}
 
 
 def mode_plain(args) -> dict:
@@ -121,7 +124,7 @@ def mode_plain(args) -> dict:
 
     extra = {"quantization": "fp8"} if args.mode == "plain-fp8q" else {}
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir(args.shape), load_format="dummy", skip_tokenizer_init=True, **extra)
+    llm = LLM(model=model_dir(args.dir, args.shape), load_format="dummy", skip_tokenizer_init=True, **extra)
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
     ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["plain_prompts"])
@@ -140,70 +143,42 @@ def mode_plain(args) -> dict:
 
 def mode_corecap(args) -> dict:
     ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["corecap_prompts"])
-    data = os.path.join(ROOT, f"{args.shape}-prompts.jsonl")
+    data = os.path.join(args.dir, f"{args.shape}-prompts.jsonl")
     with open(data, "w") as f:
         for i, p in enumerate(ps):
             f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
-    store = os.path.join(ROOT, "store.lmdb")
+    store = os.path.join(args.dir, "store.lmdb")
     shutil.rmtree(store, ignore_errors=True)
-    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.shape), "--data", data, "--store", store,
+    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data, "--store", store,
            "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode]]
     t0 = time.perf_counter()
-    peaks: dict[int, tuple[float, str]] = {}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        watcher = threading.Thread(target=_watch_rss, args=(child, peaks), daemon=True)
-        watcher.start()
-        stdout, stderr = child.communicate()
+        with RssPeaks(process_tree(child.pid), interval=0.2) as peaks:
+            stdout, stderr = child.communicate()
     proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"corecap run failed ({proc.returncode}): {proc.stderr[-2000:]}\n{_log_tail(store)}")
-    with open(os.path.join(store, "trace.json")) as f:
-        trace = json.load(f)
+    trace = traces.load(store)
     tokens = sum(len(p) for p in ps)  # the samples' tokens; with prefix caching the engine computes fewer
-    computed = sum(s["num_tokens"] for s in trace["steps"])
-    capture_end = max(c["t_done"] for c in trace["chunks"])
-    durable_end = max(c["end"] for c in trace["commits"])
-    nbytes = sum(c["nbytes"] for c in trace["commits"])
+    rates = traces.rates(trace, tokens, since="start")
+    nbytes = rates["committed_bytes"]
     name = f"trace_{args.shape}_{args.mode}_{time.strftime('%H%M%S')}.json"
     shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
     shutil.rmtree(store, ignore_errors=True)
     os.remove(data)
-    start, first_step = trace["start"], trace["steps"][0]["start"]
     return {
-        "capture_tok_s": tokens / (capture_end - start), "durable_tok_s": tokens / (durable_end - start),
-        "steps_tok_s": tokens / (trace["steps"][-1]["end"] - first_step), "capture_s": capture_end - start,
-        "tokens": tokens, "computed_tokens": computed, "stored_bytes": nbytes,
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
+        "steps_tok_s": rates["steps_tok_s"], "capture_s": rates["capture_s"],
+        "tokens": tokens, "computed_tokens": rates["computed_tokens"], "stored_bytes": nbytes,
         "bytes_per_token": nbytes / tokens, "wall_s": wall, "trace": name,
         "engine_line": next((line for line in proc.stderr.splitlines() if line.startswith("engine:")), ""),
         "prefix_line": next((line for line in proc.stderr.splitlines() if line.startswith("prefix cache: ")), ""),
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
-        "peak_rss_gb_by_process": sorted(((round(gb, 2), what) for gb, what in peaks.values()), reverse=True)[:4],
+        "peak_rss_gb_by_process": peaks.largest_gb(4),
         "workers": trace.get("workers", []),
     }
-
-
-def _watch_rss(child: subprocess.Popen, peaks: dict) -> None:
-    """Every 0.2 s, each process under `child` (driver, sink, workers): its peak RSS in GB and
-    what it is (name and the start of its command line), by pid. RSS counts the shared-memory
-    ring's pages each process has touched."""
-    import psutil
-
-    root = psutil.Process(child.pid)
-    while child.poll() is None:
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            break
-        for p in procs:
-            try:
-                gb = p.memory_info().rss / 2**30
-                if gb > peaks.get(p.pid, (0.0, ""))[0]:
-                    peaks[p.pid] = (gb, f"{p.name()}: {' '.join(p.cmdline()).strip()[:120]}")
-            except psutil.Error:
-                continue
-        time.sleep(0.2)
 
 
 def _log_tail(store: str) -> str:
@@ -222,30 +197,29 @@ def main() -> None:
     ap.add_argument("--runs", default="", help="comma-separated SHAPE:MODE[@PROMPTS] (or dd)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--timeout", type=int, default=420)
+    ap.add_argument("--dir", default=ROOT, help="models' configs, prompts, store, dd's file (default: %(default)s)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.makedirs(ROOT, exist_ok=True)
+    os.makedirs(args.dir, exist_ok=True)
     if args.one:
         run, _, count = args.one.partition("@")
         args.shape, _, args.mode = run.rpartition(":")
         args.prompts = int(count) if count else None
         rec = {"run": args.one, **MODES[args.mode](args)}
-        print("RESULT", json.dumps(rec), flush=True)
-        with open(os.path.join(args.out, "bench_shapes.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        print(PREFIX + json.dumps(rec), flush=True)
+        append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), rec)
         return
     for run in args.runs.split(","):
         t = time.time()
-        cmd = [sys.executable, __file__, "--one", run if ":" in run else f":{run}", "--out", args.out]
+        cmd = [sys.executable, "-m", __spec__.name, "--one", run if ":" in run else f":{run}", "--out", args.out, "--dir", args.dir]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
             ok, err = proc.returncode == 0, proc.stderr
         except subprocess.TimeoutExpired as e:
             ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
         print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
         if not ok:
-            with open(os.path.join(args.out, "bench_shapes.jsonl"), "a") as f:
-                f.write(json.dumps({"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]}) + "\n")
+            append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
 
 
 if __name__ == "__main__":
