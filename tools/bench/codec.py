@@ -14,8 +14,9 @@ Datasets (all cast to the stored dtype; the main one is bfloat16):
                 (every tensor uniform in [-1e-3, 1e-3], seed 1234): what a GPU benchmark on
                 dummy weights stores. [3, T, 4096].
   random-hf     the same Llama with transformers' own random init (normal, std 0.02).
-The states come from tools/bench/codec_states.py. Each dataset is cut into samples (a few MB each, as the store compresses per sample); MB/s are
-of uncompressed bytes (1 MB = 1e6 B), best of --repeat runs, single thread and on a thread pool.
+The states come from tools/bench/codec_states.py. Each dataset is cut into samples (a few MB each,
+as the store compresses per sample); MB/s are of uncompressed bytes (1 MB = 1e6 B), best of
+--repeat runs, single thread and on a thread pool.
 Needs no network: --json results can be made on a GPU host and compared.
 """
 
@@ -24,11 +25,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import inspect
 import json
 import os
 import platform
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -123,36 +123,41 @@ def main() -> int:
         export_store(store, out, "speculators", workers=2)
         store_files = glob.glob(os.path.join(store, "*.bin")) + [os.path.join(store, "data.mdb")]
         raw_files = glob.glob(os.path.join(raw, "*.bin")) + [os.path.join(raw, "data.mdb")]
-        spec_files = glob.glob(os.path.join(out, "hidden_states", "*.safetensors")) + glob.glob(os.path.join(out, "*.arrow"))
+        spec_files = glob.glob(os.path.join(out, "hidden_states", "*.safetensors"))
+        spec_files += glob.glob(os.path.join(out, "*.arrow"))
         datasets = {
             "StoreDataset": (corecap.StoreDataset(store), store_files),
             "StoreDataset, no reuse": (corecap.StoreDataset(store, reuse_shared_memory=False), store_files),
             "StoreDataset, raw codec": (corecap.StoreDataset(raw), raw_files),
-            "speculators ArrowDataset": (ArrowDataset(max_len=args.tokens, datapath=out, on_missing="raise"), spec_files),
+            "speculators ArrowDataset": (ArrowDataset(max_len=args.tokens, datapath=out, on_missing="raise"),
+                                         spec_files),
             "safetensors.load_file": (HsFiles(out, args.samples), spec_files),
         }
         arms = {
-            name: (torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=2, persistent_workers=True), files)
+            name: (torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=2,
+                                               persistent_workers=True), files)
             for name, (ds, files) in datasets.items()
         }
         sample_gb = args.tokens * 4 * 4096 * 2 / 1e9
         for cold in (False, True):
             times = {name: [] for name in arms}
-            for name, (ds, files) in arms.items():  # a warm-up pass each (also fills the cache for "warm")
+            for ds, files in arms.values():  # a warm-up pass each (also fills the cache for "warm")
                 one_pass(ds, files if cold else None, args.touch)
             while min(sum(t) for t in times.values()) < args.seconds:
                 for name, (ds, files) in arms.items():  # alternating
                     times[name].append(one_pass(ds, files if cold else None, args.touch))
             for name, t in times.items():
                 per_s = [args.samples / x for x in t]
-                print(f"{'cold' if cold else 'warm'} {name:26s} passes {len(t):2d}  samples/s {min(per_s):6.1f}-{max(per_s):6.1f} "
+                print(f"{'cold' if cold else 'warm'} {name:26s} passes {len(t):2d}  "
+                      f"samples/s {min(per_s):6.1f}-{max(per_s):6.1f} "
                       f"(median {sorted(per_s)[len(per_s) // 2]:5.1f})  "
                       f"GB/s of states {min(per_s) * sample_gb:.2f}-{max(per_s) * sample_gb:.2f}", flush=True)
         for cold in (False, True):
             r, d, mb = split_store(store, cold)
             rr, rd, rmb = split_store(raw, cold)
             f, fmb = split_files(out, args.samples, cold)
-            print(f"one thread, {'cold' if cold else 'warm'}: store read {r:.1f} ms ({mb:.1f} MB) + decode {d:.1f} ms = {r + d:.1f} ms;"
+            print(f"one thread, {'cold' if cold else 'warm'}: "
+                  f"store read {r:.1f} ms ({mb:.1f} MB) + decode {d:.1f} ms = {r + d:.1f} ms;"
                   f" raw store read {rr:.1f} ms ({rmb:.1f} MB) + decode {rd:.1f} ms = {rr + rd:.1f} ms;"
                   f" hs file load_file + read {f:.1f} ms ({fmb:.1f} MB)", flush=True)
     finally:

@@ -62,7 +62,8 @@ def one(args) -> dict:
     shutil.rmtree(store, ignore_errors=True)
     rates = traces.rates(trace, summary.num_tokens)
     return {
-        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"], "capture_s": rates["capture_s"],
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
+        "capture_s": rates["capture_s"],
         "tokens": summary.num_tokens, "samples": summary.num_committed, "wall_s": wall,
         "replicas": sorted({s.get("replica", 0) for s in trace["steps"]}),
     }

@@ -7,7 +7,8 @@ what Python adds, and the export's peak RSS as the store doubles (a fresh proces
 EAGLE-3-sized samples (tools/common/stores.py): 2,048 tokens x 4 layers x 4,096, bf16,
 activation-like.
 
-    flock /tmp/corecap-engine.lock python -m tools.bench.export --format speculators --samples 128 [--workers 2] [--dir /tmp]
+    flock /tmp/corecap-engine.lock python -m tools.bench.export --format speculators --samples 128 \
+        [--workers 2] [--dir /tmp]
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def decode_rate(path: str, workers: int, gather: str | None) -> tuple[float, flo
 
 def _gather(layout, sample, positions) -> None:
     """The layout's own write, into /dev/null: every copy and cast the export makes but the disk's."""
-    layout.write("/dev/null", sample.input_ids, np.ones(len(sample.input_ids), np.uint8), sample.hidden_states, positions, DTYPES["bfloat16"])
+    layout.write("/dev/null", sample.input_ids, np.ones(len(sample.input_ids), np.uint8), sample.hidden_states,
+                 positions, DTYPES["bfloat16"])
 
 
 _CHILD = """
@@ -96,7 +98,8 @@ layout.write = timed("gather + write", layout.write)
 store.Store.states = timed("read (walking thread)", store.Store.states)
 start = time.perf_counter()
 s = export.export_store(sys.argv[1], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]))
-print(json.dumps({"seconds": s.seconds, "wall": time.perf_counter() - start, "nbytes": s.nbytes, "samples": s.num_samples,
+print(json.dumps({"seconds": s.seconds, "wall": time.perf_counter() - start, "nbytes": s.nbytes,
+                  "samples": s.num_samples,
                   "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "stage_ms_per_sample": {k: round(v / s.num_samples * 1e3, 1) for k, v in spent.items()}}))
 """
@@ -104,7 +107,8 @@ print(json.dumps({"seconds": s.seconds, "wall": time.perf_counter() - start, "nb
 
 def export_once(store: str, out: str, fmt: str, workers: int) -> dict:
     """One export in a fresh process: its rate and peak RSS."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, store, out, fmt, str(workers)], env=child_env(), check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _CHILD, store, out, fmt, str(workers)], env=child_env(), check=True,
+                          capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["gb_s"] = result["nbytes"] / result["seconds"] / 1e9
     result["samples_s"] = result["samples"] / result["seconds"]
@@ -126,7 +130,8 @@ def main() -> int:
         half = args.samples // 2
         t = time.perf_counter()
         build_store(store, args.format, 0, half, args.tokens)
-        print(f"built {half} samples of {args.tokens} x {len(LAYERS[args.format])} x {HIDDEN} bf16 in {time.perf_counter() - t:.0f}s", flush=True)
+        shape = f"{args.tokens} x {len(LAYERS[args.format])} x {HIDDEN}"
+        print(f"built {half} samples of {shape} bf16 in {time.perf_counter() - t:.0f}s", flush=True)
         sample_bytes = args.tokens * len(LAYERS[args.format]) * HIDDEN * 2
         rows = {}
         rows["dd (before)"] = dd_rate(tmp, min(4 << 30, half * sample_bytes))
@@ -141,11 +146,13 @@ def main() -> int:
         large = export_once(store, os.path.join(tmp, "out"), args.format, args.workers)
         print(f"export {args.samples} samples: {json.dumps(large)}", flush=True)
         gb, per_s = decode_rate(store, args.workers, None)
-        print(f"decode, {args.samples} samples ({args.workers} threads): {gb:.3f} GB/s, {per_s:.1f} samples/s", flush=True)
+        print(f"decode, {args.samples} samples ({args.workers} threads): {gb:.3f} GB/s, {per_s:.1f} samples/s",
+              flush=True)
         rows["dd (after)"] = dd_rate(tmp, min(4 << 30, half * sample_bytes))
         print(f"dd conv=fsync (after): {rows['dd (after)']:.3f} GB/s", flush=True)
         store_bytes = sum(os.path.getsize(os.path.join(store, f)) for f in os.listdir(store))
-        print(f"store: {store_bytes / 1e9:.2f} GB for {args.samples} samples ({sample_bytes * args.samples / store_bytes:.2f}x)")
+        ratio = sample_bytes * args.samples / store_bytes
+        print(f"store: {store_bytes / 1e9:.2f} GB for {args.samples} samples ({ratio:.2f}x)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -14,14 +14,15 @@ corecap tracking as many blocks as the KV cache holds), `on-small` (the same wit
 vLLM), `on-128` (vLLM's CPU block size, 128).
 
 Each (dataset, mode) is one `corecap.capture` in a process of its own, on a synthetic Llama
-(`--model-shape`: small, 8 layers of hidden 512, or wide, 4 of 1,024; float32, a fixed seed), layers 2,4,5,8 (wide: 1-4), 8 sequences and 2,048 tokens
-a step. The capture rate is the samples' tokens over the time from the first engine step to the
-last commit (from the run's trace); stored bytes are what the run committed (summary.nbytes:
-states and headers) and the store's state files on disk; with caching on a sample that starts
-with a committed sample's cached blocks refers to it and stores only its tail (stored once),
-and the store is then checked by `corecap verify` (verify_ok, not timed); peak
-RSS is the driver's own (getrusage), the sink's (which holds the states cache) and the largest
-worker's (both sampled every 50 ms). Every result is a JSON line in DIR/bench_prefix.jsonl.
+(`--model-shape`: small, 8 layers of hidden 512, or wide, 4 of 1,024; float32, a fixed seed),
+layers 2,4,5,8 (wide: 1-4), 8 sequences and 2,048 tokens a step. The capture rate is the
+samples' tokens over the time from the first engine step to the last commit (from the run's
+trace); stored bytes are what the run committed (summary.nbytes: states and headers) and the
+store's state files on disk; with caching on a sample that starts with a committed sample's
+cached blocks refers to it and stores only its tail (stored once), and the store is then checked
+by `corecap verify` (verify_ok, not timed); peak RSS is the driver's own (getrusage), the
+sink's (which holds the states cache) and the largest worker's (both sampled every 50 ms).
+Every result is a JSON line in DIR/bench_prefix.jsonl.
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ MODES = {
 # model's ~9%): the share of work that prefix caching cannot remove, since a tail's tokens still
 # attend to the cached prefix.
 MODEL_SHAPES = {
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
-    "wide": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+    "wide": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8),
 }
 
 
 def build_model(workdir: str, shape: str = "small") -> str:
-    return tiny_llama(os.path.join(workdir, f"model-{shape}"), vocab_size=4096, max_position_embeddings=4096, **MODEL_SHAPES[shape])
+    return tiny_llama(os.path.join(workdir, f"model-{shape}"), vocab_size=4096, max_position_embeddings=4096,
+                      **MODEL_SHAPES[shape])
 
 
 def build_data(workdir: str, dataset: str, num_samples: int) -> str:
@@ -99,8 +103,9 @@ def one(args) -> dict:
     lines: list[str] = []
     t0 = time.perf_counter()
     with RssPeaks(children_by_role, interval=0.05) as peaks:
-        summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS[args.model_shape], dtype="float32",
-                          batch=8, max_batched_tokens=2048, max_len=3200, memory_utilization=MEMORY_SHARE[args.model_shape],
+        summary = capture(model=args.model, data=args.data, store=store, layers=LAYERS[args.model_shape],
+                          dtype="float32", batch=8, max_batched_tokens=2048, max_len=3200,
+                          memory_utilization=MEMORY_SHARE[args.model_shape],
                           log=lines.append, **MODES[args.one])
     wall = time.perf_counter() - t0
     rates = traces.rates(traces.load(store), summary.num_tokens)
@@ -140,7 +145,8 @@ def main() -> None:
         for dataset in args.datasets.split(","):
             data = build_data(workdir, dataset, args.samples)
             for mode in args.modes.split(","):
-                rec = {"dataset": dataset, "mode": mode, "model_shape": args.model_shape, "date": time.strftime("%Y-%m-%d %H:%M"),
+                rec = {"dataset": dataset, "mode": mode, "model_shape": args.model_shape,
+                       "date": time.strftime("%Y-%m-%d %H:%M"),
                        "load_avg_before": os.getloadavg()[0], **_run(mode, model, data, workdir, args.model_shape)}
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
@@ -152,7 +158,8 @@ def main() -> None:
         if off is not None and rec is not off:
             print(f"({rec['dataset']}) {rec['mode']}: capture {rec['capture_tok_s'] / off['capture_tok_s']:.2f}x, "
                   f"stored bytes {rec['stored_bytes'] / off['stored_bytes']:.3f} of off "
-                  f"({rec['num_referring']} samples refer, {rec['num_stored_whole']} stored whole, verify {'OK' if rec['verify_ok'] else 'FAILED'})")
+                  f"({rec['num_referring']} samples refer, {rec['num_stored_whole']} stored whole, "
+                  f"verify {'OK' if rec['verify_ok'] else 'FAILED'})")
 
 
 def _run(mode: str, model: str, data: str, workdir: str, shape: str) -> dict:

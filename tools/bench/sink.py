@@ -77,7 +77,8 @@ def bench_encode(repeat: int) -> None:
     ids = np.arange(SAMPLE, dtype=np.int32)
     old = timed(lambda: encode(x, ids, lambda s: bool(torch.isfinite(s).all())), repeat)
     new = timed(lambda: encode(x, ids), repeat)
-    print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
+    print(f"encode one bf16 sample ({x.nbytes / 1e6:.0f} MB): "
+          f"with isfinite().all() {ms(old)}   with all_finite {ms(new)}")
 
 
 def bench_parts(repeat: int) -> None:
@@ -98,7 +99,10 @@ def bench_scaling(encoders: list[int], seconds: float = 2.0, shape=(LAYERS, SAMP
     sample = torch.randn(shape).bfloat16()
     ids = np.arange(shape[1], dtype=np.int32)
     writer = types.SimpleNamespace(layers=LAYER_IDS, codec=FP8, nonfinite="stop", flagged=[])
-    work = (lambda: Writer._encode_checked(writer, "k", ids, sample, None, None)) if fp8 else (lambda: encode(sample, ids))
+    if fp8:
+        work = lambda: Writer._encode_checked(writer, "k", ids, sample, None, None)  # noqa: E731
+    else:
+        work = lambda: encode(sample, ids)  # noqa: E731
     what = f"{'fp8' if fp8 else 'zstd-planes'} {'x'.join(map(str, shape))}"
     for k in encoders:
         if k < 1:
@@ -122,7 +126,8 @@ def bench_scaling(encoders: list[int], seconds: float = 2.0, shape=(LAYERS, SAMP
             t.join()
         inside = [b for mine in times for _, b in mine if b <= end]  # not those finishing after
         every = sorted(b - a for mine in times for a, b in mine)
-        print(f"scaling {what}: {k:2d} encoder thread(s): {len(inside) / (end - start):6.1f} samples/s, per sample {ms(every)}")
+        print(f"scaling {what}: {k:2d} encoder thread(s): {len(inside) / (end - start):6.1f} samples/s, "
+              f"per sample {ms(every)}")
 
 
 def bench_fp8(repeat: int) -> None:
@@ -142,7 +147,8 @@ def bench_fp8(repeat: int) -> None:
         for name, fn in runs.items():
             # this thread's CPU time too: on a shared machine the wall clock counts other work
             wall, cpu = timed(fn, repeat), timed(fn, repeat, time.thread_time)
-            print(f"fp8 {'x'.join(map(str, shape))} bf16 ({x.nbytes / 1e6:.0f} MB): {name:<14} wall {ms(wall)}; CPU {ms(cpu)}")
+            print(f"fp8 {'x'.join(map(str, shape))} bf16 ({x.nbytes / 1e6:.0f} MB): {name:<14} "
+                  f"wall {ms(wall)}; CPU {ms(cpu)}")
 
 
 def chunk(step: torch.Tensor) -> wire.DecodedChunk:
@@ -169,7 +175,8 @@ def reassemble(collector: Collector, msg: wire.DecodedChunk, done: list) -> floa
 
 
 def collector(pool: bool, threads: int, done: list) -> Collector:
-    return Collector(LAYER_IDS, lambda p: done.append(p.states), BufferPool(2 << 30) if pool else None, copy_threads=threads)
+    return Collector(LAYER_IDS, lambda p: done.append(p.states), BufferPool(2 << 30) if pool else None,
+                     copy_threads=threads)
 
 
 def bench_reassembly(step: torch.Tensor, repeat: int, threads: int) -> None:
@@ -179,7 +186,8 @@ def bench_reassembly(step: torch.Tensor, repeat: int, threads: int) -> None:
         reassemble(reused, msg, done)  # fills the pool
         a = sorted(reassemble(fresh, msg, done) for _ in range(repeat))
         b = sorted(reassemble(reused, msg, done) for _ in range(repeat))
-        print(f"reassembly of {step.nbytes / 1e6:.0f} MB, {copy_threads} copy thread(s): fresh buffers {ms(a)}   reused {ms(b)}")
+        print(f"reassembly of {step.nbytes / 1e6:.0f} MB, {copy_threads} copy thread(s): "
+              f"fresh buffers {ms(a)}   reused {ms(b)}")
         fresh.close(), reused.close()
 
 
@@ -224,7 +232,8 @@ def main() -> None:
     args = ap.parse_args()
     parts = set(args.only.split(","))
     default_threads = torch.get_num_threads()
-    print(f"{platform.node()}: {platform.processor() or platform.machine()}, torch {torch.__version__}, default intra-op threads {default_threads}")
+    print(f"{platform.node()}: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"default intra-op threads {default_threads}")
     if parts & {"reassembly", "contention"}:
         step = torch.randn(LAYERS, SAMPLES * SAMPLE, HIDDEN).bfloat16()
     torch.set_num_threads(1)  # as in the sink

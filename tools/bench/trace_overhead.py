@@ -120,7 +120,8 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    system = f"{platform.system()} {platform.release()}"
+    return f"{cpu}, {os.cpu_count()} cores, {system}, Python {platform.python_version()}"
 
 
 def main() -> None:
@@ -129,7 +130,8 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=10, help="times the demo data is repeated (default 10)")
     parser.add_argument("--micro-steps", type=int, default=100_000, help="records for the in-process part")
     parser.add_argument("--micro-only", action="store_true", help="skip the end-to-end runs")
-    parser.add_argument("run_args", nargs="*", help=f"after --: options for corecap run (default {' '.join(DEFAULT_RUN_ARGS)})")
+    parser.add_argument("run_args", nargs="*",
+                        help=f"after --: options for corecap run (default {' '.join(DEFAULT_RUN_ARGS)})")
     args = parser.parse_args()
     run_args = args.run_args or DEFAULT_RUN_ARGS
 
@@ -165,7 +167,8 @@ def main() -> None:
             seconds = [r["capture_s"] for r in runs]
             means[arm] = statistics.mean(seconds)
             rate = statistics.mean(r["tokens_per_s"] for r in runs)
-            lines.append(f"| {arm} | {label} | {', '.join(f'{s:.3f}' for s in seconds)} | {means[arm]:.3f} | {rate:,.0f} |")
+            each = ", ".join(f"{s:.3f}" for s in seconds)
+            lines.append(f"| {arm} | {label} | {each} | {means[arm]:.3f} | {rate:,.0f} |")
         overhead = (means["A"] - means["B"]) / means["B"] if means["B"] else float("nan")
         if args.repeats > 1:
             per_arm = [[r["capture_s"] for r in results if r["arm"] == a] for a in "AB"]
@@ -175,7 +178,8 @@ def main() -> None:
             noise = "one run per arm gives no noise estimate: use --repeats 3 or more."
         lines += ["", f"Tracing costs {overhead:+.1%} of capture time (A vs B); {noise}"]
         if any(r["traced"] for r in results if r["arm"] == "B"):
-            lines.append("WARNING: arm B wrote trace.json: RunConfig.trace=False did not reach the run, both arms traced.")
+            lines.append("WARNING: arm B wrote trace.json: RunConfig.trace=False did not reach the run, "
+                         "both arms traced.")
     print("\n".join(lines))
 
 

@@ -52,7 +52,9 @@ def main() -> int:
                 assert report.ok and report.num_samples == args.samples, report.line()
                 per_sample = total / args.samples * 1e3
                 check = sum(checks) / args.samples * 1e3
-                split = f": read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms" if threads == 1 else ""
+                split = ""
+                if threads == 1:
+                    split = f": read + decode {per_sample - check:.1f} ms, states checks {check:.1f} ms"
                 print(
                     f"{args.samples} samples of {len(LAYERS['specforge'])}x{TOKENS}x{HIDDEN} bf16, codec {args.codec}, "
                     f"{threads} thread(s): {per_sample:.1f} ms per sample ({args.samples / total:.1f} samples/s){split}"

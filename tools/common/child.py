@@ -46,7 +46,8 @@ def child_env(extra: dict | None = None) -> dict:
     return {**os.environ, "PYTHONPATH": path, **(extra or {})}
 
 
-def run_child(module: str, args: list[str], timeout: float, env: dict | None = None) -> tuple[dict, subprocess.CompletedProcess]:
+def run_child(module: str, args: list[str], timeout: float,
+              env: dict | None = None) -> tuple[dict, subprocess.CompletedProcess]:
     """Run `python -m module args...`; its RESULT and the finished process. A child that failed or
     printed no RESULT ends the benchmark with its stderr's tail."""
     cmd = [sys.executable, "-m", module, *args]

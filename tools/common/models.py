@@ -38,7 +38,8 @@ def exactness_rows(vocab: int, low: int, max_random: int) -> list[dict]:
         {"id": "dup-2", "input_ids": dup},
     ]
     sizes = rng.integers(2, max_random, size=24)
-    return out + [{"id": f"rand-{i}", "input_ids": rng.integers(low, vocab, size=int(n)).tolist()} for i, n in enumerate(sizes)]
+    randoms = [rng.integers(low, vocab, size=int(n)).tolist() for n in sizes]
+    return out + [{"id": f"rand-{i}", "input_ids": ids} for i, ids in enumerate(randoms)]
 
 
 def write_rows(path: str, rows: list[dict]) -> str:

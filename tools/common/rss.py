@@ -28,7 +28,8 @@ def process_tree(pid: int) -> Callable[[], Iterable[tuple[str, int]]]:
 
 def children_by_role() -> Iterable[tuple[str, int]]:
     """This process's multiprocessing children: the sink (it holds the states cache) and the workers."""
-    return [("corecap-sink" if c.name == "corecap-sink" else "worker", c.pid) for c in multiprocessing.active_children()]
+    children = multiprocessing.active_children()
+    return [("corecap-sink" if c.name == "corecap-sink" else "worker", c.pid) for c in children]
 
 
 class RssPeaks:

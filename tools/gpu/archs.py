@@ -29,8 +29,8 @@ import time
 from tools.common.child import ROOT
 
 # The tests' tiny models, run here as a file: tests/support/ holds what tests share (tests/ before).
-TINY_MODELS = next(p for p in (os.path.join(ROOT, "tests", "support", "tiny_models.py"), os.path.join(ROOT, "tests", "tiny_models.py"))
-                   if os.path.exists(p))
+_PLACES = (os.path.join(ROOT, "tests", "support", "tiny_models.py"), os.path.join(ROOT, "tests", "tiny_models.py"))
+TINY_MODELS = next(p for p in _PLACES if os.path.exists(p))
 _spec = importlib.util.spec_from_file_location("tiny_models", TINY_MODELS)
 tiny_models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny_models)
@@ -62,14 +62,15 @@ def one_arch(name: str, work: str) -> dict:
         refs[dtype] = torch.load(out)
     store = os.path.join(work, "store")
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
-           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64", *ENGINE_ARGS.get(name, ())]
+           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64",
+           *ENGINE_ARGS.get(name, ())]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
     rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
     lines = (proc.stdout + proc.stderr).splitlines()
-    rec["engine_line"] = next((l for l in lines if l.startswith("engine:")), "")
+    rec["engine_line"] = next((line for line in lines if line.startswith("engine:")), "")
     if proc.returncode != 0:
-        rec["error"] = [l for l in lines if l.startswith("corecap: error")][-1:] or lines[-5:]
+        rec["error"] = [line for line in lines if line.startswith("corecap: error")][-1:] or lines[-5:]
         try:  # the traceback an internal error names
             with open(os.path.join(store, "corecap.log"), errors="replace") as f:
                 rec["log_tail"] = f.read()[-6000:]

@@ -130,7 +130,8 @@ def mode_store(args) -> dict:
             out[f"{name}_gb_s"] = nbytes / (time.perf_counter() - t) / 1e9
     shutil.rmtree(path, ignore_errors=True)
     value = states.view(torch.uint8).numpy()
-    for name, flags, per_txn in [("default_32MiB", {}, 1), ("default_256MiB", {}, 8), ("writemap", {"writemap": True}, 2)]:
+    lmdb_settings = [("default_32MiB", {}, 1), ("default_256MiB", {}, 8), ("writemap", {"writemap": True}, 2)]
+    for name, flags, per_txn in lmdb_settings:
         env = lmdb.open(path, map_size=16 << 30, **flags)
         t = time.perf_counter()
         for i in range(0, 128, per_txn):
@@ -149,7 +150,8 @@ def mode_plain(args) -> dict:
 
     extra = {"async_scheduling": False} if args.one == "plain-sync" else {}
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir(args), load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False, **ENGINE, **extra)
+    llm = LLM(model=model_dir(args), load_format="dummy", skip_tokenizer_init=True, enable_prefix_caching=False,
+              **ENGINE, **extra)
     load = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=1, detokenize=False)
     ps = prompts(args.prompts)
@@ -238,7 +240,8 @@ def mode_corecap(args) -> dict:
     shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
     shutil.rmtree(store, ignore_errors=True)
     return {
-        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"], "steps_tok_s": rates["steps_tok_s"],
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
+        "steps_tok_s": rates["steps_tok_s"],
         "capture_from_first_step_tok_s": from_first_step["capture_tok_s"],
         "durable_from_first_step_tok_s": from_first_step["durable_tok_s"],
         "feed_s": trace["steps"][0]["start"] - trace["start"],
@@ -274,7 +277,8 @@ def mode_hf(args) -> dict:
 
 
 MODES = {"dd": mode_dd, "store": mode_store, "plain": mode_plain, "plain-sync": mode_plain, "extract": mode_extract,
-         "corecap": mode_corecap, "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap, "corecap-socket": mode_corecap,
+         "corecap": mode_corecap, "corecap-fp8": mode_corecap, "corecap-raw": mode_corecap,
+         "corecap-socket": mode_corecap,
          "hf": mode_hf}
 # Modes of earlier calls whose switches are gone (the docstring says why); asked for, they are refused.
 DROPPED = {"corecap-earlycopy": "CORECAP_EARLY_COPY", "corecap-serial": "CORECAP_STEPS_IN_FLIGHT",
@@ -299,15 +303,18 @@ def parse_modes(text: str, prompts: int) -> list[tuple[str, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=f"modes: {', '.join(MODES)}")
-    ap.add_argument("--modes", default="dd,store,corecap,plain,extract,hf", help="comma-separated; MODE@PROMPTS for its own count")
+    ap.add_argument("--modes", default="dd,store,corecap,plain,extract,hf",
+                    help="comma-separated; MODE@PROMPTS for its own count")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--codec", default=None, help="corecap store codec (default: corecap's default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=300)
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas, one GPU each (corecap -dp N; plain: N processes)")
-    ap.add_argument("--dir", default=os.path.expanduser("~"), help="the disk under test: model config, stores, dd (default: ~)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas, one GPU each (corecap -dp N; plain: N processes)")
+    ap.add_argument("--dir", default=os.path.expanduser("~"),
+                    help="the disk under test: model config, stores, dd (default: ~)")
     args = ap.parse_args()
     try:
         modes = parse_modes(args.one or args.modes, args.prompts)
@@ -322,8 +329,8 @@ def main() -> None:
         return
     for r in range(args.repeat):
         for mode, num in modes:
-            cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(num), "--out", args.out, "--dp", str(args.dp),
-                   "--dir", args.dir]
+            cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(num), "--out", args.out,
+                   "--dp", str(args.dp), "--dir", args.dir]
             if args.codec:
                 cmd += ["--codec", args.codec]
             t = time.time()
@@ -334,9 +341,11 @@ def main() -> None:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
                 rc, err = proc.returncode, proc.stderr
             except subprocess.TimeoutExpired as e:
-                rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+                stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
+                rc, err = "timeout", stderr
             if rc != 0:
-                emit(args.out, {"mode": mode, "repeat": r, "rc": rc, "seconds": round(time.time() - t), "stderr_tail": (err or "")[-3000:]})
+                emit(args.out, {"mode": mode, "repeat": r, "rc": rc, "seconds": round(time.time() - t),
+                                "stderr_tail": (err or "")[-3000:]})
             else:
                 print(f"{mode}: ok in {time.time() - t:.0f}s", flush=True)
 
@@ -347,7 +356,8 @@ def _plain_replicas(args, mode: str, prompts: int, repeat: int) -> None:
     procs = []
     for k in range(args.dp):
         out = os.path.join(args.out, f"replica{k}")
-        cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(share), "--out", out, "--dir", args.dir]
+        cmd = [sys.executable, "-m", __spec__.name, "--one", mode, "--prompts", str(share), "--out", out, "--dir",
+               args.dir]
         os.makedirs(out, exist_ok=True)
         env = child_env({"CUDA_VISIBLE_DEVICES": str(k)})
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
@@ -356,7 +366,8 @@ def _plain_replicas(args, mode: str, prompts: int, repeat: int) -> None:
         out, err = proc.communicate(timeout=args.timeout)
         lines = [json.loads(x.removeprefix(PREFIX)) for x in out.splitlines() if x.startswith(PREFIX)]
         if proc.returncode != 0 or not lines:
-            emit(args.out, {"mode": mode, "dp": args.dp, "replica": k, "repeat": repeat, "rc": proc.returncode, "stderr_tail": err[-3000:]})
+            emit(args.out, {"mode": mode, "dp": args.dp, "replica": k, "repeat": repeat, "rc": proc.returncode,
+                            "stderr_tail": err[-3000:]})
             return
         results.append(lines[-1])
     emit(args.out, {"mode": mode, "dp": args.dp, "prompts": share * args.dp, "repeat": repeat,

@@ -126,7 +126,11 @@ def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str) ->
 
     model = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     seen: dict = {}
-    model.model.layers[-1].register_forward_hook(lambda m, a, o: seen.__setitem__("prenorm", o[0] if isinstance(o, tuple) else o))
+
+    def keep_prenorm(module, args, output):
+        seen["prenorm"] = output[0] if isinstance(output, tuple) else output
+
+    model.model.layers[-1].register_forward_hook(keep_prenorm)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
     for i in moe_layers:
         gate = model.model.layers[i].mlp.gate
@@ -139,7 +143,10 @@ def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str) ->
             groups = biased.view(biased.shape[0], module.num_group, -1)
             group_scores = groups.topk(2, dim=-1).values.sum(-1)
             g = group_scores.topk(min(module.topk_group + 1, module.num_group), dim=-1)
-            group_gap = g.values[:, module.topk_group - 1] - g.values[:, module.topk_group] if module.topk_group < module.num_group else torch.full_like(g.values[:, 0], float("inf"))
+            if module.topk_group < module.num_group:
+                group_gap = g.values[:, module.topk_group - 1] - g.values[:, module.topk_group]
+            else:
+                group_gap = torch.full_like(g.values[:, 0], float("inf"))
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, g.indices[:, : module.topk_group], True)
             masked = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(biased.shape[0], -1)
             top = masked.topk(TOP_K + 1, dim=-1).values
@@ -153,7 +160,8 @@ def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str) ->
             seen.clear()
             hs = model(torch.tensor([r["input_ids"]], device=device), output_hidden_states=True).hidden_states
             states = torch.stack([seen["prenorm"][0] if k == "prenorm" else hs[k][0] for k in LAYERS]).float().cpu()
-            out[r["id"]] = {"states": states, "experts": dict(seen["experts"]), "margin": dict(seen["margin"]), "moe_layers": moe_layers}
+            out[r["id"]] = {"states": states, "experts": dict(seen["experts"]), "margin": dict(seen["margin"]),
+                            "moe_layers": moe_layers}
     del model
     return out
 
@@ -171,9 +179,8 @@ def flip_masks(per_layer_flip: dict, moe_layers: list[int], num_tokens: int) -> 
     return {"own": own, "causal past": np.maximum.accumulate(own, axis=1)}
 
 
-def compare(model: str, data_rows: list[dict], store: str, routing_file: str | None, margin: float, device: str) -> dict:
-    import torch
-
+def compare(model: str, data_rows: list[dict], store: str, routing_file: str | None, margin: float,
+            device: str) -> dict:
     from corecap.store import Store
 
     refs = {dt: hf_states(model, data_rows, dt, device) for dt in ("float32", "bfloat16")}
@@ -191,7 +198,8 @@ def compare(model: str, data_rows: list[dict], store: str, routing_file: str | N
             vr = routing.get(r["id"]) if routing else None
             if vr is not None:
                 experts = np.sort(np.asarray(vr), axis=-1)  # [T, layers, k]
-                splits["vllm routing"] = {i: (experts[:T, i, :] != ref32["experts"][i].numpy()[:T]).any(-1) for i in ref32["moe_layers"]}
+                splits["vllm routing"] = {i: (experts[:T, i, :] != ref32["experts"][i].numpy()[:T]).any(-1)
+                                          for i in ref32["moe_layers"]}
             for ref_dtype, ref in refs.items():
                 diff = got - ref[r["id"]]["states"]
                 per_token = (diff.norm(dim=-1) / ref[r["id"]]["states"].norm(dim=-1).clamp_min(1e-30)).numpy()  # [L, T]
@@ -208,11 +216,13 @@ def compare(model: str, data_rows: list[dict], store: str, routing_file: str | N
     for r in data_rows:
         ref32, ref16 = refs["float32"][r["id"]], refs["bfloat16"][r["id"]]
         flips = {i: (ref16["experts"][i] != ref32["experts"][i]).any(-1).numpy() for i in ref32["moe_layers"]}
-        per_token = ((ref16["states"] - ref32["states"]).norm(dim=-1) / ref32["states"].norm(dim=-1).clamp_min(1e-30)).numpy()
+        diff = ref16["states"] - ref32["states"]
+        per_token = (diff.norm(dim=-1) / ref32["states"].norm(dim=-1).clamp_min(1e-30)).numpy()
         for scope, flipped in flip_masks(flips, ref32["moe_layers"], len(r["input_ids"])).items():
             for j, k in enumerate(LAYERS):
                 for group, mask in (("flip-free", ~flipped[j]), ("flipped", flipped[j])):
-                    w = report.setdefault("baseline: HF bf16 vs HF float32", {}).setdefault(scope, {}).setdefault(str(k), {}).setdefault(group, {"tokens": 0, "worst": 0.0})
+                    w = (report.setdefault("baseline: HF bf16 vs HF float32", {}).setdefault(scope, {})
+                         .setdefault(str(k), {}).setdefault(group, {"tokens": 0, "worst": 0.0}))
                     w["tokens"] += int(mask.sum())
                     if mask.any():
                         w["worst"] = max(w["worst"], float(per_token[j][mask].max()))
@@ -225,7 +235,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--margin", type=float, default=5e-3, help="a near tie: top-k gap of the biased sigmoid scores below this")
+    ap.add_argument("--margin", type=float, default=5e-3,
+                    help="a near tie: top-k gap of the biased sigmoid scores below this")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--step", nargs="+", help=argparse.SUPPRESS)
@@ -254,7 +265,8 @@ def main() -> None:
                         "tail": (proc.stdout + proc.stderr).strip().splitlines()[-3:]}
         print("STEP", kind, json.dumps(result[kind]), flush=True)
     if result["capture"]["rc"] == 0:
-        result["errors"] = compare(model, data_rows, store, routing_file if result["routing"]["rc"] == 0 else None, args.margin, args.device)
+        result["errors"] = compare(model, data_rows, store, routing_file if result["routing"]["rc"] == 0 else None,
+                                   args.margin, args.device)
     print("RESULT", json.dumps(result), flush=True)
     with open(os.path.join(args.out, f"gpu_deepseek_exact_tp{args.tp}.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -34,6 +34,7 @@ from tools.common.models import exactness_rows, write_rows
 VOCAB = 1024
 LAYERS = (0, 1, 2, 4, 7, 8, "prenorm")  # prenorm: the last decoder layer's output (HF: a forward hook)
 VARIANT_ENV = {"highest": {"VLLM_FLOAT32_MATMUL_PRECISION": "highest"}, "tf32": {"TRITON_F32_DEFAULT": "tf32"}}
+RUNNER_WORDS = ("model runner", "backend", "shared-memory ring", "matmul", "workers:")  # log lines a record keeps
 VARIANT_OPTIONS = {"socket": {"ring": False}, "fp8q": {"quantization": "fp8"}}  # RunConfig options of a variant
 
 
@@ -65,6 +66,13 @@ def one_case(model: str, data: str, store: str, dtype: str, variant: str, tp: in
     print(run(cfg).line(), f"(wall {time.time() - t:.0f}s)", flush=True)
 
 
+def _keep_prenorm(model):
+    """A forward hook for the last decoder layer: keeps its output (before the final norm) as model.prenorm."""
+    def hook(module, args, output) -> None:
+        model.prenorm = output[0] if isinstance(output, tuple) else output
+    return hook
+
+
 def _record(worst: dict, key: str, case: str, got, ref) -> None:
     """Keep the worst relative error per sample and layer and per token of `got` against `ref`."""
     diff = got - ref
@@ -83,7 +91,7 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str, unquantiz
     refs = {}
     for ref_dtype in {"float32", dtype}:
         m = transformers.LlamaForCausalLM.from_pretrained(model, dtype=getattr(torch, ref_dtype)).cuda().eval()
-        m.model.layers[-1].register_forward_hook(lambda mod, a, o, m=m: setattr(m, "prenorm", o[0] if isinstance(o, tuple) else o))
+        m.model.layers[-1].register_forward_hook(_keep_prenorm(m))
         refs[ref_dtype] = m
     with contextlib.ExitStack() as stack:
         s = stack.enter_context(Store.open(store))
@@ -100,7 +108,8 @@ def compare(model: str, data_rows: list[dict], store: str, dtype: str, unquantiz
                 ref = torch.stack([m.prenorm[0] if k == "prenorm" else hs[k][0] for k in LAYERS]).float()
                 _record(worst, f"vs HF {ref_dtype}", case, got, ref)
             if u is not None:
-                _record(worst, f"vs corecap {dtype} unquantized", case, got, u.get(r["id"]).hidden_states.float().cuda())
+                _record(worst, f"vs corecap {dtype} unquantized", case, got,
+                        u.get(r["id"]).hidden_states.float().cuda())
     return worst
 
 
@@ -109,7 +118,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--case", nargs=5, help=argparse.SUPPRESS)
-    ap.add_argument("--cases", default=None, help="default: bfloat16,float32,bfloat16:v1 at --tp 1, bfloat16,float32 otherwise")
+    ap.add_argument("--cases", default=None,
+                    help="default: bfloat16,float32,bfloat16:v1 at --tp 1, bfloat16,float32 otherwise")
     args = ap.parse_args()
     if args.case:
         model, data, store, dtype, variant = args.case
@@ -128,13 +138,15 @@ def main() -> None:
         store = os.path.join(work, f"store-{dtype}-{variant or 'v2'}")
         env = child_env({"VLLM_USE_V2_MODEL_RUNNER": v2, **VARIANT_ENV.get(variant, {})})
         t = time.time()
-        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--tp", str(args.tp), "--case", model, data, store, dtype, variant],
+        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--tp", str(args.tp), "--case", model, data, store,
+                               dtype, variant],
                               env=env, capture_output=True, text=True, timeout=420)
-        rec = {"dtype": dtype, "variant": variant, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+        rec = {"dtype": dtype, "variant": variant, "v2_runner": v2 == "1", "tp": args.tp, "rc": proc.returncode,
+               "seconds": round(time.time() - t, 1)}
         if proc.returncode == 0:
             rec["summary"] = proc.stdout.strip().splitlines()[-1]
             log = (proc.stdout + proc.stderr).splitlines()
-            rec["runner_log"] = [l[-200:] for l in log if any(w in l.lower() for w in ("model runner", "backend", "shared-memory ring", "matmul", "workers:"))][:8]
+            rec["runner_log"] = [line[-200:] for line in log if any(w in line.lower() for w in RUNNER_WORDS)][:8]
             try:
                 plain = os.path.join(work, f"store-{dtype}-v2")
                 unquantized = plain if variant == "fp8q" and os.path.isdir(plain) else None

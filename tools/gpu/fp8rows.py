@@ -41,7 +41,8 @@ def main() -> None:
         for name, states in cases(dtype, g).items():
             rows = quantize_fp8_rows([t.cuda() for t in states], states.shape[1]).cpu()
             same = fp8_payload(rows).tobytes() == quantize_fp8(states).tobytes()
-            out.append({"dtype": str(dtype), "case": name, "rows": states.shape[0] * states.shape[1], "bit_identical": same})
+            out.append({"dtype": str(dtype), "case": name, "rows": states.shape[0] * states.shape[1],
+                        "bit_identical": same})
             print(json.dumps(out[-1]), flush=True)
     step = [torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     for _ in range(3):

@@ -57,7 +57,8 @@ SHAPES = {
                        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
                prompt_len=256, plain_prompts=22528, corecap_prompts=8192, layers="2,8,13,16"),
-    "dsv2lite": dict(config={"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400,
+    "dsv2lite": dict(config={"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+                             "vocab_size": 102400,
                              "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
                              "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
                              "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0,
@@ -66,15 +67,18 @@ SHAPES = {
                              "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
                              "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
                              "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+                                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                              "type": "yarn"},
                              "attention_bias": False, "scoring_func": "softmax", "topk_method": "greedy",
                              "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
                              "hidden_act": "silu", "torch_dtype": "bfloat16"},
                      prompt_len=1024, plain_prompts=2048, corecap_prompts=2048, layers="2,13,24,27"),
     "qwen3moe": dict(config={"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
                              "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-                             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                             "head_dim": 128,
+                             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                             "decoder_sparse_step": 1,
                              "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0,
                              "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                              "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
@@ -137,8 +141,10 @@ def mode_plain(args) -> dict:
     dt = time.perf_counter() - t
     c = llm.llm_engine.vllm_config
     return {"tok_s": tokens / dt, "seconds": dt, "load_s": load, "tokens": tokens,
-            "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens, "max_num_seqs": c.scheduler_config.max_num_seqs,
-            "async_scheduling": c.scheduler_config.async_scheduling, "prefix_caching": c.cache_config.enable_prefix_caching}
+            "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": c.scheduler_config.max_num_seqs,
+            "async_scheduling": c.scheduler_config.async_scheduling,
+            "prefix_caching": c.cache_config.enable_prefix_caching}
 
 
 def mode_corecap(args) -> dict:
@@ -149,7 +155,8 @@ def mode_corecap(args) -> dict:
             f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
     store = os.path.join(args.dir, "store.lmdb")
     shutil.rmtree(store, ignore_errors=True)
-    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data, "--store", store,
+    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
+           "--store", store,
            "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode]]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
@@ -211,7 +218,8 @@ def main() -> None:
         return
     for run in args.runs.split(","):
         t = time.time()
-        cmd = [sys.executable, "-m", __spec__.name, "--one", run if ":" in run else f":{run}", "--out", args.out, "--dir", args.dir]
+        cmd = [sys.executable, "-m", __spec__.name, "--one", run if ":" in run else f":{run}", "--out", args.out,
+               "--dir", args.dir]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
             ok, err = proc.returncode == 0, proc.stderr
@@ -219,7 +227,8 @@ def main() -> None:
             ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
         print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
         if not ok:
-            append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
+            append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), {"run": run, "failed": True,
+                                                                        "stderr_tail": (err or "")[-3000:]})
 
 
 if __name__ == "__main__":
