@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from corecap.store import Store, decode_header, decode_sample
+from corecap.store import Store, decode_header
 from corecap.store import layouts
 from corecap.store.codec import DTYPES
 from tools.common.child import child_env
@@ -45,19 +45,20 @@ def decode_rate(path: str, workers: int, gather: str | None) -> tuple[float, flo
     with Store.open(path) as store, store.env.begin(buffers=True) as txn, ThreadPoolExecutor(workers) as pool:
         positions = tuple(range(len(store.meta.layers)))
 
-        def work(key, header_value, states):
-            s = decode_sample(key, header_value, states, len(positions))
+        def work(key, header, states):
+            sample = store.decode(key, header, states)
             if layout is not None:
-                _gather(layout, s, positions)
-            return s.header.payload_bytes
+                _gather(layout, sample, positions)
+            return header.payload_bytes
 
         pending = deque()
         start = time.perf_counter()
+        end = store.committed_end(txn)
         for k, header_value in txn.cursor(db=store.headers_db):
             key = bytes(k).decode()
             header = decode_header(key, header_value)
-            states = store.states(key, header, txn.get(bytes(k), db=store.samples_db))
-            pending.append(pool.submit(work, key, bytes(header_value), states))
+            states = store.states(key, header, txn.get(bytes(k), db=store.samples_db), end)
+            pending.append(pool.submit(work, key, header, states))
             while len(pending) >= 2 * workers:
                 nbytes += pending.popleft().result()
                 num += 1
@@ -91,7 +92,7 @@ def timed(name, fn):
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
     return wrapper
 
-export.decode_sample = timed("decode", export.decode_sample)
+store.Store.decode = timed("decode", store.Store.decode)
 export.commit_file = timed("fsync + rename", export.commit_file)
 layout = layouts.LAYOUTS[sys.argv[3]]
 layout.write = timed("gather + write", layout.write)
