@@ -3,7 +3,7 @@ one named case: LMDB trusts its pages, and a crash there would be LMDB's): flip 
 the file, then run `corecap verify` and `corecap ls` on it and count how each ended: exit status,
 a traceback (a bug), a signal (a crash inside LMDB) or a timeout (a loop).
 
-    python tools/damage_lmdb.py [--trials 100] [--seed 11] [--samples 400] [--timeout 120]
+    python -m tools.damage_lmdb [--trials 100] [--seed 11] [--samples 400] [--timeout 120]
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ own input reader and written with the store's own encoder: a store to try `corec
 `corecap.StoreDataset` or the readers on without starting an engine (`corecap run` captures
 prenorm itself).
 
-    python tools/synthetic_capture.py --store demo.lmdb [--model DIR] [--data FILE] [--layers 2,4,5,8,prenorm] [--dtype bfloat16]
+    python -m tools.synthetic_capture --store demo.lmdb [--model DIR] [--data FILE] \
+        [--layers 2,4,5,8,prenorm] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def main() -> int:
         codec="zstd-planes",
     )
     samples = data.read_samples(
-        args.data or demo.demo_data_path(), tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size, max_len=4096,
+        args.data or demo.demo_data_path(), tokenizer=load_tokenizer(model_dir), vocab_size=identity.vocab_size,
+        max_len=4096,
     )
     num = 0
     with Store.create_or_open(args.store, meta) as store:
@@ -57,8 +59,10 @@ def main() -> int:
             captured.clear()
             with torch.no_grad():
                 out = model(torch.tensor([sample.token_ids.tolist()]), output_hidden_states=True)
-            states = torch.stack([captured[0][0] if k == PRENORM else out.hidden_states[k][0] for k in layers]).to(dtype)
-            store.put_many([encode_sample(sample.key, sample.token_ids, states, layers, codec="zstd-planes", loss_mask=sample.loss_mask)])
+            per_layer = [captured[0][0] if k == PRENORM else out.hidden_states[k][0] for k in layers]
+            states = torch.stack(per_layer).to(dtype)
+            store.put_many([encode_sample(sample.key, sample.token_ids, states, layers, codec="zstd-planes",
+                                          loss_mask=sample.loss_mask)])
             num += 1
     print(f"{args.store}: {num} samples, layers {list(layers)}, {args.dtype} (HF transformers' states, no engine)")
     return 0

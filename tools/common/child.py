@@ -1,0 +1,71 @@
+"""One configuration a process: a benchmark runs itself again as a child (`python -m MODULE --one
+NAME ...`), so every engine starts in a fresh process and its peak RSS is its own. The child
+prints its result as one line `RESULT {json}`; the parent reads the last such line.
+
+The hidden options `--one`, `--model`, `--data`, `--workdir` carry what the parent built."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PREFIX = "RESULT "
+
+
+def add_child_options(ap: argparse.ArgumentParser) -> None:
+    """The options only a child is given (hidden from --help)."""
+    for name in ("--one", "--model", "--data", "--workdir"):
+        ap.add_argument(name, default=None, help=argparse.SUPPRESS)
+
+
+def parse_or_answer(ap: argparse.ArgumentParser, one) -> argparse.Namespace | None:
+    """The parsed options of the parent; a child (given --one) prints `one(args)` as its RESULT and
+    gets None: `args = parse_or_answer(ap, one)`, then `if args is None: return`."""
+    add_child_options(ap)
+    args = ap.parse_args()
+    if args.one:
+        report(one(args))
+        return None
+    return args
+
+
+def report(result: dict) -> None:
+    """The child's answer: its last line on stdout."""
+    print(PREFIX + json.dumps(result), flush=True)
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """This environment, with the repository root on PYTHONPATH so that `-m tools...` resolves
+    from any working directory."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
+def run_child(module: str, args: list[str], timeout: float,
+              env: dict | None = None) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run `python -m module args...`; its RESULT and the finished process. A child that failed or
+    printed no RESULT ends the benchmark with its stderr's tail."""
+    cmd = [sys.executable, "-m", module, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(env), timeout=timeout)
+    results = [line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    if proc.returncode != 0 or not results:
+        raise SystemExit(f"{' '.join(args[:2])} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(results[-1]), proc
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """One result a line, appended: a benchmark interrupted keeps what it measured."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def command_line() -> str:
+    """This process's command as docs/benchmarks.md writes it: `python -m tools.bench.NAME ...`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join([*head, *sys.argv[1:]])

@@ -1,0 +1,119 @@
+"""The architectures of tests/test_architectures.py on the GPU: corecap's bf16 capture on vLLM's
+default path (torch.compile + CUDA graphs) against HF transformers float32, tiny models built
+from a seed by the tests' tiny_models.py (random norm weights), every layer 0..N and prenorm, over
+that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
+1-token sample). DeepSeek-V3 has its own tool (tools/gpu/deepseek_exact.py: its routing flips).
+
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.archs \
+        [--archs gemma3,mixtral,qwen2_moe,gpt_oss,qwen3_next] [--out DIR]
+
+The models are those of the CPU suite, widened to head_dim 64 (hidden 128, 2 heads) because
+the GPU's attention kernels are built for head sizes from 64 up. For each architecture the
+report has the worst relative error per sample and layer and per token against HF float32,
+per layer, and the same for HF's own bf16 run (what bf16 alone does to that model: the band).
+
+Writes gpu_archs.json to --out; one line per architecture on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools.common.child import ROOT
+
+# The tests' tiny models, run here as a file: tests/support/ holds what tests share (tests/ before).
+_PLACES = (os.path.join(ROOT, "tests", "support", "tiny_models.py"), os.path.join(ROOT, "tests", "tiny_models.py"))
+TINY_MODELS = next(p for p in _PLACES if os.path.exists(p))
+_spec = importlib.util.spec_from_file_location("tiny_models", TINY_MODELS)
+tiny_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny_models)
+
+ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
+WIDER = {"hidden_size": 128, "head_dim": 64}
+# vLLM engine arguments an architecture needs on the GPU kit (../shared/gpukit carries no
+# flashinfer, which vLLM 0.26's gated-DeltaNet prefill picks by default on Hopper: without this
+# the worker's forward fails with "No module named 'flashinfer'")
+ENGINE_ARGS = {"qwen3_next": ["--gdn-prefill-backend", "triton"]}
+
+
+def one_arch(name: str, work: str) -> dict:
+    import torch
+
+    from corecap.store import Store
+
+    model = tiny_models.build(name, os.path.join(work, "model"), overrides=WIDER)
+    rows = tiny_models.rows()
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    layers = (*range(tiny_models.NUM_LAYERS + 1), "prenorm")
+    refs = {}
+    for dtype in ("float32", "bfloat16"):
+        out = os.path.join(work, f"refs-{dtype}.pt")
+        subprocess.run([sys.executable, TINY_MODELS, "reference", model, data, out, dtype],
+                       check=True, timeout=600, capture_output=True)
+        refs[dtype] = torch.load(out)
+    store = os.path.join(work, "store")
+    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
+           "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64",
+           *ENGINE_ARGS.get(name, ())]
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+    lines = (proc.stdout + proc.stderr).splitlines()
+    rec["engine_line"] = next((line for line in lines if line.startswith("engine:")), "")
+    if proc.returncode != 0:
+        rec["error"] = [line for line in lines if line.startswith("corecap: error")][-1:] or lines[-5:]
+        try:  # the traceback an internal error names
+            with open(os.path.join(store, "corecap.log"), errors="replace") as f:
+                rec["log_tail"] = f.read()[-6000:]
+        except OSError:
+            pass
+        return rec
+    rec["summary"] = proc.stdout.strip().splitlines()[-1]
+    worst = {k: {"per_sample_layer": [0.0] * len(layers), "per_token": [0.0] * len(layers)}
+             for k in ("corecap bf16 vs HF float32", "HF bf16 vs HF float32")}
+    with Store.open(store) as s:
+        assert sorted(s.keys()) == sorted(r["id"] for r in rows), "keys differ"
+        for r in rows:
+            sample = s.get(r["id"])
+            assert sample.input_ids.tolist() == r["input_ids"], r["id"]
+            ref = tiny_models.stacked(refs["float32"][r["id"]], layers)
+            for key, got in (("corecap bf16 vs HF float32", sample.hidden_states),
+                             ("HF bf16 vs HF float32", tiny_models.stacked(refs["bfloat16"][r["id"]], layers))):
+                per_sample, per_token = tiny_models.relative_errors(got, ref)
+                w = worst[key]
+                w["per_sample_layer"] = [max(a, float(b)) for a, b in zip(w["per_sample_layer"], per_sample)]
+                w["per_token"] = [max(a, float(b)) for a, b in zip(w["per_token"], per_token)]
+    rec["layers"] = [str(k) for k in layers]
+    rec["worst"] = worst
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    results = []
+    for name in args.archs.split(","):
+        work = tempfile.mkdtemp(prefix=f"gpu-arch-{name}-")
+        try:
+            rec = one_arch(name, work)
+        except Exception as e:  # report and go on to the next architecture
+            rec = {"arch": name, "exception": repr(e)[-2000:]}
+        print("RESULT", json.dumps(rec), flush=True)
+        results.append(rec)
+        with open(os.path.join(args.out, "gpu_archs.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""corecap with its DEFAULT flags against plain vLLM with ITS defaults, on several model shapes
+(dummy weights), as a new user runs them: `corecap run --model --data --store --layers
+--load-format dummy` and nothing else, against `LLM(model, load_format="dummy").generate(...,
+max_tokens=1)`. One process per mode; every result a JSON line in OUT/bench_shapes.jsonl.
+
+    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.shapes \
+        --runs 1b:plain,1b:corecap,1b:corecap-fp8,1b:corecap-raw,8b:plain,8b:corecap [--out DIR] [--dir DIR]
+
+(/root/vsite, /root/whl: where ../shared/gpukit installs vLLM and the wheels.) --dir holds the
+models' configs, the prompts, the store and dd's file (default: BENCH_SHAPES_ROOT, else
+~/shapes: /root/shapes on the lent H200, as measured).
+
+Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,024 tokens),
+1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
+prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts), 8b-a (the 8b model on issue 19's
+dataset (a): a 2,048-token prompt shared by all, then a unique 256-1,024-token tail; rates
+count every sample's tokens, cached or not). Prompt counts give each corecap run
+>= 20 s of steady capture at the rates seen before, and plain vLLM as long or longer.
+Modes: plain, plain-fp8q (`quantization="fp8"`), corecap, corecap-fp8 (`--store-dtype fp8`),
+corecap-raw (`--codec raw`), corecap-fp8q (`--quantization fp8`), corecap-pc
+(`--enable-prefix-caching`: what caching costs where nothing is shared), dd (the disk's fsync'd
+write rate). `SHAPE:MODE@N` runs N prompts instead of the shape's count (a longer steady phase).
+corecap's rates come from its trace: from when it starts reading the dataset to the last
+sample handed to storage (capture) and to the last durable commit (durable); plain's from
+generate()'s call to its return. Both exclude the engine's start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from tools.common import traces
+from tools.common.child import PREFIX, append_jsonl, child_env
+from tools.common.disk import dd_rate
+from tools.common.rss import RssPeaks, process_tree
+
+ROOT = os.environ.get("BENCH_SHAPES_ROOT", os.path.expanduser("~/shapes"))  # --dir's default
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+             hidden_act="silu", torch_dtype="bfloat16")
+SHAPES = {
+    "8b": dict(config={**LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                       "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False},
+               prompt_len=1024, plain_prompts=1024, corecap_prompts=1024, layers="2,16,29,32"),
+    "1b": dict(config={**LLAMA, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+                       "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
+                       "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
+               prompt_len=256, plain_prompts=22528, corecap_prompts=8192, layers="2,8,13,16"),
+    "dsv2lite": dict(config={"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
+                             "vocab_size": 102400,
+                             "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                             "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                             "n_shared_experts": 2, "n_routed_experts": 64, "routed_scaling_factor": 1.0,
+                             "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                             "qk_nope_head_dim": 128, "norm_topk_prob": False, "n_group": 1, "topk_group": 1,
+                             "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+                             "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+                             "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                              "type": "yarn"},
+                             "attention_bias": False, "scoring_func": "softmax", "topk_method": "greedy",
+                             "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+                             "hidden_act": "silu", "torch_dtype": "bfloat16"},
+                     prompt_len=1024, plain_prompts=2048, corecap_prompts=2048, layers="2,13,24,27"),
+    "qwen3moe": dict(config={"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+                             "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                             "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                             "head_dim": 128,
+                             "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                             "decoder_sparse_step": 1,
+                             "mlp_only_layers": [], "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                             "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
+                     prompt_len=1024, plain_prompts=1536, corecap_prompts=1536, layers="2,24,45,48"),
+    # a smoke test of this script on a CPU
+    "tiny": dict(config={**LLAMA, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+                         "max_position_embeddings": 1024, "tie_word_embeddings": False},
+                 prompt_len=128, plain_prompts=64, corecap_prompts=64, layers="1,2,4"),
+}
+# Issue 19's dataset (a) on a shape: one 2,048-token system prompt shared by every prompt, then a
+# unique tail of 256-1,024 tokens (the same seed and lengths as tools/bench/prefix.py's (a)).
+SHARED_PREFIX, TAILS = 2048, (256, 1024)
+SHAPES["8b-a"] = dict(SHAPES["8b"], shared_prefix=True, plain_prompts=1024, corecap_prompts=1024)
+SHAPES["tiny-a"] = dict(SHAPES["tiny"], config={**SHAPES["tiny"]["config"], "max_position_embeddings": 4096},
+                        shared_prefix=True, plain_prompts=16, corecap_prompts=16)
+CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "corecap-raw": ["--codec", "raw"],
+                 "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
+
+
+def model_dir(root: str, shape: str) -> str:
+    path = os.path.join(root, shape)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(SHAPES[shape]["config"], f)
+    return path
+
+
+def prompts(shape: str, n: int) -> list[np.ndarray]:
+    s = SHAPES[shape]
+    vocab = s["config"]["vocab_size"]
+    rng = np.random.default_rng(0)
+    if not s.get("shared_prefix"):
+        return list(rng.integers(10, vocab - 1000, size=(n, s["prompt_len"]), dtype=np.int64))
+    system = rng.integers(10, vocab - 1000, size=SHARED_PREFIX, dtype=np.int64)
+    return [np.concatenate([system, rng.integers(10, vocab - 1000, size=int(k), dtype=np.int64)])
+            for k in rng.integers(TAILS[0], TAILS[1] + 1, size=n)]
+
+
+def mode_dd(args) -> dict:
+    return {"gb_s": dd_rate(args.dir, 4096 << 20, block_mib=1)}
+
+
+def mode_plain(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"quantization": "fp8"} if args.mode == "plain-fp8q" else {}
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir(args.dir, args.shape), load_format="dummy", skip_tokenizer_init=True, **extra)
+    load = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["plain_prompts"])
+    warm = np.random.default_rng(1).integers(10, 1000, size=(32, len(ps[0])))  # not a prefix of the run's prompts
+    llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in warm], sp, use_tqdm=False)
+    batch = [TokensPrompt(prompt_token_ids=p.tolist()) for p in ps]
+    tokens = sum(len(p) for p in ps)
+    t = time.perf_counter()
+    llm.generate(batch, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    c = llm.llm_engine.vllm_config
+    return {"tok_s": tokens / dt, "seconds": dt, "load_s": load, "tokens": tokens,
+            "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": c.scheduler_config.max_num_seqs,
+            "async_scheduling": c.scheduler_config.async_scheduling,
+            "prefix_caching": c.cache_config.enable_prefix_caching}
+
+
+def mode_corecap(args) -> dict:
+    ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["corecap_prompts"])
+    data = os.path.join(args.dir, f"{args.shape}-prompts.jsonl")
+    with open(data, "w") as f:
+        for i, p in enumerate(ps):
+            f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
+    store = os.path.join(args.dir, "store.lmdb")
+    shutil.rmtree(store, ignore_errors=True)
+    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
+           "--store", store,
+           "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode]]
+    t0 = time.perf_counter()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        with RssPeaks(process_tree(child.pid), interval=0.2) as peaks:
+            stdout, stderr = child.communicate()
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"corecap run failed ({proc.returncode}): {proc.stderr[-2000:]}\n{_log_tail(store)}")
+    trace = traces.load(store)
+    tokens = sum(len(p) for p in ps)  # the samples' tokens; with prefix caching the engine computes fewer
+    rates = traces.rates(trace, tokens, since="start")
+    nbytes = rates["committed_bytes"]
+    name = f"trace_{args.shape}_{args.mode}_{time.strftime('%H%M%S')}.json"
+    shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
+    shutil.rmtree(store, ignore_errors=True)
+    os.remove(data)
+    return {
+        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
+        "steps_tok_s": rates["steps_tok_s"], "capture_s": rates["capture_s"],
+        "tokens": tokens, "computed_tokens": rates["computed_tokens"], "stored_bytes": nbytes,
+        "bytes_per_token": nbytes / tokens, "wall_s": wall, "trace": name,
+        "engine_line": next((line for line in proc.stderr.splitlines() if line.startswith("engine:")), ""),
+        "prefix_line": next((line for line in proc.stderr.splitlines() if line.startswith("prefix cache: ")), ""),
+        "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
+        "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+        "peak_rss_gb_by_process": peaks.largest_gb(4),
+        "workers": trace.get("workers", []),
+    }
+
+
+def _log_tail(store: str) -> str:
+    try:
+        with open(os.path.join(store, "corecap.log"), errors="replace") as f:
+            return f.read()[-3000:]
+    except OSError:
+        return ""
+
+
+MODES = {"dd": mode_dd, "plain": mode_plain, "plain-fp8q": mode_plain, **{m: mode_corecap for m in CORECAP_FLAGS}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="", help="comma-separated SHAPE:MODE[@PROMPTS] (or dd)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--timeout", type=int, default=420)
+    ap.add_argument("--dir", default=ROOT, help="models' configs, prompts, store, dd's file (default: %(default)s)")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    if args.one:
+        run, _, count = args.one.partition("@")
+        args.shape, _, args.mode = run.rpartition(":")
+        args.prompts = int(count) if count else None
+        rec = {"run": args.one, **MODES[args.mode](args)}
+        print(PREFIX + json.dumps(rec), flush=True)
+        append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), rec)
+        return
+    for run in args.runs.split(","):
+        t = time.time()
+        cmd = [sys.executable, "-m", __spec__.name, "--one", run if ":" in run else f":{run}", "--out", args.out,
+               "--dir", args.dir]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
+            ok, err = proc.returncode == 0, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
+        print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
+        if not ok:
+            append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), {"run": run, "failed": True,
+                                                                        "stderr_tail": (err or "")[-3000:]})
+
+
+if __name__ == "__main__":
+    main()
