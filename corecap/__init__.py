@@ -3,14 +3,27 @@
     corecap run --model DIR --data FILE.jsonl --store out.lmdb --layers 2,16,29,32,prenorm
     corecap get KEY --store out.lmdb --out sample.safetensors
 
-From Python: `corecap.capture(...)` (corecap/api.py); `corecap.StoreDataset(store)`, a torch
-Dataset over a store (corecap/store/dataset.py).
+From Python: `corecap.capture(...)` runs a capture (corecap/api.py); `corecap.open_store(path)`
+reads a store (`.keys()`, `.get(key)`: corecap/store/store.py); `corecap.StoreDataset(store)` is
+a torch Dataset over one (corecap/store/dataset.py). Every user-caused error is a
+`corecap.CorecapError` with a one-line message.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from corecap.errors import CorecapError
+
 __version__ = "0.2.0"
+__all__ = ["CorecapError", "StoreDataset", "__version__", "capture", "open_store"]
 
+if TYPE_CHECKING:  # the names __getattr__ loads on first use, for type checkers
+    from corecap.api import capture
+    from corecap.store.dataset import StoreDataset
+    from corecap.store.store import Store
 
-from corecap.errors import CorecapError  # noqa: E402  (re-exported: `corecap.CorecapError`)
+    def open_store(path: str) -> Store: ...
 
 
 def __getattr__(name: str):
@@ -19,6 +32,10 @@ def __getattr__(name: str):
         from corecap.api import capture
 
         return capture
+    if name == "open_store":
+        from corecap.store.store import Store
+
+        return Store.open
     if name == "StoreDataset":
         from corecap.store.dataset import StoreDataset
 

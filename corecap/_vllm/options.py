@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import shutil
+import threading
 
 from corecap.errors import CorecapError
 from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
@@ -23,6 +24,7 @@ _CPU_MEMORY_SHARE = 0.2  # vLLM's KV cache as a share of RAM on a CPU machine (i
 
 
 # What a run sets in the process environment for vLLM and its workers; `environment` restores it.
+_ONE_RUN = threading.Lock()  # held by the run whose environment the process has
 _RUN_ENVIRONMENT = ("VLLM_RPC_BASE_PATH", "VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES", "TRITON_F32_DEFAULT")
 
 
@@ -32,9 +34,23 @@ def environment():
     vLLM's IPC sockets (VLLM_RPC_BASE_PATH; vLLM's default is the shared temp dir), and what
     `build_vllm_config` sets for the workers. vLLM caches its environment once an engine has
     started; the cache is dropped at the end too, so that the next run in this process reads
-    its own."""
+    its own. The environment is the process's: a second run while one is in it is refused."""
     from corecap.transport.wire import private_ipc_dir  # imports torch: not at doctor's start
 
+    if not _ONE_RUN.acquire(blocking=False):
+        raise CorecapError(
+            "another capture is running in this process (vLLM's settings are process-wide): run captures one "
+            "after the other, or in separate processes"
+        )
+    try:
+        with _run_environment(private_ipc_dir):
+            yield
+    finally:
+        _ONE_RUN.release()
+
+
+@contextlib.contextmanager
+def _run_environment(private_ipc_dir):
     saved = {k: os.environ.get(k) for k in _RUN_ENVIRONMENT}
     rpc_dir = None
     if not saved["VLLM_RPC_BASE_PATH"]:
