@@ -70,7 +70,9 @@ class EngineOptions:
     enforce_eager: bool = False
     model_impl: str = "auto"
     seed: int = 0
-    enable_prefix_caching: bool = False
+    # None: on (vLLM's default), and off, said in the run's first line, for a model with sliding-window
+    # or hybrid attention, whose KV cache corecap cannot keep exact under prefix caching (_vllm/options.py).
+    enable_prefix_caching: bool | None = None
     extra: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field: (name, value)
     extra_args: tuple[str, ...] = ()  # any other engine argument as vLLM's CLI spells it
 

@@ -108,7 +108,7 @@ def test_options_reach_vllms_config(tiny_model, tmp_path):
     assert config.scheduler_config.long_prefill_token_threshold == 16  # passed through by vLLM's own parser
     # what corecap controls, whatever was asked
     assert config.scheduler_config.async_scheduling is False
-    assert config.cache_config.enable_prefix_caching is False  # corecap's default (not vLLM's): off unless asked
+    assert config.cache_config.enable_prefix_caching is True  # vLLM's default, kept exact by corecap
     assert config.parallel_config.worker_extension_cls == "corecap._vllm.worker.CaptureExtension"
 
 
@@ -127,7 +127,7 @@ def test_the_defaults_are_vllms_offline_ones(tiny_model):
     line = effective_settings(config)
     assert line.startswith(f"engine: {config.scheduler_config.max_num_batched_tokens} tokens per step, ")
     for part in (f"{config.scheduler_config.max_num_seqs} sequences in flight", f"max model len {MAX_POSITIONS}",
-                 "memory share 0.2", "dtype bfloat16", "TP 1 x PP 1", "prefix caching off"):
+                 "memory share 0.2", "dtype bfloat16", "TP 1 x PP 1", "prefix caching on"):
         assert part in line, (part, line)
 
 
@@ -154,8 +154,24 @@ def test_prefix_caching_is_switchable_with_vllms_spelling(given, tiny_model):
 
     assert "prefix caching on" in effective_settings(on)
     cfg, _ = given("--no-enable-prefix-caching")
-    assert not cfg.engine.enable_prefix_caching and cfg.prefix_blocks is None  # the KV cache's block count
-    assert not build().engine.enable_prefix_caching  # off unless asked (docs/benchmarks.md, "Prefix caching")
+    assert cfg.engine.enable_prefix_caching is False and cfg.prefix_blocks is None  # the KV cache's block count
+    assert "prefix caching off" in effective_settings(_config(tiny_model, enable_prefix_caching=False))
+    assert build().engine.enable_prefix_caching is None  # on, unless the model cannot have it exact (below)
+
+
+def test_prefix_caching_is_off_by_default_for_sliding_window_attention(tmp_path):
+    """Gemma 3 interleaves sliding-window and full attention: two KV cache groups, which corecap
+    does not keep exact under prefix caching. By default it runs with caching off, and says so;
+    asked for, it is refused when the engine starts (corecap/_vllm/prefix.py)."""
+    import tiny_models
+
+    from corecap._vllm import effective_settings
+
+    model = tiny_models.build("gemma3", str(tmp_path / "gemma3"))
+    config = _config(model)
+    assert config.cache_config.enable_prefix_caching is False
+    assert "prefix caching off: the model has sliding-window or hybrid attention" in effective_settings(config)
+    assert _config(model, enable_prefix_caching=True).cache_config.enable_prefix_caching is True
 
 
 def test_fp8_cannot_store_nonfinite_samples(given):

@@ -140,7 +140,7 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         enforce_eager=options.enforce_eager,
         model_impl=options.model_impl,
         seed=options.seed,
-        enable_prefix_caching=options.enable_prefix_caching,
+        enable_prefix_caching=options.enable_prefix_caching is not False,  # None: on, unless _prefix_caching_by_default
         **({"gpu_memory_utilization": memory} if memory else {}),
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
@@ -194,11 +194,31 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     plan = plan_capture(config, layers)
     if plan.override is not None:
         _use_override(config, plan.override)
+    _prefix_caching_by_default(config, options)
     _cpu_rotary_without_custom_op(config)
     _cpu_mla_moe_without_inductor(config)
     _room_for_the_sampled_token(config)
     _float32_without_tf32(config)
     return config
+
+
+def _prefix_caching_by_default(vllm_config, options: EngineOptions) -> None:
+    """Prefix caching is on unless the user turned it off, except, when the user did not ask for
+    it, for a model with sliding-window or hybrid (Mamba) attention: its KV cache has more than one
+    group, which corecap's prefix tracking does not keep exact (corecap/_vllm/prefix.py). Such a
+    model runs with it off and the run's first line says why; asked for, it is refused there."""
+    model_config, cache = vllm_config.model_config, vllm_config.cache_config
+    if options.enable_prefix_caching is not None or not cache.enable_prefix_caching:
+        return
+    if model_config.is_hybrid or model_config.get_sliding_window() is not None:
+        cache.enable_prefix_caching = False
+        _note(vllm_config, "prefix caching off: the model has sliding-window or hybrid attention (--enable-prefix-caching refuses it)")
+
+
+def _note(vllm_config, text: str) -> None:
+    """A note for the run's first line (`effective_settings`), kept in corecap's part of the config."""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    vllm_config.additional_config = {**extra, "corecap_notes": [*extra.get("corecap_notes", []), text]}
 
 
 def _use_override(vllm_config, target: str) -> None:
@@ -294,14 +314,15 @@ def effective_settings(vllm_config) -> str:
     )
     from corecap._vllm.preflight import plan_capture
 
-    layers = (vllm_config.additional_config or {}).get("corecap_layers") if isinstance(vllm_config.additional_config, dict) else None
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    layers, notes = extra.get("corecap_layers"), extra.get("corecap_notes", [])
     capture = plan_capture(vllm_config, None if layers is None else tuple(layers)).line()
     return (
         f"engine: {sched.max_num_batched_tokens} tokens per step, {sched.max_num_seqs} sequences in flight, "
         f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
         f"dtype {str(model.dtype).removeprefix('torch.')}, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
         f"{compiled}, "
-        f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}"
+        + (f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}" if not notes else "; ".join(notes))
         + (f", quantization {model.quantization}" if model.quantization else "")
         + f"; {capture}"
     )

@@ -35,7 +35,8 @@ _ENGINE_OPTIONS = (
     click.option("--enforce-eager", is_flag=True, help="Disable torch.compile and CUDA graphs."),
     click.option("--model-impl", type=click.Choice(["auto", "vllm", "transformers"]), default="auto", show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),
-    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=False, show_default=True),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+                 help="vLLM's prefix caching, kept exact by corecap (default: on, off for models with sliding-window or hybrid attention)."),
 )
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None, help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations (default: the built-in demo dataset)."),
