@@ -32,18 +32,23 @@ def _rows() -> list[dict]:
         {"role": "assistant", "content": "the lazy dog"},  # replaced by the model's answer
     ]})
     rows.append({"id": "user-only", "conversations": [{"from": "human", "value": "the quick brown fox jumps"}]})
+    shared = rng.integers(3, VOCAB, size=70).tolist()  # two full 32-token blocks computed once, stored once
+    rows += [{"id": "dup-a", "input_ids": shared}, {"id": "dup-b", "input_ids": shared}]
     return rows
 
 
-@pytest.fixture(scope="module")
-def generate_run(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tp1", "tp2"])
+def generate_run(request, tiny_model, tmp_path_factory):
+    """Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
+    responses complete blocks; TP=2 the second time."""
     from corecap.run import run
 
-    tmp = tmp_path_factory.mktemp("generate")
+    tmp = tmp_path_factory.mktemp(f"generate-{request.param}")
     data = write_jsonl(tmp / "data.jsonl", _rows())
     cfg = build(
         model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
-        dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0,
+        dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0, tp=2 if request.param == "tp2" else 1,
+        extra_args=("--block-size", "32"),
     )
     log: list[str] = []
     summary = run(cfg, log=log.append)
@@ -68,7 +73,8 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
 
     cfg, summary, log = generate_run
     assert summary.num_committed == len(_rows())
-    assert "generation: max tokens 20, temperature 0.0" in log[0], log[0]
+    assert "generation: max tokens 20, temperature 0.0" in log[0] and "prefix caching on" in log[0], log[0]
+    assert summary.num_referring >= 1  # dup-b's prompt, from dup-a's
     tokenizer = load_tokenizer(tiny_model)
     with Store.open(cfg.store) as store:
         for row in _rows():
@@ -245,7 +251,7 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     import time
 
     rng = np.random.default_rng(SEED + 7)
-    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(5, 60, size=40))]
+    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(5, 60, size=24))]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
