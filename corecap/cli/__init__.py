@@ -183,7 +183,7 @@ def ls(store, long) -> None:
             for key in s.keys():
                 click.echo(key)
             return
-        for key, header in headers(s):
+        for key, header in headers(s, utf8_keys=True):
             generation = header.generation
             click.echo(f"{key}\t{header.num_tokens} tokens"
                        + ("" if generation is None else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))

@@ -121,7 +121,8 @@ def _write(txn, store: Store, f, out: str, keys, num_rows: int, tokenizer, progr
                 raise CorecapError(f"{store.path}: sample {key!r} has {'no header' if header_value is None else 'no states'} (a damaged store: corecap verify)")
             header = prefixed(store.path, checked_header, key, header_value, store.meta)
             ids = np.frombuffer(header.input_ids, dtype="<i4")
-            num_unknown += bool(len(ids)) and int(ids.max()) >= vocab
+            if len(ids) and int(ids.max()) >= vocab:
+                num_unknown += 1
             num_generated += header.generation is not None
             line = json.dumps(sample_line(key, header, ids, tokenizer), ensure_ascii=False) + "\n"
             f.write(line)

@@ -36,7 +36,7 @@ import torch
 from corecap.errors import CorecapError
 from corecap.store import Store, decode_header, refs, segments
 from corecap.store.format import SampleHeader, decode_states, header_problems
-from corecap.store.store import lmdb_errors, lmdb_message, prefixed
+from corecap.store.store import key_text, lmdb_errors, lmdb_message, prefixed
 
 
 @dataclass
@@ -245,10 +245,11 @@ def contents(store: Store) -> dict:
             "finish_reasons": dict(sorted(reasons.items())), "state_file_bytes": state_bytes}
 
 
-def headers(store: Store) -> Iterator[tuple[str, SampleHeader]]:
+def headers(store: Store, utf8_keys: bool = False) -> Iterator[tuple[str, SampleHeader]]:
     """(key, decoded header) of every sample in key order, in one read transaction (`corecap ls
-    --long`, `contents`); no states are read."""
+    --long`, `contents`); no states are read. A key that is not UTF-8 is damage with `utf8_keys`
+    (as `ls` names it), else shown escaped."""
     with lmdb_errors(store.path, "the headers database"), store.env.begin(buffers=True) as txn:
         for k, v in txn.cursor(db=store.headers_db):
-            key = bytes(k).decode(errors="backslashreplace")  # a key that is not UTF-8 is ls's to name
+            key = key_text(store.path, bytes(k)) if utf8_keys else bytes(k).decode(errors="backslashreplace")
             yield key, prefixed(store.path, decode_header, key, v)
