@@ -239,3 +239,14 @@ def test_dataset_items_carry_what_a_trainer_filters_on(generated):
             assert (item["num_prompt"], item["finish_reason"]) == (g.num_prompt, g.finish_reason)
     kept = [ds[i]["key"] for i in range(len(ds)) if ds[i].get("finish_reason", "eos") != "length"]
     assert kept == ["gen-stop", "gen-text", "plain-mask", "plain-nomask"]
+
+
+def test_a_sample_stored_with_nonfinite_states_keeps_its_text(tokenizer):
+    from corecap.store import decode_header, encode_sample
+    from corecap.store.jsonl import sample_line
+
+    ids = np.array(tokenizer.encode("the lazy dog"), dtype=np.int32)
+    states = torch.full((len(LAYERS), len(ids), HIDDEN), float("nan"))
+    header = decode_header("nan", encode_sample("nan", ids, states, LAYERS, codec="raw", nonfinite=True).header)
+    line = sample_line("nan", header, ids, tokenizer)
+    assert line == {"id": "nan", "text": "the lazy dog", "nonfinite": True, "input_ids": ids.tolist(), "loss_mask": None}
