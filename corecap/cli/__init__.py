@@ -124,24 +124,35 @@ def worker(master_addr, master_port, node_rank, model, timeout) -> None:
     follow(master_addr, master_port, node_rank, model, timeout, log=_log)
 
 
+def _response(generation) -> str:
+    """A generated sample's response, as `get` and `ls --long` show it."""
+    stop = f" {generation.stop!r}" if generation.stop is not None else ""
+    return f"response of {generation.num_generated} tokens (finished by {generation.finish_reason}{stop})"
+
+
 @main.command()
 @click.argument("key")
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write a .safetensors file.")
 @_one_line_errors
 def get(key, store, out) -> None:
-    """Summarize one stored sample; with --out, export it as safetensors (input_ids, hidden_states,
-    and loss_mask when the sample has one)."""
+    """Summarize one stored sample (for a generated one, its response's length and finish reason);
+    with --out, export it as safetensors (input_ids, hidden_states, and loss_mask when the sample
+    has one; a generated sample's record, JSON, in the metadata's "generation")."""
+    import msgspec
+
     from corecap.store import Store
 
     with Store.open(store) as s:
         sample = s.get(key)
         layers = list(s.meta.layers)
     hs = sample.hidden_states
+    generation = sample.header.generation
     click.echo(
         f"{key}: {sample.header.num_tokens} tokens, layers {layers}, dtype {sample.header.dtype}, "
         f"hidden_states shape {list(hs.shape)}, codec {sample.header.codec}"
         + ("" if sample.loss_mask is None else f", loss mask on {int(sample.loss_mask.sum())} tokens")
+        + ("" if generation is None else f", prompt of {generation.num_prompt} tokens, {_response(generation)}")
     )
     if out:
         import torch
@@ -150,20 +161,32 @@ def get(key, store, out) -> None:
         tensors = {"input_ids": torch.from_numpy(sample.input_ids.astype("int64")), "hidden_states": hs.contiguous()}
         if sample.loss_mask is not None:
             tensors["loss_mask"] = torch.from_numpy(sample.loss_mask)
-        save_file(tensors, out, metadata={"key": key, "layers": json.dumps(layers), "codec": sample.header.codec})
+        metadata = {"key": key, "layers": json.dumps(layers), "codec": sample.header.codec}
+        if generation is not None:
+            metadata["generation"] = json.dumps(msgspec.structs.asdict(generation))
+        save_file(tensors, out, metadata=metadata)
         click.echo(f"wrote {out}")
 
 
 @main.command(name="ls")
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True)
+@click.option("--long", "-l", "long", is_flag=True,
+              help="Per key, tab-separated: its tokens and, for a generated sample, its prompt's and response's lengths and finish reason.")
 @_one_line_errors
-def ls(store) -> None:
+def ls(store, long) -> None:
     """List the keys in a store, one per line."""
     from corecap.store import Store
+    from corecap.store.verify import headers
 
     with Store.open(store) as s:
-        for key in s.keys():
-            click.echo(key)
+        if not long:
+            for key in s.keys():
+                click.echo(key)
+            return
+        for key, header in headers(s, utf8_keys=True):
+            generation = header.generation
+            click.echo(f"{key}\t{header.num_tokens} tokens"
+                       + ("" if generation is None else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))
 
 
 @main.command()
@@ -171,7 +194,8 @@ def ls(store) -> None:
 @_one_line_errors
 def info(store) -> None:
     """Print a store's metadata (JSON), its number of samples and tokens, how many of those it
-    stores (the rest, samples refer to others for: stored once) and its state files' bytes."""
+    stores (the rest, samples refer to others for: stored once), the samples whose response the
+    model wrote (their tokens and finish reasons) and its state files' bytes."""
     import msgspec
 
     from corecap.store import Store
@@ -232,25 +256,64 @@ def doctor(model, deep) -> None:
 
 @main.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--format", "fmt", type=click.Choice(["speculators", "specforge"]), required=True,
-              help="speculators 0.9.0 (needs the 'prenorm' layer) or SpecForge 0.2.0 (needs layer N and three aux layers).")
-@click.option("--out", type=str, required=True, help="Output directory (must not exist; written as OUT.partial, then renamed).")
+@click.option("--format", "fmt", type=click.Choice(["speculators", "specforge", "jsonl"]), required=True,
+              help="speculators 0.9.0 (needs the 'prenorm' layer), SpecForge 0.2.0 (needs layer N and three aux layers), "
+              "or jsonl: the samples as text, one JSON object per line (text decoded with the model's tokenizer, token ids, "
+              "loss masks; a generated sample's prompt and response apart, finish reason, sampling settings), no hidden states.")
+@click.option("--out", type=str, required=True,
+              help="Output directory, a file for jsonl (must not exist; written as OUT.partial, then renamed).")
 @click.option("--aux-layers", type=str, default=None, help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
               help="Hidden states' dtype (auto: bfloat16 for SpecForge, which trains on nothing else; the stored dtype for speculators).")
 @click.option("--keys", "keys_file", type=str, default=None, help="Export only these keys (a file, one per line), in its order.")
 @click.option("--workers", type=_Min1, default=None, help="Threads that decode and write samples (default: the cores, at most 8).")
+@click.option("--tokenizer", type=str, default=None,
+              help="jsonl: the tokenizer's directory to decode with (default: the store's model directory, from `corecap info`).")
 @click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
 @_one_line_errors
-def export(store, fmt, out, aux_layers, dtype, keys_file, workers, progress) -> None:
-    """Write a store's samples in a trainer's offline layout (docs/export.md); an interrupted export resumes."""
+def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, progress) -> None:
+    """Write a store's samples in a trainer's offline layout, or as text (jsonl) (docs/export.md);
+    an interrupted export resumes (jsonl: starts over)."""
     from corecap.store.export import export_store, read_keys
 
+    if fmt == "jsonl":
+        states_only = [name for name, given in (("--aux-layers", aux_layers is not None), ("--dtype", dtype != "auto"),
+                                                ("--workers", workers is not None)) if given]
+        if states_only:
+            raise CorecapError(f"{states_only[0]} applies to the hidden states, and --format jsonl writes none (it is the text)")
+    elif tokenizer is not None:
+        raise CorecapError(f"--tokenizer applies to --format jsonl only (--format {fmt} writes token ids, no text)")
     keys = read_keys(keys_file) if keys_file else None
-    summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers, progress=progress, log=_log)
+    if fmt == "jsonl":
+        from corecap.store.jsonl import export_jsonl
+
+        summary = export_jsonl(store, out, _jsonl_tokenizer(store, tokenizer), keys=keys, progress=progress, log=_log)
+    else:
+        summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers, progress=progress, log=_log)
     click.echo(summary.line())
     for note in summary.notes():
         click.echo(note)
+
+
+def _jsonl_tokenizer(store: str, given: str | None):
+    """The tokenizer `export --format jsonl` decodes with: --tokenizer's, else the store's model's."""
+    from corecap.model import load_tokenizer
+    from corecap.store import Store
+
+    with Store.open(store) as s:
+        path = given or s.meta.model.path
+    where = f"--tokenizer {path}" if given else f"the store's model directory {path}"
+    if not os.path.isdir(path):
+        raise CorecapError(f"--format jsonl decodes with the model's tokenizer, and {where} is not a directory here: "
+                           "pass --tokenizer DIR (the model's directory, or one with its tokenizer files)")
+    try:
+        found = load_tokenizer(path)
+    except CorecapError as e:
+        raise CorecapError(f"--format jsonl: {where}: {str(e).split(': ', 1)[-1]}") from None
+    if found is None:
+        raise CorecapError(f"--format jsonl decodes with the model's tokenizer, and {where} has no tokenizer files: "
+                           "pass --tokenizer DIR (the model's directory, or one with its tokenizer files)")
+    return found
 
 
 @main.command(context_settings=_PASS_THROUGH)

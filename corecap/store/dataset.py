@@ -4,7 +4,10 @@
     ds = StoreDataset("out.lmdb", layers=[2, 16, 29, "prenorm"])
     item = ds[0]          # or ds["some-key"]
     # {"key": str, "input_ids": [T] int64, "loss_mask": [T] int64,
-    #  "hidden_states": [len(layers), T, H] in the stored dtype (fp8 stores: dequantized)}
+    #  "hidden_states": [len(layers), T, H] in the stored dtype (fp8 stores: dequantized),
+    #  and for a sample whose response the model wrote (`corecap run --max-tokens`):
+    #  "num_prompt": int (tokens [0, num_prompt) are the prompt, the rest the response),
+    #  "finish_reason": "eos" | "stop" | "length"}
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
                                          sampler=torch.utils.data.DistributedSampler(ds))
 
@@ -20,7 +23,9 @@ spawned, never uses an LMDB environment opened by another process (LMDB forbids 
 fork), and a `Store` of the same directory may be opened in this process between items (py-lmdb
 refuses a second open of one environment in a process, since LMDB's locks are per process:
 don't hold one open while reading items). A sample without a loss mask gets all ones,
-as `corecap export` gives it.
+as `corecap export` gives it. Only a generated sample's item has `num_prompt` and
+`finish_reason` (a capture-only store's items are as they were): a trainer filters on them with
+`item.get("finish_reason")`.
 
 In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
 trainer is done with an item (corecap/store/shared.py): torch's pickler would otherwise copy every
@@ -84,9 +89,14 @@ class StoreDataset(torch.utils.data.Dataset):
             states = torch.index_select(states, 0, torch.tensor(self._positions), out=alloc(chosen, states.dtype)) if alloc else states[self._positions]
         mask = sample.loss_mask
         num_tokens = len(sample.input_ids)
-        return {
+        item = {
             "key": key,
             "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
             "loss_mask": torch.ones(num_tokens, dtype=torch.int64) if mask is None else torch.from_numpy(mask.astype(np.int64)),
             "hidden_states": states,
         }
+        generation = sample.header.generation
+        if generation is not None:  # what a trainer may filter on (e.g. drop responses cut off by length)
+            item["num_prompt"] = generation.num_prompt
+            item["finish_reason"] = generation.finish_reason
+        return item

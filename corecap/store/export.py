@@ -3,6 +3,8 @@
     corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
     corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
 
+(The samples as text, without states, `--format jsonl`, are corecap/store/jsonl.py's.)
+
 The layouts are in corecap/store/layouts.py and docs/export.md. Everything is checked before
 anything is written: a store that lacks what the format needs (speculators: the `prenorm` layer;
 SpecForge: layer N and exactly three aux layers) or an unknown key is refused in one line that
@@ -101,7 +103,7 @@ def export_store(
             raise CorecapError(f"{shown}: already exists (a finished export?); remove it or choose another --out")
         try:
             with store.env.begin(buffers=True) as txn:
-                num_rows, digest = _select(txn, store, keys)
+                num_rows, digest = select_keys(txn, store, keys)
                 options = _options(store, plan, num_rows, digest)
                 lock, resumed = _open_partial(partial, options, log)
                 try:
@@ -119,7 +121,7 @@ def export_store(
     return summary
 
 
-def _select(txn, store: Store, keys: list[str] | None) -> tuple[int, str]:
+def select_keys(txn, store: Store, keys: list[str] | None) -> tuple[int, str]:
     """(rows, a digest of the exported keys in row order), every key checked to exist."""
     digest = hashlib.blake2b(digest_size=16)
     if keys is None:

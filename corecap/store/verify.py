@@ -35,8 +35,8 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import Store, decode_header, refs, segments
-from corecap.store.format import decode_states, header_problems
-from corecap.store.store import lmdb_errors, lmdb_message, prefixed
+from corecap.store.format import SampleHeader, decode_states, header_problems
+from corecap.store.store import key_text, lmdb_errors, lmdb_message, prefixed
 
 
 @dataclass
@@ -227,15 +227,29 @@ def _strip(error: CorecapError, key: str, path: str | None = None) -> str:
 def contents(store: Store) -> dict:
     """What a store holds, from the headers alone (`corecap info`): its samples' tokens, those in
     their own payloads (the rest, samples refer to others for: stored once, format 4), the
-    samples that refer, and the bytes of its state files on disk."""
-    num_tokens = num_referred = num_referring = 0
-    with lmdb_errors(store.path, "the headers database"), store.env.begin(buffers=True) as txn:
-        for k, v in txn.cursor(db=store.headers_db):
-            key = bytes(k).decode(errors="backslashreplace")  # a key that is not UTF-8 is ls's to name
-            header = prefixed(store.path, decode_header, key, v)
-            num_tokens += header.num_tokens
-            num_referred += header.num_prefix
-            num_referring += header.prefix is not None
+    samples that refer, the samples whose response the model wrote (their tokens, by finish
+    reason) and the bytes of its state files on disk."""
+    num_tokens = num_referred = num_referring = num_generated = num_generated_tokens = 0
+    reasons: dict[str, int] = {}
+    for _, header in headers(store):
+        num_tokens += header.num_tokens
+        num_referred += header.num_prefix
+        num_referring += header.prefix is not None
+        if header.generation is not None:
+            num_generated += 1
+            num_generated_tokens += header.generation.num_generated
+            reasons[header.generation.finish_reason] = reasons.get(header.generation.finish_reason, 0) + 1
     state_bytes = sum(os.path.getsize(segments.segment_path(store.path, n)) for n in segments.segment_numbers(store.path))
     return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred, "num_referring_samples": num_referring,
-            "state_file_bytes": state_bytes}
+            "num_generated_samples": num_generated, "num_generated_tokens": num_generated_tokens,
+            "finish_reasons": dict(sorted(reasons.items())), "state_file_bytes": state_bytes}
+
+
+def headers(store: Store, utf8_keys: bool = False) -> Iterator[tuple[str, SampleHeader]]:
+    """(key, decoded header) of every sample in key order, in one read transaction (`corecap ls
+    --long`, `contents`); no states are read. A key that is not UTF-8 is damage with `utf8_keys`
+    (as `ls` names it), else shown escaped."""
+    with lmdb_errors(store.path, "the headers database"), store.env.begin(buffers=True) as txn:
+        for k, v in txn.cursor(db=store.headers_db):
+            key = key_text(store.path, bytes(k)) if utf8_keys else bytes(k).decode(errors="backslashreplace")
+            yield key, prefixed(store.path, decode_header, key, v)
