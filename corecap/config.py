@@ -110,6 +110,7 @@ class TestHooks:
 
 # The sampling settings of `--max-tokens` runs, by vLLM's SamplingParams names. Unset ones take
 # the model's defaults (its generation_config.json, as `vllm serve` does), then vLLM's.
+REWRITE_TURNS = ("last", "all")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -128,8 +129,14 @@ class SamplingOptions:
     frequency_penalty: float | None = None
     stop: tuple[str, ...] = ()  # strings that end a response (the one that matched is kept)
     ignore_eos: bool = False
+    # chat rows: "last" answers the turns before the last assistant turn (one sample a row); "all"
+    # rewrites every assistant turn in order, each given the rewritten ones before it (one sample
+    # a turn, KEY/turn-K, sharing its prefix with the turn before: corecap/generation.py).
+    rewrite_turns: str = "last"
 
     def __post_init__(self):
+        if self.rewrite_turns not in REWRITE_TURNS:
+            raise CorecapError(f"--rewrite-turns {self.rewrite_turns!r}: expected one of {', '.join(REWRITE_TURNS)}")
         if self.max_tokens < 0:
             raise CorecapError(f"--max-tokens {self.max_tokens}: expected 0 (capture the given tokens) or more")
         if any(not isinstance(s, str) or not s for s in self.stop):

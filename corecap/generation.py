@@ -16,9 +16,13 @@ resumed or repeated run writes the same responses on the same machine and config
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from corecap.data.chat import rewritten_turns
 from corecap.store.generated import Generation
 
 FINISH_EOS = "eos"  # the model wrote an end-of-sequence token (stored)
@@ -114,3 +118,74 @@ class Responses:
             return ""
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(self.reasons.items()))
         return f"{self.num_tokens} tokens in {sum(self.reasons.values())} responses (finished by {reasons})"
+
+
+def turn_key(key: str, index: int) -> str:
+    """The key of a conversation's answer `index` (0-based) when every turn is rewritten."""
+    return f"{key}/turn-{index + 1}"
+
+
+@dataclass
+class Turn:
+    """One answer of a conversation whose every assistant turn the model rewrites."""
+
+    key: str
+    token_ids: np.ndarray  # int32: its prompt, the model's earlier answers in it
+    max_tokens: int
+    conversation: object  # the data.Sample of the whole conversation
+    index: int  # which of its answer points (data/chat.py answer_points)
+    answers: list[str]  # the model's answers before this one, as text
+
+
+class Conversations:
+    """`--rewrite-turns all`: every answer of a conversation written in order, each given the
+    model's own earlier answers (data/chat.py `rewritten_turns`); each a sample of its own,
+    KEY/turn-K, whose prompt shares its prefix with the turn before (stored once with prefix
+    caching on). A rerun reads the answers already stored back as text and goes on from the first
+    turn not stored. A later turn's prompt is only known once the earlier answers are: one that
+    leaves less room than `max_tokens` under `max_len` gets a shorter answer under --overflow
+    truncate and otherwise ends its conversation there (counted in `num_cut`)."""
+
+    def __init__(self, renderer, decode: Callable[[list[int]], str], max_tokens: int, max_len: int, overflow: str,
+                 committed, stored_answer: Callable[[str], str]):
+        self.renderer, self.decode, self.max_tokens, self.max_len, self.overflow = renderer, decode, max_tokens, max_len, overflow
+        self.committed, self.stored_answer = committed, stored_answer
+        self.ready: deque[Turn] = deque()
+        self.asked: dict[str, Turn] = {}  # req_id → the turn it answers
+        self.num_cut = 0
+
+    def start(self, conversation) -> None:
+        """Queue the conversation's first answer not yet stored."""
+        answers = []
+        for k in range(len(conversation.points)):
+            key = turn_key(conversation.key, k)
+            if key not in self.committed:
+                self._queue(conversation, answers)
+                return
+            answers.append(self.stored_answer(key))
+
+    def answered(self, req_id: str, response: Response) -> None:
+        """A response came: queue the conversation's next answer, given this one."""
+        turn = self.asked.pop(req_id, None)
+        if turn is not None and turn.index + 1 < len(turn.conversation.points):
+            self._queue(turn.conversation, [*turn.answers, self.decode(response.token_ids)])
+
+    def _queue(self, conversation, answers: list[str]) -> None:
+        k = len(answers)
+        if k == 0:  # checked with the input, before the model loaded
+            ids, max_tokens = conversation.token_ids, conversation.max_tokens
+        else:
+            before = rewritten_turns(list(conversation.messages), list(conversation.points), answers)
+            ids = self.renderer.prompt(None, conversation.where, before).astype(np.int32)
+            room = self.max_len - len(ids)
+            if room < 1 or (room < self.max_tokens and self.overflow != "truncate"):
+                self.num_cut += 1
+                return
+            max_tokens = min(self.max_tokens, room)
+        self.ready.append(Turn(turn_key(conversation.key, k), ids, max_tokens, conversation, k, answers))
+
+    def line(self) -> str:
+        if not self.num_cut:
+            return ""
+        return (f"{self.num_cut} conversations ended before their last answer: its prompt, the model's earlier "
+                f"answers in it, left no room for --max-tokens under --max-len")

@@ -13,7 +13,6 @@ to stop through `Stop`, which the CLI sets from SIGTERM and Ctrl-C) and runs fro
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,47 +22,16 @@ import msgspec
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig, resolve_layers
-from corecap.generation import Response, Responses, StopRule, request_seed
+from corecap.generation import Conversations, Response, Responses, StopRule, request_seed
+from corecap.resume import ResumeCheck, committed_fingerprints
+from corecap.summary import RunSummary
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
-from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta, input_fingerprint
+from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta
 from corecap.trace.analysis import workers_line
 from corecap.trace.timeline import write_trace
 from corecap.transport import shm
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    store: str
-    num_samples: int
-    num_committed: int
-    num_skipped: int
-    num_tokens: int
-    nbytes: int
-    seconds: float
-    raw_bytes: int = 0  # the states' size before the codec
-    outcomes: str = ""  # the dataset's outcome counts (truncated, skipped, ...)
-    num_referring: int = 0  # stored once: samples whose prefix refers to earlier samples' states
-    referred_bytes: int = 0  # the raw states those references stand for (not written)
-    num_stored_whole: int = 0  # with prefix cache hits, stored whole: their source was not yet committed
-    generated: str = ""  # --max-tokens: the responses written, e.g. "1,800 tokens in 23 responses (eos 20, length 3)"
-
-    def line(self) -> str:
-        rate = self.num_tokens / self.seconds if self.seconds else 0.0
-        per_token = self.nbytes / self.num_tokens if self.num_tokens else 0
-        ratio = f", codec ratio {self.raw_bytes / self.nbytes:.2f}x" if self.nbytes and self.raw_bytes else ""
-        return (
-            f"{self.store}: committed {self.num_committed} samples ({self.num_tokens} tokens), "
-            f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
-            f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
-            + (f"; generated {self.generated}" if self.generated else "")
-            + (f"; input: {self.outcomes}" if self.outcomes else "")
-            + (f"; stored once: {self.num_referring} samples refer to earlier ones for their prefix "
-               f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), {self.num_stored_whole} with cache hits "
-               "stored whole (the sample they would refer to was not yet committed)"
-               if self.num_referring or self.num_stored_whole else "")
-        )
 
 
 class Interrupted(CorecapError):
@@ -102,6 +70,7 @@ class _Plan:
     devices: list  # per replica: the environment its workers start with (_vllm.placement)
     sampling: dict | None = None  # --max-tokens: the sampling settings in effect (vLLM's names)
     stop_rule: StopRule | None = None  # --max-tokens: when a response ends
+    total: int = 0  # the input's samples (a rewritten conversation: one a turn)
 
 
 def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
@@ -114,16 +83,18 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     with environment():
         plan = _prepare(cfg, log)
         if plan.todo == 0:
-            n = plan.dataset.num_samples
+            n = plan.total
             return RunSummary(cfg.store, n, 0, n, 0, 0, 0.0, 0, plan.dataset.outcomes())
         capture = _Capture(plan, log, stop, terminal or sys.stderr)
         done = capture.run()
     if stop.reason is not None:
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
+    if capture.conversations.line():
+        log(capture.conversations.line())
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
-        cfg.store, plan.dataset.num_samples, done.num_committed, plan.dataset.num_samples - plan.todo,
+        cfg.store, plan.total, done.num_committed, plan.total - plan.todo,
         done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
         done.num_referring, done.referred_bytes, done.num_stored_whole, capture.responses.line(),
     )
@@ -151,11 +122,12 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
         tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
         max_tokens=cfg.sampling.max_tokens, template_kwargs=dict(cfg.chat_template_kwargs),
+        all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all",
     )
     # Keys already committed, read before validating so that the same pass checks their inputs;
     # the store itself is created (and its metadata checked) only once the input is known good.
-    committed = _committed_fingerprints(cfg.store)
-    resume = _ResumeCheck(committed)
+    committed = committed_fingerprints(cfg.store)
+    resume = ResumeCheck(committed)
     dataset = data.validate(data_path, **read, on_sample=resume)
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
@@ -167,11 +139,11 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
     Store.create_or_open(cfg.store, meta).close()
     log(
         f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
-        f"{dataset.num_samples - resume.todo} already in {cfg.store}; layers {list(layers)}"
+        f"{resume.total - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
     return _Plan(
         cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices,
-        settings, stop_rule,
+        settings, stop_rule, resume.total,
     )
 
 
@@ -192,6 +164,24 @@ def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, St
     return settings, StopRule(eos, options.stop, decode), "; " + sampling.describe(options, settings, source, eos)
 
 
+def _conversations(plan: _Plan) -> Conversations:
+    """--rewrite-turns all: where each conversation's later answers come from."""
+    from corecap.data.chat import ChatRenderer
+
+    tokenizer, cfg = plan.read["tokenizer"], plan.cfg
+    renderer = ChatRenderer(tokenizer, plan.data_path, "messages", plan.read["template_kwargs"]) if plan.read["all_turns"] else None
+
+    def stored_answer(key: str) -> str:
+        with Store.open(cfg.store) as store:
+            sample = store.get(key)
+        return tokenizer.decode(sample.input_ids[sample.header.generation.num_prompt :].tolist(), skip_special_tokens=True)
+
+    return Conversations(
+        renderer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), cfg.sampling.max_tokens,
+        plan.read["max_len"], cfg.overflow, plan.committed, stored_answer,
+    )
+
+
 class _Capture:
     """The engine, the sink and the shared-memory record of one run, and the step loop."""
 
@@ -202,6 +192,7 @@ class _Capture:
         self.start = self.end = time.time()
         self.engine = None
         self.responses = Responses()
+        self.conversations = _conversations(plan)
         from corecap._vllm import nodes
 
         self.nodes = None  # the other nodes of an engine across nodes (_vllm.nodes.Leader)
@@ -273,8 +264,8 @@ class _Capture:
 
     def _loop(self, sink: Sink, progress: Progress) -> None:
         """Feed and step the engine until every sample still to do has been captured."""
-        plan, engine = self.plan, self.engine
-        samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.key not in plan.committed)
+        plan, engine, turns = self.plan, self.engine, self.conversations
+        samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.points or s.key not in plan.committed)
         queued = 2 * engine.max_num_seqs  # fed, without holding the whole dataset
         # Reading, announcing and adding requests happens between steps, while the batch in flight
         # runs: a little at a time, enough for the batches the next step schedules.
@@ -283,25 +274,34 @@ class _Capture:
         exhausted = False
         while True:
             added = 0
-            while not exhausted and engine.num_unfinished < queued and added < feed_tokens:
-                sample = next(samples, None)
-                if sample is None:
-                    exhausted = True
-                    break
-                req_id = str(sample.line)
+            while (not exhausted or turns.ready) and engine.num_unfinished < queued and added < feed_tokens:
+                if turns.ready:  # a conversation's next answer, given the model's earlier ones
+                    turn = turns.ready.popleft()
+                    req_id = f"{turn.conversation.line}.{turn.index}"
+                    turns.asked[req_id] = turn
+                    key, ids, mask, max_tokens = turn.key, turn.token_ids, None, turn.max_tokens
+                else:
+                    sample = next(samples, None)
+                    if sample is None:
+                        exhausted = True
+                        continue
+                    if sample.points:  # every turn rewritten: its answers come through `turns`
+                        turns.start(sample)
+                        continue
+                    req_id, key, ids, mask, max_tokens = str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens
                 response = None
-                if sample.max_tokens:
-                    seed = request_seed(self.cfg.engine.seed, sample.key)
-                    response = Response(len(sample.token_ids), sample.max_tokens, plan.stop_rule, seed)
-                block_hashes = engine.add(req_id, sample.token_ids.tolist(), response, plan.sampling)  # scheduled only in step()
-                sink.expect(req_id, sample.key, sample.token_ids, sample.loss_mask, block_hashes, sample.max_tokens)
-                added += len(sample.token_ids) + sample.max_tokens
+                if max_tokens:
+                    response = Response(len(ids), max_tokens, plan.stop_rule, request_seed(self.cfg.engine.seed, key))
+                block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
+                sink.expect(req_id, key, ids, mask, block_hashes, max_tokens)
+                added += len(ids) + max_tokens
             if engine.num_unfinished == 0:
                 return
             timing = engine.step()
             sink.prefix(engine.take_prefix_actions())  # before any response: a block hash first, then the sample whole
             for req_id, response in engine.take_responses():
                 sink.generated(req_id, response.token_ids, self.responses.record(response, plan.sampling))
+                turns.answered(req_id, response)
             if self.steps is not None:
                 self.steps.append(timing)
             progress.update(len(timing.finished), timing.num_tokens)
@@ -371,29 +371,3 @@ class _Capture:
 def sink_encode_threads(cfg: RunConfig) -> int:
     """The sink's encode threads for the run's codec: fp8's at most FP8_ENCODE_THREADS."""
     return min(cfg.encode_threads, FP8_ENCODE_THREADS) if cfg.codec == FP8 else cfg.encode_threads
-
-
-def _committed_fingerprints(store_path: str) -> dict[str, str]:
-    """key → input fingerprint of every sample already in the store (empty for a new store)."""
-    if not os.path.exists(os.path.join(store_path, "data.mdb")):
-        return {}
-    with Store.open(store_path) as store:
-        return store.fingerprints()
-
-
-class _ResumeCheck:
-    """Counts the samples still to do; a stored key whose input changed is an error."""
-
-    def __init__(self, committed: dict[str, str]):
-        self.committed = committed
-        self.todo = 0
-
-    def __call__(self, sample) -> None:
-        stored = self.committed.get(sample.key)
-        if stored is None:
-            self.todo += 1
-        elif stored != input_fingerprint(sample.token_ids):
-            raise CorecapError(
-                f"{sample.where}: sample {sample.key!r} is already stored with input "
-                f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
-            )

@@ -277,3 +277,94 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
         got = torch.frombuffer(bytearray(states), dtype=torch.float32)
         ref = torch.frombuffer(bytearray(ref_states), dtype=torch.float32)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (key, float((got - ref).abs().max()))
+
+
+# --- --rewrite-turns all: every assistant turn rewritten in order ------------------------------------
+
+CONVERSATIONS = [
+    {"id": "two", "messages": [
+        {"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps over"},
+        {"role": "user", "content": "hidden states"}, {"role": "assistant", "content": "for a draft head"},
+    ]},
+    {"id": "open", "conversations": [  # ends with a user turn: answered too
+        {"from": "system", "value": "You are terse."}, {"from": "human", "value": "the lazy dog"},
+        {"from": "gpt", "value": "states"}, {"from": "human", "value": "the quick brown fox"},
+    ]},
+]
+
+
+@pytest.fixture(scope="module")
+def turns_run(tiny_model, tmp_path_factory):
+    from corecap.run import run
+
+    tmp = tmp_path_factory.mktemp("turns")
+    data = write_jsonl(tmp / "data.jsonl", CONVERSATIONS + [{"id": "plain", "input_ids": [5, 6, 7]}])
+    cfg = build(
+        model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
+        dtype="float32", max_tokens=12, temperature=0.0, rewrite_turns="all", extra_args=("--block-size", "32"),
+    )
+    return cfg, run(cfg, log=lambda line: None)
+
+
+@pytest.mark.engine
+def test_every_turn_is_rewritten_given_the_earlier_answers(turns_run, hf_model, tiny_model):
+    from corecap.model import load_tokenizer
+
+    cfg, summary = turns_run
+    tokenizer = load_tokenizer(tiny_model)
+    keys = ["open/turn-1", "open/turn-2", "plain", "two/turn-1", "two/turn-2"]
+    assert summary.num_committed == len(keys)
+    with Store.open(cfg.store) as store:
+        assert sorted(store.keys()) == keys
+        samples = {key: store.get(key) for key in keys}
+    for key, sample in samples.items():
+        gen = sample.header.generation
+        assert sample.loss_mask.tolist() == [0] * gen.num_prompt + [1] * gen.num_generated
+        ref = hf_hidden_states(hf_model, sample.input_ids, cfg.layers)
+        per_sample, per_token = relative_errors(sample.hidden_states, ref)
+        record_error("generated, every turn rewritten", per_sample, per_token)
+        assert per_token.max() <= TOLERANCE, (key, per_token.max())
+        prompt, response = sample.input_ids[: gen.num_prompt].tolist(), sample.input_ids[gen.num_prompt :].tolist()
+        expected, gaps = _hf_greedy(hf_model, prompt, len(response))
+        differ = next((i for i, (a, b) in enumerate(zip(response, expected)) if a != b), None)
+        assert differ is None or gaps[differ] < NEAR_TIE, (key, differ)
+    for conv in ("two", "open"):
+        first, second = samples[f"{conv}/turn-1"], samples[f"{conv}/turn-2"]
+        answer = tokenizer.decode(first.input_ids[first.header.generation.num_prompt :].tolist(), skip_special_tokens=True)
+        text = tokenizer.decode(second.input_ids[: second.header.generation.num_prompt].tolist())
+        assert f"<|assistant|>{answer}<|end|>" in text, (conv, answer, text)  # the model's own answer, not the dataset's
+        assert "jumps over" not in text and ">states<" not in text
+        assert text.endswith("<|assistant|>") and "the quick brown fox" in text
+
+
+@pytest.mark.engine
+def test_a_rerun_of_rewritten_turns_skips_every_stored_turn(turns_run):
+    from corecap.run import run
+
+    cfg, _ = turns_run
+    summary = run(cfg, log=lambda line: None)
+    assert summary.num_committed == 0 and summary.num_skipped == 5
+
+
+def test_a_resumed_conversation_goes_on_from_its_first_turn_not_stored(tiny_model, tmp_path):
+    """What a rerun does after a kill between two turns: the stored answer is read back as text
+    and the next turn's prompt holds it."""
+    from corecap import data
+    from corecap.data.chat import ChatRenderer
+    from corecap.generation import Conversations
+    from corecap.model import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    path = write_jsonl(tmp_path / "d.jsonl", CONVERSATIONS[:1])
+    (conversation,) = data.read_samples(path, tokenizer=tokenizer, vocab_size=VOCAB, max_len=512, max_tokens=8, all_turns=True)
+    assert conversation.points == (1, 3)
+    renderer = ChatRenderer(tokenizer, path, "messages")
+    asked = []
+    turns = Conversations(renderer, tokenizer.decode, 8, 512, "error", {"two/turn-1": "f"}, lambda key: asked.append(key) or "over the dog")
+    turns.start(conversation)
+    (turn,) = turns.ready
+    assert asked == ["two/turn-1"] and (turn.key, turn.index, turn.answers) == ("two/turn-2", 1, ["over the dog"])
+    assert tokenizer.decode(turn.token_ids.tolist()).endswith("<|user|>the quick brown fox<|end|><|assistant|>over the dog<|end|><|user|>hidden states<|end|><|assistant|>")
+    cut = Conversations(renderer, tokenizer.decode, 8, len(turn.token_ids) + 3, "error", {"two/turn-1": "f"}, lambda key: "over the dog")
+    cut.start(conversation)
+    assert not cut.ready and cut.num_cut == 1  # its prompt leaves no room for --max-tokens

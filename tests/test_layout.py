@@ -68,7 +68,7 @@ def test_no_import_circle():
 
 def test_layers_import_downwards():
     """cli → api → run → the adapter, the sink, the data → transport → store → trace → progress → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.profile", "corecap.run", "corecap.generation", "corecap._vllm", "corecap.sink",
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.profile", "corecap.run", "corecap.resume", "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink",
              "corecap.data", "corecap.model", "corecap.demo", "corecap.console", "corecap.transport", "corecap.store", "corecap.trace",
              "corecap.progress", "corecap.config", "corecap.errors"]
 

@@ -69,12 +69,15 @@ _GENERATION_OPTIONS = (
     click.option("--frequency-penalty", type=float, default=None, help="(default: the model's, else 0)"),
     click.option("--stop", type=str, multiple=True, help="A string that ends a response (repeat for several); the tokens up to it are stored."),
     click.option("--ignore-eos", is_flag=True, help="Do not end a response at the end-of-sequence token."),
+    click.option("--rewrite-turns", type=click.Choice(["last", "all"]), default="last", show_default=True,
+                 help="Chat rows: answer the last turn (one sample a row), or rewrite every assistant turn in order, each "
+                      "given the rewritten ones before it (one sample a turn, KEY/turn-K)."),
     click.option("--chat-template-kwargs", type=str, default=None,
                  help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.'),
 )
 _SAMPLING_NAMES = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "stop", "ignore_eos",
+    "stop", "ignore_eos", "rewrite_turns",
 }
 _ENGINE_NAMES = {
     "model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_num_seqs",

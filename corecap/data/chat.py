@@ -65,6 +65,39 @@ def prompt_turns(messages: list[dict]) -> list[dict]:
     return messages[:end]
 
 
+def answer_points(messages: list[dict]) -> list[int]:
+    """Where the model answers when it rewrites every assistant turn (`--rewrite-turns all`): the
+    start of each run of assistant turns with a user turn before it, and the end of a
+    conversation whose last turn is not the assistant's. An assistant turn before any user turn
+    (a greeting) is kept as written."""
+    points, seen_user = [], False
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            seen_user = True
+        elif m["role"] == "assistant" and seen_user and messages[i - 1]["role"] != "assistant":
+            points.append(i)
+    if messages[-1]["role"] != "assistant" and seen_user:
+        points.append(len(messages))
+    return points
+
+
+def rewritten_turns(messages: list[dict], points: list[int], responses: list[str]) -> list[dict]:
+    """The turns the model answers at point len(responses): those before it, with the assistant
+    turns of each earlier point replaced by the model's own answer there."""
+    out, i, k = [], 0, 0
+    while i < points[len(responses)]:
+        if k < len(responses) and i == points[k]:
+            out.append({"role": "assistant", "content": responses[k]})
+            i += 1
+            while i < len(messages) and messages[i]["role"] == "assistant":
+                i += 1
+            k += 1
+        else:
+            out.append(messages[i])
+            i += 1
+    return out
+
+
 class ChatRenderer:
     """Renders a conversation with the model's chat template into token ids and an assistant mask.
 
@@ -96,10 +129,10 @@ class ChatRenderer:
         except Exception as e:  # jinja2 and the template's own raise_exception raise many types
             raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
 
-    def prompt(self, messages: list[dict], where: str) -> np.ndarray:
-        """The token ids the model answers: the template over `prompt_turns`, with its generation
-        prompt (the start of an assistant turn)."""
-        text = self._text(prompt_turns(messages), where, True)
+    def prompt(self, messages: list[dict], where: str, before: list[dict] | None = None) -> np.ndarray:
+        """The token ids the model answers: the template over `before` (default: `prompt_turns`),
+        with its generation prompt (the start of an assistant turn)."""
+        text = self._text(prompt_turns(messages) if before is None else before, where, True)
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
     def render(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from corecap.errors import CorecapError
-from corecap.data.chat import ChatRenderer, parse_messages
+from corecap.data.chat import ChatRenderer, answer_points, parse_messages
 from corecap.data.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
 
@@ -48,6 +48,10 @@ class Sample:
     loss_mask: np.ndarray | None = None  # uint8 [T], 1 = train on this token; None: no mask given
     where: str = ""  # "data.jsonl:7", "data.json: element 7", "data.parquet: row 7"
     max_tokens: int = 0  # > 0: the model writes up to this many tokens after token_ids (the prompt)
+    # `--rewrite-turns all`, a conversation: its turns, where the model answers (chat.answer_points),
+    # and token_ids is the prompt of the first answer (the later ones are made as the answers come).
+    messages: tuple | None = None
+    points: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,8 @@ def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
 
 def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, generate: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """The row's token ids and loss mask; `generate`: the prompt the model answers, whose
-    tokens are not trained on (the response's are)."""
+    tokens are not trained on (the response's are). With every turn rewritten, a conversation's
+    turns and answer points go to `chat["turns"]` (read by the caller)."""
     present = [name for name in INPUT_FIELDS if name in obj]
     if not present:
         raise RowError(
@@ -163,7 +168,11 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, gener
         messages = parse_messages(obj, name, where, generate)
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
             chat["renderer"] = ChatRenderer(tokenizer, where, name, chat.get("template_kwargs"))
-        if generate:
+        if generate and chat.get("all_turns"):
+            points = answer_points(messages)
+            chat["turns"] = (tuple(messages), tuple(points))
+            arr = chat["renderer"].prompt(messages, where, messages[: points[0]])
+        elif generate:
             arr = chat["renderer"].prompt(messages, where)
         else:
             arr, mask = chat["renderer"].render(messages, where)
@@ -187,7 +196,7 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, gener
 # The whole file
 
 
-def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None):
+def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None, all_turns=False):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
     Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
     Raise at the first problem the policies refuse. `max_tokens` > 0: each sample is a prompt
@@ -195,7 +204,7 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
-        chat: dict = {"template_kwargs": template_kwargs}
+        chat: dict = {"template_kwargs": template_kwargs, "all_turns": all_turns}
         last = 0
         for n, where, obj in rows:
             last = n
@@ -218,6 +227,7 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 yield "other shard", None
                 continue
             try:
+                chat.pop("turns", None)
                 ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0)
             except RowError as e:
                 if invalid != "skip":
@@ -225,7 +235,8 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 yield "skipped", e
                 continue
             if max_tokens:
-                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens), max_len, overflow)
+                messages, points = chat.get("turns", (None, ()))
+                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points), max_len, overflow)
                 continue
             if len(ids) <= max_len:
                 yield "sample", Sample(key, n, ids, mask, where)
@@ -266,6 +277,7 @@ def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, o
 def read_samples(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
+    all_turns: bool = False,
 ) -> Iterator[Sample]:
     """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
     the first problem the policies refuse. `overflow` says what happens to a sample longer than
@@ -274,7 +286,7 @@ def read_samples(
     invalid = _check_policies(overflow, invalid, shard)
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
-        max_tokens=max_tokens, template_kwargs=template_kwargs,
+        max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
     ):
         if kind in ("sample", "truncated"):
             yield value
@@ -284,6 +296,7 @@ def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
+    all_turns: bool = False,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
     outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
@@ -297,7 +310,7 @@ def validate(
     unit, last = "line", 0
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
-        max_tokens=max_tokens, template_kwargs=template_kwargs,
+        max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
     ):
         counts[kind] += 1
         if kind == "unit":

@@ -1,0 +1,38 @@
+"""What a run did, in numbers and in its last line (`RunSummary.line`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    store: str
+    num_samples: int
+    num_committed: int
+    num_skipped: int
+    num_tokens: int
+    nbytes: int
+    seconds: float
+    raw_bytes: int = 0  # the states' size before the codec
+    outcomes: str = ""  # the dataset's outcome counts (truncated, skipped, ...)
+    num_referring: int = 0  # stored once: samples whose prefix refers to earlier samples' states
+    referred_bytes: int = 0  # the raw states those references stand for (not written)
+    num_stored_whole: int = 0  # with prefix cache hits, stored whole: their source was not yet committed
+    generated: str = ""  # --max-tokens: the responses written, e.g. "1,800 tokens in 23 responses (eos 20, length 3)"
+
+    def line(self) -> str:
+        rate = self.num_tokens / self.seconds if self.seconds else 0.0
+        per_token = self.nbytes / self.num_tokens if self.num_tokens else 0
+        ratio = f", codec ratio {self.raw_bytes / self.nbytes:.2f}x" if self.nbytes and self.raw_bytes else ""
+        return (
+            f"{self.store}: committed {self.num_committed} samples ({self.num_tokens} tokens), "
+            f"skipped {self.num_skipped} already stored, {self.nbytes / 1e6:.1f} MB "
+            f"({per_token:.0f} B/token{ratio}) in {self.seconds:.1f}s ({rate:.0f} tokens/s)"
+            + (f"; generated {self.generated}" if self.generated else "")
+            + (f"; input: {self.outcomes}" if self.outcomes else "")
+            + (f"; stored once: {self.num_referring} samples refer to earlier ones for their prefix "
+               f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), {self.num_stored_whole} with cache hits "
+               "stored whole (the sample they would refer to was not yet committed)"
+               if self.num_referring or self.num_stored_whole else "")
+        )
