@@ -47,3 +47,21 @@ def test_sending_to_a_dead_sink_raises_instead_of_blocking(sink):
     assert not t.is_alive(), "expect() blocked on a dead sink"
     assert isinstance(outcome[0], CorecapError) and "died (exit code -9)" in str(outcome[0])
     assert sink.abort() is None  # nothing to abort, and no hang either
+
+
+def test_the_sink_holds_the_writer_lock_from_its_start(sink, tmp_path):
+    """A second run on a store being written is refused at its start (Store.create_or_open),
+    before it loads a model, not at the first run's first commit (when both have run engines)."""
+    import time
+
+    store = str(tmp_path / "store")
+    meta = StoreMeta(FORMAT_VERSION, ModelIdentity("/m", "L", "c", "w", 8, 16, 100), (2,), LAYER_MEANING, "float32", 16, "0", "0")
+    deadline = time.monotonic() + LIVENESS
+    while time.monotonic() < deadline:
+        try:
+            Store.create_or_open(store, meta).close()
+        except CorecapError as e:
+            assert f"another process (pid {sink.proc.pid}) is writing this store" in str(e)
+            return
+        time.sleep(0.05)
+    pytest.fail("the sink did not take the store's writer lock")

@@ -127,7 +127,8 @@ def worker(master_addr, master_port, node_rank, model, timeout) -> None:
 def _response(generation) -> str:
     """A generated sample's response, as `get` and `ls --long` show it."""
     stop = f" {generation.stop!r}" if generation.stop is not None else ""
-    return f"response of {generation.num_generated} tokens (finished by {generation.finish_reason}{stop})"
+    tokens = "token" if generation.num_generated == 1 else "tokens"
+    return f"response of {generation.num_generated} {tokens} (finished by {generation.finish_reason}{stop})"
 
 
 @main.command()

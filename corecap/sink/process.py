@@ -245,6 +245,9 @@ class _Loop:
         self.writer = None
         self.collector = None
         store = Store.open_for_writing(spec.store)
+        # The store's one-writer lock now, before the engine starts (and every run's start checks
+        # it, Store.create_or_open): a second run on this store is refused before it loads a model.
+        store.append([])
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
         buffers = BufferPool(spec.buffer_bytes // 2)
         self.collector = Collector(
