@@ -1,6 +1,6 @@
 """The architectures of tests/test_architectures.py on the GPU: corecap's bf16 capture on vLLM's
 default path (torch.compile + CUDA graphs) against HF transformers float32, tiny models built
-from a seed by tests/tiny_models.py (random norm weights), every layer 0..N and prenorm, over
+from a seed by tests/support/tiny_models.py (random norm weights), every layer 0..N and prenorm, over
 that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
 1-token sample). DeepSeek-V3 has its own tool (tools/gpu_deepseek_exact.py: its routing flips).
 
@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import tiny_models  # noqa: E402
+from support import tiny_models  # noqa: E402
 
 ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
 WIDER = {"hidden_size": 128, "head_dim": 64}
@@ -52,7 +52,7 @@ def one_arch(name: str, work: str) -> dict:
     refs = {}
     for dtype in ("float32", "bfloat16"):
         out = os.path.join(work, f"refs-{dtype}.pt")
-        subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "tiny_models.py"), "reference", model, data, out, dtype],
+        subprocess.run([sys.executable, os.path.join(HERE, "..", "tests", "support", "tiny_models.py"), "reference", model, data, out, dtype],
                        check=True, timeout=600, capture_output=True)
         refs[dtype] = torch.load(out)
     store = os.path.join(work, "store")
