@@ -54,7 +54,8 @@ class Case:
         self.data = write_jsonl(workdir / "data.jsonl", self.rows)
         refs = str(workdir / "refs.pt")
         here = os.path.dirname(os.path.abspath(__file__))
-        subprocess.run([sys.executable, os.path.join(here, "support", "tiny_models.py"), "reference", self.model, self.data, refs, "float32"],
+        script = os.path.join(here, "support", "tiny_models.py")
+        subprocess.run([sys.executable, script, "reference", self.model, self.data, refs, "float32"],
                        check=True, timeout=600, capture_output=True)
         self.refs = torch.load(refs)
 
@@ -66,8 +67,8 @@ class Case:
 
         log: list[str] = []
         cfg = build(model=self.model, data=self.data, store=str(self.workdir / f"store-{mode}"), layers=LAYERS,
-                    batch=4, max_batched_tokens=64, dtype=self.dtype, enforce_eager=mode == "eager", model_impl=self.model_impl,
-                    **ENGINE_ARGS.get(self.name, {}))
+                    batch=4, max_batched_tokens=64, dtype=self.dtype, enforce_eager=mode == "eager",
+                    model_impl=self.model_impl, **ENGINE_ARGS.get(self.name, {}))
         t = time.monotonic()
         summary = run(cfg, log=log.append)
         return cfg, summary, log, time.monotonic() - t

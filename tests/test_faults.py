@@ -573,7 +573,8 @@ def small_filesystem(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    machine.require(result.returncode == 0, f"mounting a 3 MB tmpfs ({result.stderr.strip() or result.returncode}; needs root)")
+    why = result.stderr.strip() or result.returncode
+    machine.require(result.returncode == 0, f"mounting a 3 MB tmpfs ({why}; needs root)")
     try:
         yield str(mnt)
     finally:

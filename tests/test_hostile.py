@@ -56,7 +56,8 @@ LAYERS = (2, 4, "prenorm")
 HIDDEN = 32
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
 WORKER = os.path.join(os.path.dirname(__file__), "support", "hostile_readers.py")
-MAX_EXAMPLES = fuzz.examples(1000)  # thorough: ~2 minutes on CI's 2 cores (the report of the branch that added it measured it)
+# thorough: ~2 minutes on CI's 2 cores (the report of the branch that added it measured it)
+MAX_EXAMPLES = fuzz.examples(1000)
 LIVENESS_S = 60  # one mutant, all readers: normally well under a second
 RSS_ALLOWANCE = 96 << 20  # above the warm worker's peak: Python's own churn over hundreds of mutants
 AS_ALLOWANCE = 512 << 20  # address space above the warm worker's peak: a huge allocation fails instead

@@ -120,7 +120,13 @@ def test_no_test_module_imports_another():
     found = []
     for path in sorted(TESTS.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            found += [f"{path.relative_to(TESTS)} imports {n}" for n in names if n.split(".")[0].startswith("test_") or n == "conftest"]
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if n.split(".")[0].startswith("test_") or n == "conftest"]
+            found += [f"{path.relative_to(TESTS)} imports {n}" for n in bad]
     found += [f"{p.relative_to(TESTS)} is a test module inside support/" for p in (TESTS / "support").glob("test_*.py")]
     assert not found, "\n".join(found)

@@ -278,8 +278,11 @@ DP_OVER = CORES // 2 + 1  # -dp DP_OVER x -tp 2: one or two ranks more than the 
     "options, message",
     [
         ({"dp": DP_OVER, "tp": 2},
-         rf"^-dp {DP_OVER} x -tp 2 x -pp 1 = {2 * DP_OVER} ranks need {2 * DP_OVER} CPU cores, this machine gives {CORES}$"),
-        ({"dp": CORES + 1}, rf"^-dp {CORES + 1} x -tp 1 x -pp 1 = {CORES + 1} ranks need {CORES + 1} CPU cores, this machine gives {CORES}$"),
+         rf"^-dp {DP_OVER} x -tp 2 x -pp 1 = {2 * DP_OVER} ranks need {2 * DP_OVER} CPU cores, "
+         rf"this machine gives {CORES}$"),
+        ({"dp": CORES + 1},
+         rf"^-dp {CORES + 1} x -tp 1 x -pp 1 = {CORES + 1} ranks need {CORES + 1} CPU cores, "
+         rf"this machine gives {CORES}$"),
         ({"pp": 3}, r"^-pp 3: vLLM's V1 model runner passes hidden states on from one earlier stage only"),
         ({"dp": 2, "tp": 2, "nnodes": 2, "master_addr": "127.0.0.1"}, r"^-dp 2 with --nnodes 2: replicas do not span nodes"),
         ({"tp": 2, "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}, r"^--node-rank 1: `corecap run` is node 0"),
