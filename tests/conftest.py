@@ -78,7 +78,20 @@ def hf_model(tiny_model):
     return transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
+FAST_TEST_BUDGET_S = 30  # a test's own run (not its shared fixtures' setup) beyond this belongs in `full`
+SLOW_IN_FAST_TIER: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > FAST_TEST_BUDGET_S and "full" not in report.keywords:
+        SLOW_IN_FAST_TIER.append((report.nodeid, report.duration))
+
+
 def pytest_terminal_summary(terminalreporter):
+    if SLOW_IN_FAST_TIER:
+        terminalreporter.section(f"corecap: tests over {FAST_TEST_BUDGET_S} s not marked `full` (README \"Tests\")")
+        for nodeid, seconds in SLOW_IN_FAST_TIER:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
     if ERRORS:
         terminalreporter.section("corecap: worst relative error vs HF transformers")
         for case, worst in sorted(ERRORS.items()):
