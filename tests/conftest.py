@@ -1,6 +1,11 @@
 """Shared fixtures: a tiny Llama built from a fixed seed, its tokenizer, HF reference states,
 and engine runs shared across tests (an engine start costs ~30-60 s on 2 CPU cores, so each
-distinct configuration runs once per session, serially, and is always shut down)."""
+distinct configuration runs once per session, serially, and is always shut down). What the
+tests share besides fixtures lives in tests/support/ (never imported from a test module).
+
+Two tiers (README "Tests"): `python3 -m pytest -q tests` runs the fast one (every test not
+marked `full`, fuzzing at hypothesis' `fast` profile); `--full` runs every test, fuzzing at the
+`thorough` profile, as .ci/run does."""
 
 from __future__ import annotations
 
@@ -10,18 +15,40 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 from corecap.config import PRENORM
 from corecap.demo import build_tokenizer, build_tiny_llama
-from tiny_models import relative_errors  # noqa: F401  (the tests import it from here)
+from support import fuzz
+from support.reference import ERRORS, MAX_POSITIONS, NUM_LAYERS, RUN_LOGS, SEED, VOCAB, exactness_rows, write_jsonl
+from support.verifier import CAPTURED_LENGTHS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB, verifier_reference
 
-SEED = 1234
-NUM_LAYERS = 8
-VOCAB = 512
-MAX_POSITIONS = 512  # the tiny model's context: exact_run captures a sample of exactly this length
+settings.register_profile("fast", max_examples=fuzz.FAST_EXAMPLES)
+settings.register_profile("thorough", max_examples=fuzz.THOROUGH_EXAMPLES)
+settings.load_profile("fast")  # before any test module is imported: fuzz.examples() reads it
 
-# Worst relative errors seen per test case, printed at the end of the session.
-ERRORS: dict[str, dict[str, float]] = {}
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true",
+        help="corecap: the full suite (tests marked `full` too, fuzzing at the thorough profile), as .ci/run runs it",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--full") and not config.getoption("hypothesis_profile", None):
+        settings.load_profile("thorough")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --full, the tests marked `full` are deselected (README "Tests" says which are)."""
+    if config.getoption("--full"):
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    deselected = [item for item in items if item.get_closest_marker("full") is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def pytest_sessionstart(session):
@@ -32,11 +59,6 @@ def pytest_sessionstart(session):
     removed = shm.remove_left_behind()
     if removed.num_files:
         print(f"before the tests: {removed.line()}")
-
-
-def engine_line(lines: list[str]) -> str:
-    """A run's first line after any line saying what killed runs left in /dev/shm."""
-    return next(line for line in lines if not line.startswith("removed "))
 
 
 @pytest.fixture(scope="session")
@@ -56,29 +78,20 @@ def hf_model(tiny_model):
     return transformers.LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
-def hf_hidden_states(hf_model, token_ids, layers) -> torch.Tensor:
-    """HF transformers' output_hidden_states at `layers`, [L, T, H], float32: the reference.
-    "prenorm" is the output of the last decoder layer, taken with a forward hook: HF's own
-    hidden_states[N] is after the final norm."""
-    seen = {}
-    hook = hf_model.model.layers[-1].register_forward_hook(
-        lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output)
-    )
-    try:
-        with torch.no_grad():
-            out = hf_model(torch.tensor([list(map(int, token_ids))]), output_hidden_states=True)
-    finally:
-        hook.remove()
-    return torch.stack([seen["prenorm"][0] if k == PRENORM else out.hidden_states[k][0] for k in layers])
+FAST_TEST_BUDGET_S = 30  # a test's own run (not its shared fixtures' setup) beyond this belongs in `full`
+SLOW_IN_FAST_TIER: list[tuple[str, float]] = []
 
 
-def record_error(case: str, per_sample: torch.Tensor, per_token: torch.Tensor) -> None:
-    worst = ERRORS.setdefault(case, {"per_sample_layer": 0.0, "per_token": 0.0})
-    worst["per_sample_layer"] = max(worst["per_sample_layer"], float(per_sample.max()))
-    worst["per_token"] = max(worst["per_token"], float(per_token.max()))
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > FAST_TEST_BUDGET_S and "full" not in report.keywords:
+        SLOW_IN_FAST_TIER.append((report.nodeid, report.duration))
 
 
 def pytest_terminal_summary(terminalreporter):
+    if SLOW_IN_FAST_TIER:
+        terminalreporter.section(f"corecap: tests over {FAST_TEST_BUDGET_S} s not marked `full` (README \"Tests\")")
+        for nodeid, seconds in SLOW_IN_FAST_TIER:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
     if ERRORS:
         terminalreporter.section("corecap: worst relative error vs HF transformers")
         for case, worst in sorted(ERRORS.items()):
@@ -86,36 +99,6 @@ def pytest_terminal_summary(terminalreporter):
                 f"{case:40s} per sample/layer {worst['per_sample_layer']:.2e}   per token {worst['per_token']:.2e}"
             )
 
-
-def write_jsonl(path, rows) -> str:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
-    return str(path)
-
-
-def exactness_rows(rng: np.random.Generator) -> list:
-    """Every case the capture must get right, in one dataset (one engine run)."""
-    prefix = rng.integers(3, VOCAB, size=200).tolist()
-    dup = rng.integers(3, VOCAB, size=150).tolist()
-    rows = [
-        {"id": "one-token", "input_ids": [7]},
-        {"id": "long-chunked", "input_ids": rng.integers(0, VOCAB, size=300).tolist()},
-        {"id": "long-full-context", "input_ids": rng.integers(0, VOCAB, size=MAX_POSITIONS).tolist()},
-        {"id": "prefix-a", "input_ids": prefix + rng.integers(0, VOCAB, size=40).tolist()},
-        {"id": "prefix-b", "input_ids": prefix + rng.integers(0, VOCAB, size=73).tolist()},
-        {"id": "dup-1", "input_ids": dup},
-        {"id": "dup-2", "input_ids": dup},
-        {"id": 17, "input_ids": rng.integers(0, VOCAB, size=33).tolist()},
-        {"id": "text", "text": "the quick brown fox jumps over the lazy dog; hidden states"},
-        "",  # blank lines are skipped but counted
-        {"input_ids": rng.integers(0, VOCAB, size=64).tolist()},  # no id: key is the line number
-    ]
-    rows += [{"id": f"rand-{i}", "input_ids": rng.integers(0, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 130, size=10))]
-    return rows
-
-
-RUN_LOGS: dict[str, list[str]] = {}  # the log lines of the shared runs, by fixture
 
 
 @pytest.fixture(scope="session")
@@ -167,12 +150,6 @@ def tp2_run(tiny_model, tmp_path_factory):
 
 # --- a verifier and its captured states, for the exporters and StoreDataset (no engine) ----------
 
-VERIFIER_LAYERS = 4
-VERIFIER_HIDDEN = 64
-VERIFIER_VOCAB = 256
-CAPTURED_LAYERS = (1, 2, 3, VERIFIER_LAYERS, "prenorm")  # what `corecap run --layers 1,2,3,4,prenorm` stores
-CAPTURED_LENGTHS = (9, 23, 1, 40, 17, 5, 31, 12, 2, 26, 8, 19)  # 12 samples: data_10 sorts after data_2 only if padded
-
 
 @pytest.fixture(scope="session")
 def verifier(tmp_path_factory) -> str:
@@ -210,27 +187,6 @@ def verifier_model(verifier):
     return transformers.LlamaForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
 
 
-def verifier_reference(model, token_ids) -> dict:
-    """HF's states for one sample, [layer] → [T, H] float32: hidden_states[k] for every k
-    (k = N is after the final norm), "prenorm" (the last decoder layer's output, taken with a
-    hook, before the norm) and the logits [T, V]."""
-    captured = []
-
-    def hook(module, args, output):
-        captured.append((output[0] if isinstance(output, tuple) else output).detach())
-
-    handle = model.model.layers[-1].register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            out = model(torch.tensor([list(map(int, token_ids))]), output_hidden_states=True)
-    finally:
-        handle.remove()
-    ref = {k: h[0] for k, h in enumerate(out.hidden_states)}
-    ref["prenorm"] = captured[0][0]
-    ref["logits"] = out.logits[0]
-    return ref
-
-
 @pytest.fixture(scope="session")
 def captured(verifier, verifier_model):
     """The samples a capture of the verifier at CAPTURED_LAYERS would store, by key, with HF's
@@ -246,25 +202,3 @@ def captured(verifier, verifier_model):
     return out
 
 
-def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.float32, codec: str = "zstd-planes",
-                         layers=CAPTURED_LAYERS, replace: dict | None = None) -> str:
-    """A store holding `captured` at `layers` in `dtype`, built without an engine (several
-    commits, as a run makes them). `replace` maps a stored layer to the reference layer whose
-    values it gets instead (to build deliberately wrong stores)."""
-    from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
-
-    identity = ModelIdentity(verifier, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN, VERIFIER_VOCAB)
-    meta = StoreMeta(
-        format_version=FORMAT_VERSION, model=identity, layers=tuple(layers), layer_meaning=LAYER_MEANING,
-        dtype=str(dtype).removeprefix("torch."), hidden_size=VERIFIER_HIDDEN, corecap_version="test", vllm_version="none",
-        codec=codec,
-    )
-    replace = replace or {}
-    records = []
-    for key, (ids, mask, ref) in captured.items():
-        states = torch.stack([ref[replace.get(k, k)] for k in layers]).to(dtype)
-        records.append(encode_sample(key, ids, states, tuple(layers), codec=codec, loss_mask=mask))
-    with Store.create_or_open(path, meta) as store:
-        store.put_many(records[:5])
-        store.put_many(records[5:])
-    return path

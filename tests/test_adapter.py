@@ -19,7 +19,7 @@ pytestmark = pytest.mark.matrix
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
     """The engine configuration of a run on the tiny Llama (no weights load)."""
-    from conftest import VOCAB
+    from support.reference import VOCAB
     from corecap._vllm.options import build_vllm_config, environment
     from corecap.config import EngineOptions
     from corecap.demo import build_tiny_llama

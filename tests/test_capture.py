@@ -11,9 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from conftest import NUM_LAYERS, RUN_LOGS, hf_hidden_states, record_error, relative_errors
 from corecap.config import PRENORM
 from corecap.store import Store, input_fingerprint
+from support.reference import NUM_LAYERS, RUN_LOGS, hf_hidden_states, record_error, relative_errors
 
 pytestmark = pytest.mark.engine
 TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-7 here
@@ -99,6 +99,7 @@ def test_duplicates_and_shared_prefix_are_consistent(exact_run):
     assert rel <= 1e-6
 
 
+@pytest.mark.full
 @pytest.mark.matrix  # CI's one end-to-end run on every vLLM release of its version matrix (.ci/matrix.sh)
 def test_tensor_parallel_matches_hf(tp2_run, hf_model):
     cfg, summary, log = tp2_run
@@ -138,6 +139,7 @@ def test_steps_were_pipelined(exact_run):
     assert sum(s["num_tokens"] for s in steps if s["in_flight"] == 2) > 0
 
 
+@pytest.mark.full
 def test_fp8_quantised_by_the_workers_is_the_sinks_quantisation_of_the_same_states(exact_run, tmp_path):
     """--store-dtype fp8: the workers quantise each step (corecap/store/fp8rows.py) and the store
     holds, sample by sample, exactly what quantising the lossless capture gives (the same

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import engine_line
+from support.reference import engine_line
 
 
 def corecap(*args, cwd, env_extra=None, check=True):

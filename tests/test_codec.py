@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 from corecap.store import codec
 from corecap.store.codec import CODECS, decode, dequantize_fp8, encode, encode_parts, quantize_fp8
+from support import fuzz
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LOSSLESS = [c for c in CODECS]
@@ -118,7 +119,7 @@ def test_concurrent_encode_decode_match_single_thread():
 
 
 @given(data=st.binary(max_size=3000), dtype=st.sampled_from(list(TORCH_DTYPES)), name=st.sampled_from(LOSSLESS))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=fuzz.examples(150), deadline=None)
 def test_property_any_bytes_round_trip(data, dtype, name):
     itemsize = codec.ITEMSIZE[dtype]
     raw = np.frombuffer(data[: len(data) - len(data) % itemsize], dtype=np.uint8)
@@ -300,7 +301,7 @@ def test_fp8_refuses_non_finite_and_bad_input():
     ),
     dtype=st.sampled_from(list(TORCH_DTYPES.values())),
 )
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=fuzz.examples(150), deadline=None)
 def test_property_fp8_bound(values, dtype):
     states = torch.from_numpy(values)
     if dtype != torch.float32:  # keep inputs finite in the narrower dtype

@@ -19,7 +19,7 @@ from corecap._vllm.doctor import checked_vllm_config, doctor
 from corecap._vllm.source import Source
 from corecap._vllm.versions import installed_dist, known_good_line, version_warning
 from corecap.errors import CorecapError
-from vllm_source_edits import member, moved, parameter, replace_text
+from support.vllm_source_edits import member, moved, parameter, replace_text
 
 pytestmark = pytest.mark.matrix
 
@@ -327,7 +327,7 @@ def test_model_without_aux_hidden_states(monkeypatch, vllm_config):
 
 
 def _run_config(tiny_model, tmp_path):
-    from conftest import write_jsonl
+    from support.reference import write_jsonl
     from corecap.config import build
 
     data = write_jsonl(tmp_path / "data.jsonl", [{"id": "a", "input_ids": [1, 2, 3]}])

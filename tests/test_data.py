@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_jsonl
 from corecap.errors import CorecapError
 from corecap.config import build
 from corecap.run import run
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+from support.reference import write_jsonl
 
 
 def _run_error(tmp_path, tiny_model, rows=None, **overrides) -> str:

@@ -15,24 +15,7 @@ import torch
 
 import corecap
 from corecap.errors import CorecapError
-from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, write_captured_store
-
-
-def _expected(captured, key, layers):
-    ids, mask, ref = captured[key]
-    return (
-        torch.from_numpy(ids.astype(np.int64)),
-        torch.ones(ids.size, dtype=torch.int64) if mask is None else torch.from_numpy(mask.astype(np.int64)),
-        torch.stack([ref[k] for k in layers]),
-    )
-
-
-def _check(item, captured, layers, dtype=torch.float32):
-    ids, mask, states = _expected(captured, item["key"], layers)
-    assert item["input_ids"].dtype == torch.int64 and torch.equal(item["input_ids"], ids)
-    assert item["loss_mask"].dtype == torch.int64 and torch.equal(item["loss_mask"], mask)
-    assert item["hidden_states"].dtype == dtype
-    assert torch.equal(item["hidden_states"], states.to(dtype))
+from support.verifier import CAPTURED_LAYERS, VERIFIER_HIDDEN, check_item, expected_item, write_captured_store
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,8 +25,8 @@ def test_items_by_index_and_key_equal_the_captured_states(tmp_path, captured, ve
     assert ds.keys == tuple(sorted(captured)) and len(ds) == len(captured) and ds.layers == CAPTURED_LAYERS
     for i, key in enumerate(sorted(captured)):
         assert ds[i]["key"] == key
-        _check(ds[i], captured, CAPTURED_LAYERS, dtype)
-        _check(ds[key], captured, CAPTURED_LAYERS, dtype)
+        check_item(ds[i], captured, CAPTURED_LAYERS, dtype)
+        check_item(ds[key], captured, CAPTURED_LAYERS, dtype)
     assert ds[-1]["key"] == sorted(captured)[-1]
     with pytest.raises(IndexError):
         ds[len(captured)]
@@ -59,7 +42,7 @@ def test_layers_are_chosen_and_ordered_as_asked(tmp_path, captured, verifier):
         assert ds.layers == ("prenorm", 2)
         item = ds[3]
         assert item["hidden_states"].shape == (2, captured[item["key"]][0].size, VERIFIER_HIDDEN)
-        _check(item, captured, ("prenorm", 2))
+        check_item(item, captured, ("prenorm", 2))
     with pytest.raises(CorecapError, match=r"layers \[0\]: the store has \[1, 2, 3, 4, 'prenorm'\]"):
         corecap.StoreDataset(store, layers=[0])
     with pytest.raises(CorecapError, match="not a corecap store"):
@@ -76,7 +59,7 @@ def test_fp8_stores_are_dequantized(tmp_path, captured, verifier):
     for item in ds:
         assert item["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(item["hidden_states"], full[item["key"]][[1, 4]])
-        ref = _expected(captured, item["key"], (2, "prenorm"))[2]
+        ref = expected_item(captured, item["key"], (2, "prenorm"))[2]
         err = (item["hidden_states"].float() - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)
         assert float(err.max()) <= 1 / 14  # e4m3 with a scale per row, then bf16 rounding
     with Store.open(store):  # LMDB's one open per process: said in one line, not as a damaged store
@@ -92,7 +75,7 @@ def test_dataloader_workers_and_distributed_sampler(tmp_path, captured, verifier
     for rank in range(2):
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
         for item in torch.utils.data.DataLoader(ds, batch_size=None, sampler=sampler, num_workers=2):
-            _check(item, captured, (1, "prenorm"))
+            check_item(item, captured, (1, "prenorm"))
             seen.append(item["key"])
     assert sorted(seen) == sorted(captured)  # 12 samples over 2 ranks: each exactly once
 
@@ -104,7 +87,7 @@ def test_spawned_dataloader_workers(tmp_path, captured, verifier):
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     keys = []
     for item in loader:
-        _check(item, captured, (2,))
+        check_item(item, captured, (2,))
         keys.append(item["key"])
     assert keys == sorted(captured)  # unshuffled: the store's key order
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_jsonl
 from corecap import data
 from corecap.data import rows
 from corecap.errors import CorecapError
@@ -23,6 +22,7 @@ from corecap.cli import merge
 from corecap.store.merge import merge_stores
 from corecap.model import load_tokenizer
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+from support.reference import write_jsonl
 
 VOCAB = 512
 TEXTS = [

@@ -21,7 +21,8 @@ import torch
 from click.testing import CliRunner
 
 from corecap.cli import main
-from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, record_error, relative_errors, write_captured_store
+from support.reference import record_error, relative_errors
+from support.verifier import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, write_captured_store
 
 AUX = (1, 2, 3)  # CAPTURED_LAYERS but N and prenorm
 

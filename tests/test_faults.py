@@ -3,17 +3,16 @@ or runs out of disk; each time it stops promptly and cleanly, the store stays re
 partial sample, and a rerun completes it exactly as an uninterrupted run does (and removes the
 shared memory a SIGKILLed run left in /dev/shm).
 
-Every run is a subprocess in its own session and TMPDIR (tools/kill_loop.py's `Run`), so what
+Every run is a subprocess in its own session and TMPDIR (tests/support/kill_loop.py's `Run`), so what
 it leaves behind (processes, IPC files) is visible. The runs use --enforce-eager to keep engine
 starts short; the kill loop runs CORECAP_KILL_LOOPS kills (default 3, CI) and
-`python tools/kill_loop.py` the full 20 with torch.compile on. Each test fails a hang after
+`python tests/support/kill_loop.py` the full 20 with torch.compile on. Each test fails a hang after
 LIVENESS seconds, never a slow machine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import signal
@@ -24,15 +23,12 @@ import sys
 import time
 import types
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import psutil
 import pytest
 
-_spec = importlib.util.spec_from_file_location("kill_loop", Path(__file__).parents[1] / "tools" / "kill_loop.py")
-kill_loop = importlib.util.module_from_spec(_spec)
-sys.modules["kill_loop"] = kill_loop  # dataclasses look their module up by name
-_spec.loader.exec_module(kill_loop)
+from support import kill_loop, machine
+
 
 pytestmark = pytest.mark.engine
 
@@ -87,6 +83,7 @@ def _assert_matches_reference(reference_store: str, store: str) -> None:
 # --- kill anywhere -------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_kill_anywhere_then_rerun_matches_uninterrupted(inputs, reference):
     reference_store, timing = reference
     cmd = _command(inputs, "killed")
@@ -402,6 +399,7 @@ if __name__ == "__main__":  # vLLM's workers start by spawn, and import this mod
 """
 
 
+@pytest.mark.full
 def test_sigterm_during_the_shutdown_of_a_finished_run(inputs, tmp_path):
     """A run whose capture has finished gets SIGTERM as its engine shutdown begins (it sends
     the signal to itself): it finishes the cleanup, says so, and exits 0 with every sample
@@ -489,6 +487,7 @@ def test_a_dead_worker_not_yet_reaped_is_named():
         dead.wait()
 
 
+@pytest.mark.full
 def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
     _, s, _, _ = interrupted
     last = s.run.last_stderr_line()
@@ -505,6 +504,7 @@ def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
     assert not problems, "\n".join(problems) + f"\nstderr:\n{s.run.stderr()[-3000:]}"
 
 
+@pytest.mark.full
 def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
     _, _, s, _ = interrupted
     last = s.run.last_stderr_line()
@@ -528,6 +528,7 @@ def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.full
 def test_reruns_after_sigterm_and_worker_death_complete_the_store(interrupted, reference):
     cmd, _, _, final = interrupted
     assert final.returncode == 0 and not final.failed, f"{final.line()}\n{final.stderr_tail}"
@@ -535,17 +536,13 @@ def test_reruns_after_sigterm_and_worker_death_complete_the_store(interrupted, r
     _assert_matches_reference(reference[0], cmd.store)
 
 
-def _can_unshare_network() -> bool:
-    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0)"
-    return subprocess.run([sys.executable, "-c", probe]).returncode == 0
-
-
+@pytest.mark.full
 def test_no_network_surface(interrupted):
     """IPC sockets only inside owner-only directories; no TCP listener reachable from the host:
     vLLM's workers (whose torch.distributed listens on TCP even at --tp 1) run in a network
     namespace of their own, holding only a loopback interface."""
-    # CI runs as root: a machine where this cannot run is a failure here, not a silent skip.
-    assert _can_unshare_network(), "this machine does not allow a new network namespace (needs CAP_SYS_ADMIN, as root in CI)"
+    # CI runs as root (CI=true): a machine where this cannot run is a failure there, a skip elsewhere.
+    machine.require(machine.can_unshare_network(), "a new network namespace (needs CAP_SYS_ADMIN, as root in CI)")
     _, s, _, _ = interrupted
     seen = s.observation
     problems = [] if seen.private_dirs else ["no corecap-* IPC directory was seen in TMPDIR during the run"]
@@ -571,17 +568,20 @@ def test_no_network_surface(interrupted):
 
 @pytest.fixture
 def small_filesystem(tmp_path):
-    """A 3 MB tmpfs (needs root, as CI has: not mounting one is a failure, not a skip)."""
+    """A 3 MB tmpfs (needs root, as CI has: not mounting one is a failure under CI=true, a skip
+    elsewhere, support/machine.py)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    assert result.returncode == 0, f"cannot mount a 3 MB tmpfs here ({result.stderr.strip() or result.returncode})"
+    why = result.stderr.strip() or result.returncode
+    machine.require(result.returncode == 0, f"mounting a 3 MB tmpfs ({why}; needs root)")
     try:
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.full
 def test_disk_full_stops_with_a_clear_message_and_a_readable_store(inputs, small_filesystem):
     cmd = _command(inputs, os.path.join(small_filesystem, "store"))
     with _started(cmd, "disk-full") as run:

@@ -9,7 +9,7 @@ naming the store, promptly and in bounded memory:
 - a hypothesis fuzz over header, pointer, metadata, states_end, state-file bytes and LMDB
   records (bit flips, cuts, huge and negative-looking integers, wrong msgpack and JSON types,
   records deleted or renamed, files replaced), each mutant read by every reader of
-  tests/hostile_readers.py (get, ls, info, verify, merge, merge into a clean store) in one
+  tests/support/hostile_readers.py (get, ls, info, verify, merge, merge into a clean store) in one
   long-lived child process whose peak RSS is checked against 10 x the store's size plus a fixed
   allowance, and whose address space is limited once it is warm;
 - trace.json, writer.lock and LMDB page damage.
@@ -50,12 +50,14 @@ from corecap.store.verify import verify_store
 from corecap.trace.analysis import summarize
 from corecap.trace.timeline import check_trace, load_trace
 from corecap.trace.views import to_chrome
+from support import fuzz
 
 LAYERS = (2, 4, "prenorm")
 HIDDEN = 32
 IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
-WORKER = os.path.join(os.path.dirname(__file__), "hostile_readers.py")
-MAX_EXAMPLES = 1000  # ~2 minutes on CI's 2 cores (the report of the branch that added it measured it)
+WORKER = os.path.join(os.path.dirname(__file__), "support", "hostile_readers.py")
+# thorough: ~2 minutes on CI's 2 cores (the report of the branch that added it measured it)
+MAX_EXAMPLES = fuzz.examples(1000)
 LIVENESS_S = 60  # one mutant, all readers: normally well under a second
 RSS_ALLOWANCE = 96 << 20  # above the warm worker's peak: Python's own churn over hundreds of mutants
 AS_ALLOWANCE = 512 << 20  # address space above the warm worker's peak: a huge allocation fails instead
@@ -431,7 +433,7 @@ def _damage_state_file(store: str, how: str, n: int) -> None:
 
 
 class Worker:
-    """tests/hostile_readers.py in a child process: one JSON line out, one back, within LIVENESS_S."""
+    """tests/support/hostile_readers.py in a child process: one JSON line out, one back, within LIVENESS_S."""
 
     def __init__(self, reference: str, log: str):
         self.log = open(log, "w+")

@@ -109,3 +109,24 @@ def test_no_environment_switches_in_the_package():
 def test_files_fit_on_a_few_screens():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in _modules().values() if (n := len(_text(p).splitlines())) > MAX_LINES}
     assert not long, f"longer than {MAX_LINES} lines: {long}"
+
+
+TESTS = pathlib.Path(__file__).parent
+
+
+def test_no_test_module_imports_another():
+    """What tests share is in tests/support/ (README "Tests"): no test module, support module or
+    conftest imports a test module or conftest, and support/ holds no tests."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if n.split(".")[0].startswith("test_") or n == "conftest"]
+            found += [f"{path.relative_to(TESTS)} imports {n}" for n in bad]
+    found += [f"{p.relative_to(TESTS)} is a test module inside support/" for p in (TESTS / "support").glob("test_*.py")]
+    assert not found, "\n".join(found)

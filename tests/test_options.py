@@ -12,10 +12,10 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from conftest import MAX_POSITIONS
 from corecap import cli
 from corecap.config import EngineOptions, build
 from corecap.errors import CorecapError
+from support.reference import MAX_POSITIONS
 
 
 @pytest.fixture

@@ -19,9 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SEED, VOCAB, exactness_rows, hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap.errors import CorecapError
 from corecap.store import Store
+from support import machine
+from support.reference import SEED, VOCAB, exactness_rows, hf_hidden_states, record_error, relative_errors, write_jsonl
 
 pytestmark = pytest.mark.engine
 TOLERANCE = 1e-4  # vs HF, float32; a correct capture measures ~1e-7 here
@@ -30,8 +31,8 @@ LIVENESS = 300  # seconds for a paused run to reach its pause, or a killed one t
 
 
 def _two_cores() -> None:
-    # CI runs on 2 cores: fewer cannot run two ranks, and that is a failure, not a skip.
-    assert len(os.sched_getaffinity(0)) >= 2, "two ranks need 2 CPU cores"
+    # the tests run on 2 cores or more (README): fewer cannot run two ranks, and that is a failure, not a skip.
+    assert machine.num_cores() >= 2, "two ranks need 2 CPU cores"
 
 
 def _rows_by_key(path: str) -> dict[str, dict]:
@@ -96,6 +97,7 @@ def pp2_run(tiny_model, tmp_path_factory):
     return cfg, summary, log
 
 
+@pytest.mark.full
 def test_pipeline_parallel_matches_hf(pp2_run, hf_model):
     cfg, summary, log = pp2_run
     assert summary.num_committed == 4
@@ -178,6 +180,7 @@ def dp2_runs(exact_run, tmp_path_factory):
     return cfg, pid, kept, outcome.get("error"), killed_log, summary, log
 
 
+@pytest.mark.full
 def test_a_dead_replica_ends_the_run_with_one_line_naming_it(dp2_runs):
     cfg, pid, kept, error, killed_log, _, _ = dp2_runs
     assert isinstance(error, CorecapError), f"expected a CorecapError, got {error!r}"
@@ -191,6 +194,7 @@ def test_a_dead_replica_ends_the_run_with_one_line_naming_it(dp2_runs):
     assert result.returncode == 0, result.stdout[-2000:]
 
 
+@pytest.mark.full
 def test_the_rerun_completes_the_store_each_sample_once(dp2_runs):
     cfg, _, kept, _, _, summary, log = dp2_runs
     rows = _rows_by_key(cfg.data)
@@ -208,6 +212,7 @@ def test_the_rerun_completes_the_store_each_sample_once(dp2_runs):
     assert any(line.startswith("states to the store: shared-memory ring replica 0: 4 slots of") for line in log), log
 
 
+@pytest.mark.full
 def test_data_parallel_store_equals_the_one_engine_store(dp2_runs, exact_run, hf_model):
     """Keys, ids, fingerprints and metadata exactly as one engine stores them; the states equal
     within the float32 band (bit-identical where the batches happened to be the same), and
@@ -265,18 +270,26 @@ def _refused(tiny_model, tmp_path, message: str, **options) -> None:
     print(f"\nrefused in {time.monotonic() - started:.1f}s: {text}")
 
 
+CORES = machine.num_cores()  # the layouts below need more cores than this machine has, whatever it has
+DP_OVER = CORES // 2 + 1  # -dp DP_OVER x -tp 2: one or two ranks more than the cores (-tp 2 divides the heads)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"dp": 2, "tp": 2}, r"^-dp 2 x -tp 2 x -pp 1 = 4 ranks need 4 CPU cores, this machine gives 2$"),
-        ({"dp": 3}, r"^-dp 3 x -tp 1 x -pp 1 = 3 ranks need 3 CPU cores"),
+        ({"dp": DP_OVER, "tp": 2},
+         rf"^-dp {DP_OVER} x -tp 2 x -pp 1 = {2 * DP_OVER} ranks need {2 * DP_OVER} CPU cores, "
+         rf"this machine gives {CORES}$"),
+        ({"dp": CORES + 1},
+         rf"^-dp {CORES + 1} x -tp 1 x -pp 1 = {CORES + 1} ranks need {CORES + 1} CPU cores, "
+         rf"this machine gives {CORES}$"),
         ({"pp": 3}, r"^-pp 3: vLLM's V1 model runner passes hidden states on from one earlier stage only"),
         ({"dp": 2, "tp": 2, "nnodes": 2, "master_addr": "127.0.0.1"}, r"^-dp 2 with --nnodes 2: replicas do not span nodes"),
         ({"tp": 2, "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}, r"^--node-rank 1: `corecap run` is node 0"),
     ],
+    ids=["dp-tp2-over-cores", "dp-over-cores", "pp3", "dp-across-nodes", "node-rank-1"],
 )
 def test_impossible_parallel_layouts_are_refused(tiny_model, tmp_path, options, message):
-    assert len(os.sched_getaffinity(0)) == 2, "the core counts below are this 2-core machine's (and CI's)"
     _refused(tiny_model, tmp_path, message, **options)
 
 
@@ -351,10 +364,8 @@ def _ip(*args: str) -> None:
 def two_nodes():
     """Node 0 (the driver, with the store) and node 1, each a network namespace of its own
     holding loopback and one end of a veth pair: as two machines on one link (needs root, as
-    CI has: not getting them is a failure, not a skip)."""
-    import shutil
-
-    assert os.geteuid() == 0 and shutil.which("ip"), "two network namespaces need root and iproute2 (as in CI)"
+    CI has: not getting them is a failure under CI=true, a skip elsewhere, support/machine.py)."""
+    machine.require(machine.can_make_network_namespaces(), "two network namespaces (needs root and iproute2, as in CI)")
     tag = f"cc{os.getpid() % 100000}"
     nodes = [Node(f"{tag}n{i}", f"{tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(2)]
     for n in nodes:
@@ -488,6 +499,7 @@ def two_node_run(two_nodes, tiny_model, tmp_path_factory):
     return store, data, driver, worker, watch
 
 
+@pytest.mark.full
 def test_an_engine_across_two_nodes_matches_hf(two_node_run, two_nodes, hf_model):
     store, data, (rc, _, err), (wrc, _, werr), _ = two_node_run
     assert rc == 0, f"driver exit {rc}:\n{err[-3000:]}\nnode 1:\n{werr[-3000:]}"
@@ -503,6 +515,7 @@ def test_an_engine_across_two_nodes_matches_hf(two_node_run, two_nodes, hf_model
     assert not _left_in(two_nodes[0]) and not _left_in(two_nodes[1])
 
 
+@pytest.mark.full
 def test_nothing_listens_outside_the_two_nodes(two_node_run, two_nodes):
     *_, watch = two_node_run
     assert not watch.outside, watch.outside
@@ -539,6 +552,7 @@ def _both_refused(driver, worker, store: str, message: str) -> None:
     assert _num_stored(store) == 0
 
 
+@pytest.mark.full
 def test_nodes_with_different_corecap_versions_are_refused(two_nodes, tiny_model, tmp_path):
     import sys
 
@@ -550,6 +564,7 @@ def test_nodes_with_different_corecap_versions_are_refused(two_nodes, tiny_model
     _both_refused(driver, worker, store, r"node 1 \(10\.213\.0\.2\) runs corecap 0\.0\.0\+other with vLLM [^ ]+, node 0 corecap [^ ]+ with vLLM")
 
 
+@pytest.mark.full
 def test_nodes_with_different_models_are_refused(two_nodes, tiny_model, tmp_path):
     from corecap.demo import build_tiny_llama
 

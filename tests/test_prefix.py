@@ -18,13 +18,13 @@ import time
 import numpy as np
 import pytest
 
-from conftest import VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM
 from corecap.store import Store, decode_header
 from corecap.store.verify import verify_store
-from test_faults import kill_loop
+from support import kill_loop
+from support.reference import VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.full]  # every test here starts engines of its own
 LAYERS = (0, 2, 4, 8, PRENORM)
 BLOCK = 32  # vLLM's CPU default is 128: smaller blocks share more (and test more boundaries)
 RUN_LOG: dict[str, list[str]] = {}

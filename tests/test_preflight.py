@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-import tiny_models
-from conftest import write_jsonl
 from corecap.config import PRENORM, EngineOptions, build
 from corecap.errors import CorecapError
+from support import tiny_models
+from support.reference import write_jsonl
 
 LIVENESS_S = 180  # create_engine_config inspects a new architecture in a subprocess: 12-35 s here
 
@@ -150,6 +150,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.full
 @pytest.mark.engine
 def test_a_worker_failing_mid_capture_is_one_line(tiny_model, tmp_path):
     script = tmp_path / "faulty_run.py"

@@ -16,7 +16,6 @@ import torch
 import torch.utils.data
 from click.testing import CliRunner
 
-from conftest import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB
 from corecap.cli import main
 from corecap.errors import CorecapError
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
@@ -24,6 +23,7 @@ from corecap.store.format import REFERENCE_VERSION, Segment, decode_header, enco
 from corecap.store.merge import merge_stores
 from corecap.store.refs import layout, within
 from corecap.store.verify import verify_store
+from support.verifier import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB
 
 LAYERS = CAPTURED_LAYERS
 H = VERIFIER_HIDDEN

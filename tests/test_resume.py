@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from conftest import hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap import data
 from corecap.errors import CorecapError
 from corecap.store import Store
+from support.reference import hf_hidden_states, record_error, relative_errors, write_jsonl
 
 pytestmark = pytest.mark.engine
 BAND = 1e-6
@@ -32,6 +32,7 @@ def _same_store(reference: str, other: str, case: str) -> None:
             assert per_token.max() <= BAND, (key, per_token.tolist())
 
 
+@pytest.mark.full
 def test_run_interrupted_by_an_exception_then_rerun(exact_run, tmp_path, monkeypatch):
     from corecap._vllm.engine import Engine
     from corecap.run import run
@@ -60,6 +61,7 @@ def test_run_interrupted_by_an_exception_then_rerun(exact_run, tmp_path, monkeyp
     _same_store(exact_run[0].store, cfg.store, "interrupted + rerun")
 
 
+@pytest.mark.full
 def test_shards_merge_to_the_unsharded_run(exact_run, tmp_path):
     from corecap.store.merge import merge_stores
     from corecap.run import run
@@ -77,6 +79,7 @@ def test_shards_merge_to_the_unsharded_run(exact_run, tmp_path):
     _same_store(cfg.store, str(tmp_path / "merged"), "2 shards merged")
 
 
+@pytest.mark.full
 def test_conversations_end_to_end(tiny_model, hf_model, tmp_path):
     """A chat dataset: token ids from the model's chat template, loss masks on assistant turns."""
     from corecap.config import build

@@ -19,8 +19,8 @@ import torch.utils.data
 
 import corecap
 from corecap.store import shared
-from conftest import CAPTURED_LAYERS, write_captured_store
-from test_dataset import _check
+from support.verifier import CAPTURED_LAYERS, write_captured_store
+from support.verifier import check_item
 
 
 def _send(t: torch.Tensor) -> torch.Tensor:
@@ -180,7 +180,7 @@ def test_dataloader_items_stay_intact_while_workers_reuse_slots(tmp_path, captur
         assert type(item["hidden_states"]) is torch.Tensor
         assert torch.equal(item["hidden_states"], ds[item["key"]]["hidden_states"])  # read here, without the pool
         if codec != "fp8-e4m3-rowscale":
-            _check(item, captured, CAPTURED_LAYERS, torch.bfloat16)
+            check_item(item, captured, CAPTURED_LAYERS, torch.bfloat16)
     assert max(item["slots_made"] for item in held) == len(held) // 2  # a slot an item, 6 a worker
     del held, item
     gc.collect()

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corecap.transport import wire
+from support import fuzz
 
 
 def _chunk(num_tokens=5, layers=(2, 8), hidden=16, dtype=torch.bfloat16, version=wire.WIRE_VERSION):
@@ -79,7 +80,7 @@ def test_wrong_sizes_are_rejected():
         wire.decode([wire.encode_header(bad)] + frames[1:])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=fuzz.examples(300), deadline=None)
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
 def test_garbage_is_rejected_not_decoded(frames):
     try:
@@ -93,7 +94,7 @@ def test_garbage_is_rejected_not_decoded(frames):
         assert len(msg.token_ids) == h.num_tokens == sum(s.num_tokens for s in h.segments)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=fuzz.examples(300), deadline=None)
 @given(st.data())
 def test_any_flipped_byte_is_caught(data):
     """A byte flipped anywhere in a valid message (header, ids, positions, states), with or

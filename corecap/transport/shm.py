@@ -5,7 +5,7 @@ files, 400 MiB together for the tiny CPU model in the tests, more with more work
 ends by itself, by SIGTERM or with a dead worker has them unlinked on the way out (by vLLM, or by
 a dead worker's resource tracker). A run SIGKILLed with its whole process group (a job
 scheduler's hard limit, an OOM kill of its cgroup) cannot, and /dev/shm is RAM that stays taken
-until reboot: 20 kills in tools/kill_loop.py left 7,040 MiB before the harness removed it.
+until reboot: 20 kills in tests/support/kill_loop.py left 7,040 MiB before the harness removed it.
 
 So while its engine starts, a run records every /dev/shm file its processes (the driver and its
 descendants) map in /dev/shm/corecap-shm-<pid namespace>-<pid>-<start time>.json, and removes

@@ -1,6 +1,6 @@
 """The architectures of tests/test_architectures.py on the GPU: corecap's bf16 capture on vLLM's
 default path (torch.compile + CUDA graphs) against HF transformers float32, tiny models built
-from a seed by the tests' tiny_models.py (random norm weights), every layer 0..N and prenorm, over
+from a seed by tests/support/tiny_models.py (random norm weights), every layer 0..N and prenorm, over
 that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
 1-token sample). DeepSeek-V3 has its own tool (tools/gpu/deepseek_exact.py: its routing flips).
 

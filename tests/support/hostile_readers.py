@@ -2,7 +2,7 @@
 own whose memory is limited and measured, so that a reader that allocates what a damaged store
 claims shows up as a number (and cannot take the machine down).
 
-    python tests/hostile_readers.py REFERENCE.pt      # then one JSON line per store on stdin
+    python tests/support/hostile_readers.py REFERENCE.pt      # then one JSON line per store on stdin
 
 REFERENCE.pt holds, per original key, the input ids, states and loss mask the stores were made
 from. Each input line {"store": PATH, "keys": [its original keys], "scratch": DIR, "into": a copy of

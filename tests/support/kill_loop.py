@@ -1,8 +1,8 @@
 """Kill anywhere: SIGKILL a real `corecap run` at random moments, rerun it each time, and check
 that the store ends up exactly as an uninterrupted run makes it.
 
-    python tools/kill_loop.py                          # 20 kills, the tiny demo-size Llama, CPU
-    python tools/kill_loop.py --kills 40 --seed 7 --out kill_loop.json --enforce-eager
+    python tests/support/kill_loop.py                          # 20 kills, the tiny demo-size Llama, CPU
+    python tests/support/kill_loop.py --kills 40 --seed 7 --out kill_loop.json --enforce-eager
 
 It builds a tiny Llama (corecap.demo.build_tiny_llama, float32) and a random dataset in --work,
 makes an uninterrupted reference store (timing it: the load until the first commit, then the

@@ -5,7 +5,7 @@ Why another process: vLLM's Transformers backend and model modules change transf
 process-wide once imported (attention functions, output recorders), so a reference taken in
 the engine's process would not be independent of it.
 
-    python tests/tiny_models.py reference MODEL_DIR DATA.jsonl OUT.pt DTYPE
+    python tests/support/tiny_models.py reference MODEL_DIR DATA.jsonl OUT.pt DTYPE
 
 writes {key: {"hidden_states": [N+1, T, H], "prenorm": [T, H]}} (float32): HF's
 output_hidden_states (whose last entry is after the final norm) and the output of the last
