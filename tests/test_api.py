@@ -22,7 +22,7 @@ def test_the_public_names_are_in_all_and_load():
 
 
 def test_open_store_reads_a_store_by_key(tmp_path, captured, verifier):
-    from conftest import write_captured_store
+    from support.verifier import write_captured_store
 
     path = write_captured_store(str(tmp_path / "s"), captured, verifier)
     with corecap.open_store(path) as store:

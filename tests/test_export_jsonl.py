@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import SEED
+from support.reference import SEED
 from corecap.cli import main
 from corecap.store.generated import Generation
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NUM_LAYERS, SEED, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
+from support.reference import NUM_LAYERS, SEED, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM, SamplingOptions, build
 from corecap.errors import CorecapError
 from corecap.generation import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Response, StopRule, request_seed
@@ -37,7 +37,7 @@ def _rows() -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=["tp1", pytest.param("tp2", marks=pytest.mark.full)])
 def generate_run(request, tiny_model, tmp_path_factory):
     """Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
     responses complete blocks; TP=2 the second time."""
@@ -244,6 +244,7 @@ def _num_committed(store: str) -> int:
 
 
 @pytest.mark.engine
+@pytest.mark.full
 def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupted_run(tiny_model, tmp_path):
     import os
     import signal
@@ -307,6 +308,7 @@ def turns_run(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.engine
+@pytest.mark.full
 def test_every_turn_is_rewritten_given_the_earlier_answers(turns_run, hf_model, tiny_model):
     from corecap.model import load_tokenizer
 
@@ -338,6 +340,7 @@ def test_every_turn_is_rewritten_given_the_earlier_answers(turns_run, hf_model, 
 
 
 @pytest.mark.engine
+@pytest.mark.full
 def test_a_rerun_of_rewritten_turns_skips_every_stored_turn(turns_run):
     from corecap.run import run
 

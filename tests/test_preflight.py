@@ -106,7 +106,7 @@ def test_override_classes_only_for_the_standard_loop():
         assert models.why_not(cls(module, name)) is None, name
     assert "OlmoeModel.forward is not the standard residual loop" in models.why_not(cls("olmoe", "OlmoeForCausalLM"))
     assert "does more than return its decoder's output" in models.why_not(cls("granite", "GraniteForCausalLM"))
-    built = getattr(models, "Capture__mixtral__MixtralForCausalLM")
+    built = models.Capture__mixtral__MixtralForCausalLM
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     assert supports_eagle3(built) and issubclass(built, cls("mixtral", "MixtralForCausalLM"))

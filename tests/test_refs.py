@@ -182,7 +182,7 @@ def test_merge_keeps_references_valid_and_resolves_them_through_the_record_it_ke
     assert verify_store(out).ok
     with Store.open(out) as store:
         assert store.meta.format_version == REFERENCE_VERSION
-        for key, (ids, _, states) in rows.items():
+        for key, (_ids, _, states) in rows.items():
             assert torch.equal(store.get(key).hidden_states, states), key
         with store.env.begin() as txn:
             header = decode_header("turn-1", txn.get(b"turn-1", db=store.headers_db))
