@@ -78,9 +78,9 @@ def test_both_platforms_workers_hold(platform):
 
 
 def test_engine_config_is_what_we_ask(vllm_config):
-    """Prefix caching off by default (see docs/design.md), the budget kept, and what the worker
-    sizes its shared-memory ring slots from (corecap_install)."""
-    assert vllm_config.cache_config.enable_prefix_caching is False
+    """Prefix caching on by default (vLLM's default, kept exact: docs/design.md), the budget kept,
+    and what the worker sizes its shared-memory ring slots from (corecap_install)."""
+    assert vllm_config.cache_config.enable_prefix_caching is True
     assert vllm_config.scheduler_config.max_num_batched_tokens == 64
     assert vllm_config.model_config.get_hidden_size() == 128 and vllm_config.model_config.dtype.itemsize > 0
 

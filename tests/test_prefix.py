@@ -71,7 +71,7 @@ def _run(name: str, tiny_model, data, tmp_path_factory, **options):
 
 @pytest.fixture(scope="module")
 def off_run(tiny_model, prefix_data, tmp_path_factory):
-    return _run("off", tiny_model, prefix_data, tmp_path_factory)
+    return _run("off", tiny_model, prefix_data, tmp_path_factory, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from corecap import data
 from corecap.errors import CorecapError
 from corecap.store import Store
-from support.reference import hf_hidden_states, record_error, relative_errors, write_jsonl
+from support.reference import hf_hidden_states, record_error, relative_errors, write_jsonl, same_meta
 
 pytestmark = pytest.mark.engine
 BAND = 1e-6
@@ -21,7 +21,7 @@ BAND = 1e-6
 def _same_store(reference: str, other: str, case: str) -> None:
     with Store.open(reference) as ref, Store.open(other) as got:
         assert sorted(ref.keys()) == sorted(got.keys())
-        assert got.meta == ref.meta
+        assert same_meta(got.meta, ref.meta)
         for key in ref.keys():
             a, b = ref.get(key), got.get(key)
             assert a.input_ids.tolist() == b.input_ids.tolist()
