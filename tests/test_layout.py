@@ -67,9 +67,11 @@ def test_no_import_circle():
 
 
 def test_layers_import_downwards():
-    """cli → api → run → the adapter, the sink, the data → transport → store → trace → progress → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.profile", "corecap.run", "corecap.generation", "corecap._vllm", "corecap.sink",
-             "corecap.data", "corecap.model", "corecap.demo", "corecap.console", "corecap.transport", "corecap.store", "corecap.trace",
+    """cli → api → run → the adapter, the sink, the data → transport → export, dataset → store → trace → progress
+    → config."""
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.probe", "corecap.run", "corecap.generation",
+             "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model", "corecap.demo", "corecap.console",
+             "corecap.transport", "corecap.export", "corecap.dataset", "corecap.store", "corecap.trace",
              "corecap.progress", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:

@@ -1,5 +1,5 @@
 """The trainers' offline layouts that `corecap export` writes, one sample file at a time
-(corecap/store/export.py walks the store; docs/export.md has literal examples).
+(corecap/export/driver.py walks the store; docs/export.md has literal examples).
 
 speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
     DIR/                      a HF `datasets` directory (`save_to_disk` after `set_format("torch")`):
