@@ -33,11 +33,11 @@ import lmdb
 import numpy as np
 
 from corecap.errors import CorecapError
+from corecap.export.driver import select_keys
+from corecap.export.files import fsync_dir
 from corecap.progress import Progress
 from corecap.store import Store
-from corecap.export.driver import select_keys
 from corecap.store.format import SampleHeader, checked_header
-from corecap.export.layouts import fsync_dir
 from corecap.store.store import key_text, prefixed
 
 
