@@ -16,7 +16,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
-from corecap.store import codec as codecs, fp8rows
+from corecap.store import codec as codecs, fp8, fp8rows
 from corecap.store.codec import DTYPES
 from corecap.store.generated import Generation
 from corecap.store.record import Record
@@ -31,7 +31,7 @@ LAYER_MEANING = (
     "prenorm = the residual stream after the last decoder layer, before the final norm "
     "(vLLM's aux index N, speculators' verifier state)"
 )
-FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
+FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/fp8.py
 KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
@@ -187,7 +187,7 @@ def encode_sample(
     dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
-        parts = (fp8rows.fp8_payload(states) if rows else codecs.quantize_fp8(states),)
+        parts = (fp8rows.fp8_payload(states) if rows else fp8.quantize_fp8(states),)
         checksum = codecs.crc32(parts[0])
     elif codec not in codecs.CODECS:
         raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
@@ -364,7 +364,7 @@ def decode_states(key: str, header: SampleHeader, payload, out: torch.Tensor | N
     try:
         if header.codec == FP8:
             check_stored(key, header, payload)
-            return Sample(header, ids, codecs.dequantize_fp8(payload, shape, dtype, out))
+            return Sample(header, ids, fp8.dequantize_fp8(payload, shape, dtype, out))
         if header.codec == "raw" and out is None:
             if memoryview(payload).nbytes != expected:
                 raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
