@@ -48,7 +48,7 @@ from corecap.export.plan import ExportPlan, plan_export
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.codec import DTYPES
-from corecap.store.format import checked_header
+from corecap.store.checks import checked_header
 from corecap.store.store import key_text, prefixed
 
 EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over

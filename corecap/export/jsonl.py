@@ -37,7 +37,8 @@ from corecap.export.driver import select_keys
 from corecap.export.files import fsync_dir
 from corecap.progress import Progress
 from corecap.store import Store
-from corecap.store.format import SampleHeader, checked_header
+from corecap.store.checks import checked_header
+from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, prefixed
 
 
