@@ -111,3 +111,28 @@ def test_no_environment_switches_in_the_package():
 def test_files_fit_on_a_few_screens():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in _modules().values() if (n := len(_text(p).splitlines())) > MAX_LINES}
     assert not long, f"longer than {MAX_LINES} lines: {long}"
+
+
+def test_design_md_maps_every_module():
+    """docs/design.md's "Where things are" names every module file (a package's __init__ only
+    where it holds code of its own), and nothing that is not there."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    table = design[design.index("## Where things are"):design.index("## The step loop")]
+    named = set()
+    for line in table.splitlines():
+        cells = line.split("|")
+        if len(cells) > 3:
+            named.update(c.strip(" `") for c in cells[2].split(",") if c.strip(" `").endswith(".py"))
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert not named - files, f"docs/design.md names modules that do not exist: {sorted(named - files)}"
+    unnamed = {f for f in files - named if not f.endswith("__init__.py") or f == "dataset/__init__.py"}
+    assert not unnamed, f"docs/design.md's module table lacks {sorted(unnamed)}"
+
+
+def test_no_module_shadows_the_standard_library():
+    """A module file named like a stdlib module (profile.py was one) is imported instead of it by
+    any script run from its directory."""
+    import sys
+
+    shadows = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.stem in sys.stdlib_module_names]
+    assert not shadows, f"named like stdlib modules: {shadows}"
