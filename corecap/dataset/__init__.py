@@ -43,7 +43,7 @@ import torch.utils.data
 
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
-from corecap.dataset.pool import pool
+from corecap.dataset import pool
 from corecap.store.store import Store
 
 
@@ -80,7 +80,7 @@ class StoreDataset(torch.utils.data.Dataset):
             if not -len(self.keys) <= index < len(self.keys):
                 raise IndexError(f"index {index} is out of range for {len(self.keys)} samples")
             key = self.keys[index]
-        alloc = pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
+        alloc = pool.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
         with Store.open(self.path) as store:
             sample = store.get(key, alloc if self._positions is None else None)
         states = sample.hidden_states
