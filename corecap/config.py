@@ -20,8 +20,8 @@ from corecap.errors import CorecapError
 PRENORM = "prenorm"  # the residual stream after the last decoder layer, before the final norm
 Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
 DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
-FP8_CODEC = "fp8-e4m3-rowscale"  # `--store-dtype fp8`, lossy: corecap/store/codec.py (store.FP8)
-# fp8's encode in the sink (torch ops, corecap/store/codec.py quantize_fp8) got slower past 4
+FP8_CODEC = "fp8-e4m3-rowscale"  # `--store-dtype fp8`, lossy: corecap/store/fp8.py (store.FP8)
+# fp8's encode in the sink (torch ops, corecap/store/fp8.py quantize_fp8) got slower past 4
 # threads on the H200 host, where zstd-planes still gains to 8: 1B-shaped samples, samples/s on 4
 # against 8 threads, 566-728 against 270-453 (tools/bench_sink.py --only scaling-1b). The workers
 # quantise now (corecap/store/fp8rows.py) and the sink's fp8 encode only regroups and checksums
@@ -158,7 +158,7 @@ class RunConfig:
     layers: tuple[Layer, ...] | None = None  # None: default_layers(N)
     engine: EngineOptions = field(default_factory=EngineOptions)
     stall_timeout: float = 600.0  # seconds without progress before a run is declared hung
-    codec: str = DEFAULT_CODEC  # see corecap/store/codec.py; store.FP8 for lossy fp8
+    codec: str = DEFAULT_CODEC  # see corecap/store/codec.py; store.FP8 for lossy fp8 (corecap/store/fp8.py)
     nonfinite: str = "stop"  # NaN/Inf in captured states: "stop" the run, or "store" and flag
     overflow: str = "error"  # samples longer than max_len: error, truncate or skip (corecap/data)
     invalid: str | None = None  # invalid rows: error or skip (default: skip under overflow=skip)

@@ -11,7 +11,7 @@ import inspect
 import pytest
 
 from corecap._vllm import contract, live
-from corecap._vllm.source import Source
+from corecap._vllm.vllm_source import Source
 
 pytestmark = pytest.mark.matrix
 
@@ -141,9 +141,9 @@ def test_what_pipeline_parallelism_relies_on():
 
 
 def test_what_prefix_caching_relies_on():
-    """corecap/_vllm/prefix.py: hit lengths in NewRequestData, evict_blocks, get_cached_block,
+    """corecap/_vllm/prefix_tracker.py: hit lengths in NewRequestData, evict_blocks, get_cached_block,
     num_computed_tokens advanced at schedule time; the engine checks the same at its start."""
-    from corecap._vllm.prefix import block_size, contract_problem
+    from corecap._vllm.prefix_tracker import block_size, contract_problem
 
     assert contract_problem() is None
     from types import SimpleNamespace

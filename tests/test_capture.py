@@ -147,7 +147,7 @@ def test_fp8_quantised_by_the_workers_is_the_sinks_quantisation_of_the_same_stat
     from corecap.config import build
     from corecap.run import run
     from corecap.store import FP8
-    from corecap.store.codec import dequantize_fp8, quantize_fp8
+    from corecap.store.fp8 import dequantize_fp8, quantize_fp8
 
     cfg, _ = exact_run
     fp8 = build(model=cfg.model, data=cfg.data, store=str(tmp_path / "fp8"), layers=cfg.layers,

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from corecap.store import codec
-from corecap.store.codec import CODECS, decode, dequantize_fp8, encode, encode_parts, quantize_fp8
+from corecap.store import fp8
+from corecap.store.codec import CODECS, decode, encode, encode_parts
+from corecap.store.fp8 import dequantize_fp8, quantize_fp8
 from support import fuzz
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -208,7 +210,7 @@ def _assert_fp8_bound(states: torch.Tensor, restored: torch.Tensor, scales: np.n
     err = (restored.double() - x).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
     absmax = x.abs().amax(dim=-1, keepdim=True)
-    row_bound = torch.where(s > codec.FP8_MIN_SCALE, absmax / 28 * (1 + 2.0**-20), 16 * s) + 2.0**-149
+    row_bound = torch.where(s > fp8.FP8_MIN_SCALE, absmax / 28 * (1 + 2.0**-20), 16 * s) + 2.0**-149
     assert (err <= row_bound).all()
 
 
@@ -252,7 +254,7 @@ def test_fp8_rows_below_floor_scale_keep_their_bound():
     # absmax under 448 * 2^-126: the scale is the float32 floor, not absmax / 448
     states = torch.tensor([[[272 * 2.0**-126, 17 * 2.0**-126, -(2.0**-140)], [1.0, -0.5, 0.0]]])
     restored, scales = _fp8_round_trip(states)
-    assert scales[0, 0] == codec.FP8_MIN_SCALE and scales[0, 1] == np.float32(1 / 448)
+    assert scales[0, 0] == fp8.FP8_MIN_SCALE and scales[0, 1] == np.float32(1 / 448)
     _assert_fp8_bound(states, restored, scales)
 
 

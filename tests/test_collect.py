@@ -123,7 +123,7 @@ def test_a_damaged_states_run_is_an_error_not_a_sample(copy_threads):
     c.close()
 
 
-# --- prefix caching: samples completed from the states cache (corecap/sink/prefix.py) -------------
+# --- prefix caching: samples completed from the states cache (corecap/sink/prefix_cache.py) -------------
 
 BS = 4  # block size
 
@@ -164,7 +164,7 @@ def test_cached_blocks_come_from_the_block_that_produced_them():
 def test_a_drop_that_overtakes_its_chunks_neither_leaks_nor_loses_a_live_block():
     """The driver's drop can reach the sink before the chunks whose productions it counts, and a
     block produced again after a drop must be kept."""
-    from corecap.sink.prefix import Producer, StatesCache
+    from corecap.sink.prefix_cache import Producer, StatesCache
 
     cache, block = StatesCache(), torch.ones(2, BS, 3)
     first, second = Producer("x", 8), Producer("y", 8)
@@ -195,7 +195,7 @@ def test_a_hit_the_sink_cannot_place_is_an_error():
 
 
 def test_completed_blocks_are_those_whose_last_position_was_computed():
-    from corecap.sink.prefix import completed_blocks
+    from corecap.sink.prefix_cache import completed_blocks
 
     assert list(completed_blocks(0, 14, 4, 3)) == [0, 1, 2]
     assert list(completed_blocks(8, 13, 4, 3)) == [2]  # positions 8..12: block 2 ends at 11

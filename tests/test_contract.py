@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from corecap._vllm import contract, doctor as doctor_module, live, versions
 from corecap._vllm.doctor import checked_vllm_config, doctor
-from corecap._vllm.source import Source
+from corecap._vllm.vllm_source import Source
 from corecap._vllm.versions import installed_dist, known_good_line, version_warning
 from corecap.errors import CorecapError
 from support.vllm_source_edits import member, moved, parameter, replace_text

@@ -464,11 +464,9 @@ def _contents(path) -> dict:
 def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
     import corecap.store.merge
 
-    import corecap.store.store
-
     monkeypatch.setattr(corecap.store.merge, "_BATCH_BYTES", 3000)  # several state-file writes per input
-    put_all = corecap.store.store.Store.put_all
-    monkeypatch.setattr(corecap.store.store.Store, "put_all", lambda self, *a, **k: put_all(self, *a, commit_records=5, **k))
+    put_all = corecap.store.merge.put_all
+    monkeypatch.setattr(corecap.store.merge, "put_all", lambda store, *a, **k: put_all(store, *a, commit_records=5, **k))
     keys = [f"k{i}" for i in range(40)] + ["ключ", "x" * 300]
     whole = _store(tmp_path / "whole", keys)
     shards = [_store(tmp_path / f"shard{k}", [key for key in keys if data.shard_of(key, 3) == k]) for k in range(3)]

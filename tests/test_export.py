@@ -177,7 +177,7 @@ def _specforge_loader(out, max_len=512, batch_size=4):
 
 
 def test_specforge_loader_reads_the_store(tmp_path, captured, verifier, monkeypatch):
-    import corecap.store.layouts as layouts
+    import corecap.export.specforge as layouts
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
 
@@ -413,8 +413,8 @@ def test_the_speculators_format_names_its_missing_extra(tmp_path, captured, veri
 
 def _interrupted(store, out, fmt, monkeypatch, after: int, *options):
     """An export stopped (Ctrl-C) after `after` sample files were written."""
-    import corecap.store.layouts as layouts
-    from corecap.store.export import export_store
+    import corecap.export.formats as layouts
+    from corecap.export.driver import export_store
 
     layout = layouts.LAYOUTS[fmt]
     original = layout.write

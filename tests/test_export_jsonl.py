@@ -121,7 +121,7 @@ def test_export_jsonl_reads_back_as_the_tokenizer_decodes(generated, tokenizer, 
 
 def test_export_jsonl_reads_headers_only_and_follows_keys(generated, tokenizer, tmp_path, monkeypatch):
     from corecap.store import Store
-    from corecap.store.jsonl import export_jsonl
+    from corecap.export.jsonl import export_jsonl
 
     store, samples = generated
 
@@ -243,7 +243,7 @@ def test_dataset_items_carry_what_a_trainer_filters_on(generated):
 
 def test_a_sample_stored_with_nonfinite_states_keeps_its_text(tokenizer):
     from corecap.store import decode_header, encode_sample
-    from corecap.store.jsonl import sample_line
+    from corecap.export.jsonl import sample_line
 
     ids = np.array(tokenizer.encode("the lazy dog"), dtype=np.int32)
     states = torch.full((len(LAYERS), len(ids), HIDDEN), float("nan"))

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from corecap.store import codec, fp8rows
-from corecap.store.codec import NonFiniteStates, quantize_fp8
+from corecap.store import fp8, fp8rows
+from corecap.store.fp8 import NonFiniteStates, quantize_fp8
 from corecap.store.fp8rows import fp8_payload, quantize_fp8_rows
 
 # e4m3fn magnitudes by code 0..126 (127 is NaN): subnormals m * 2^-9, normals (1 + m/8) 2^(e-7)
@@ -75,7 +75,7 @@ def _hard_rows(dtype: torch.dtype, hidden: int = 48) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [None, 5 * 48, 7])  # the default, several rows, one row a chunk
 def test_payload_matches_the_documented_math_to_the_bit(dtype, chunk, monkeypatch):
     if chunk is not None:
-        monkeypatch.setattr(codec, "_FP8_CHUNK_VALUES", chunk)
+        monkeypatch.setattr(fp8, "_FP8_CHUNK_VALUES", chunk)
     rows = _hard_rows(dtype)
     states = rows[: len(rows) // 3 * 3].view(3, -1, rows.shape[1])  # 3 layers, ragged last chunk
     assert quantize_fp8(states).tobytes() == _reference(states)

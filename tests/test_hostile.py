@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from corecap.cli import info, ls, trace
 from corecap.errors import CorecapError
 from corecap.store import FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
-from corecap.store import codec as codecs
+from corecap.store import codec as codecs, fp8
 from corecap.store import decode_header, input_fingerprint
 from corecap.store.codec import DTYPES
 from corecap.store.format import Segment, header_crc
@@ -90,7 +90,7 @@ def _build(path: str, samples: dict, codec: str, dtype, prefix: str = "", seed: 
         ids = torch.arange(n, dtype=torch.int32) * 7 + i
         states = _states(seed + i, n, dtype)
         if sample_codec == FP8:
-            states = codecs.dequantize_fp8(codecs.quantize_fp8(states), tuple(states.shape), dtype)
+            states = fp8.dequantize_fp8(fp8.quantize_fp8(states), tuple(states.shape), dtype)
         owner, shared = REFERS.get(name, (None, 0))
         segments = within(layouts[prefix + owner], 0, shared) if owner else None
         if owner:  # its prefix: the owner's ids and states (fp8: as decoded)

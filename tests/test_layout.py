@@ -67,9 +67,12 @@ def test_no_import_circle():
 
 
 def test_layers_import_downwards():
-    """cli → api → run → the adapter, the sink, the data → transport → store → trace → progress → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.profile", "corecap.run", "corecap.resume", "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink",
-             "corecap.data", "corecap.model", "corecap.demo", "corecap.console", "corecap.transport", "corecap.store", "corecap.trace",
+    """cli → api → run → the adapter, the sink, the data → transport → export, dataset → store → trace → progress
+    → config."""
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.probe", "corecap.run", "corecap.resume",
+             "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
+             "corecap.demo", "corecap.console", "corecap.transport", "corecap.export", "corecap.dataset", "corecap.store",
+             "corecap.trace",
              "corecap.progress", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
@@ -130,3 +133,28 @@ def test_no_test_module_imports_another():
             found += [f"{path.relative_to(TESTS)} imports {n}" for n in bad]
     found += [f"{p.relative_to(TESTS)} is a test module inside support/" for p in (TESTS / "support").glob("test_*.py")]
     assert not found, "\n".join(found)
+
+
+def test_design_md_maps_every_module():
+    """docs/design.md's "Where things are" names every module file (a package's __init__ only
+    where it holds code of its own), and nothing that is not there."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    table = design[design.index("## Where things are"):design.index("## The step loop")]
+    named = set()
+    for line in table.splitlines():
+        cells = line.split("|")
+        if len(cells) > 3:
+            named.update(c.strip(" `") for c in cells[2].split(",") if c.strip(" `").endswith(".py"))
+    files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert not named - files, f"docs/design.md names modules that do not exist: {sorted(named - files)}"
+    unnamed = {f for f in files - named if not f.endswith("__init__.py") or f == "dataset/__init__.py"}
+    assert not unnamed, f"docs/design.md's module table lacks {sorted(unnamed)}"
+
+
+def test_no_module_shadows_the_standard_library():
+    """A module file named like a stdlib module (profile.py was one) is imported instead of it by
+    any script run from its directory."""
+    import sys
+
+    shadows = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.stem in sys.stdlib_module_names]
+    assert not shadows, f"named like stdlib modules: {shadows}"

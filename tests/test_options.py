@@ -162,7 +162,7 @@ def test_prefix_caching_is_switchable_with_vllms_spelling(given, tiny_model):
 def test_prefix_caching_is_off_by_default_for_sliding_window_attention(tmp_path):
     """Gemma 3 interleaves sliding-window and full attention: two KV cache groups, which corecap
     does not keep exact under prefix caching. By default it runs with caching off, and says so;
-    asked for, it is refused when the engine starts (corecap/_vllm/prefix.py)."""
+    asked for, it is refused when the engine starts (corecap/_vllm/prefix_tracker.py)."""
     from support import tiny_models
 
     from corecap._vllm import effective_settings

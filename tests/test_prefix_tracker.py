@@ -1,4 +1,4 @@
-"""The driver's half of exact prefix caching (corecap/_vllm/prefix.py), against a stand-in for
+"""The driver's half of exact prefix caching (corecap/_vllm/prefix_tracker.py), against a stand-in for
 vLLM's scheduler (no engine): what it counts, what it tells the sink, and that a block leaves
 vLLM's prefix cache before the sink is told to forget it."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from corecap._vllm.prefix import PrefixTracker
+from corecap._vllm.prefix_tracker import PrefixTracker
 from corecap.errors import CorecapError
 
 BS = 4

@@ -20,6 +20,7 @@ from corecap.cli import main
 from corecap.errors import CorecapError
 from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 from corecap.store.format import REFERENCE_VERSION, Segment, decode_header, encode_header
+from corecap.store import merge
 from corecap.store.merge import merge_stores
 from corecap.store.refs import layout, within
 from corecap.store.verify import verify_store
@@ -212,7 +213,7 @@ def test_commits_put_owners_first(tmp_path, monkeypatch):
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     _write(src, rows, [(names[key], owner and names[owner], n) for key, owner, n in PLAN])
     committed = []
-    real = Store.put_all
+    real = merge.put_all
 
     def put_all(self, entries, header_of, batch_bytes=256 << 20, commit_records=8192):
         def spy(key):
@@ -220,7 +221,7 @@ def test_commits_put_owners_first(tmp_path, monkeypatch):
             return header_of(key)
         return real(self, entries, spy, batch_bytes, commit_records=1)
 
-    monkeypatch.setattr(Store, "put_all", put_all)
+    monkeypatch.setattr(merge, "put_all", put_all)
     merge_stores(out, [src])
     order = {key: i for i, key in enumerate(committed)}
     assert sorted(rows) != committed

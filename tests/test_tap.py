@@ -179,7 +179,7 @@ def test_where_each_layer_comes_from():
     the Transformers backend); a model that returns fewer aux states than asked is an error."""
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
-    from corecap._vllm.sources import LayerSources
+    from corecap._vllm.layer_sources import LayerSources
 
     class MixinDecoder(EagleModelMixin):
         layers = [None] * NUM_LAYERS

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from corecap.errors import CorecapError
-from corecap.profile import samples_for_steps
+from corecap.probe import samples_for_steps
 from corecap.cli import trace
 from corecap.trace.analysis import (
     bottleneck,

@@ -13,7 +13,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, ModelIdentity, Store, StoreMeta
-from corecap.store.codec import quantize_fp8
+from corecap.store.fp8 import quantize_fp8
 from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.sink import writer
 from corecap.sink.writer import NonFiniteError, Writer, all_finite

@@ -4,7 +4,7 @@ It offers a handful of things: the engine configuration from corecap's EngineOpt
 (options.py), the engine with the capture installed, requests and steps (engine.py), the capture
 inside each worker (worker.py) and the workers' network namespace (network.py). Every version
 difference between vLLM releases is handled here; contract.py checks the assumptions on vLLM's
-source without importing it (source.py), live.py the few that need vLLM imported (`corecap
+source without importing it (vllm_source.py), live.py the few that need vLLM imported (`corecap
 doctor`, the start of every run, tests/test_adapter.py); versions.py names the releases they
 were tested on.
 

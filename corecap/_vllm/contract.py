@@ -1,5 +1,5 @@
 """vLLM's contract: what corecap relies on in vLLM's internals, checked on vLLM's installed source
-(corecap/_vllm/source.py) without importing it: `corecap doctor` in about a second, and the
+(corecap/_vllm/vllm_source.py) without importing it: `corecap doctor` in about a second, and the
 first thing every `corecap run` does, before it imports vLLM.
 
 corecap builds EngineCore, its Scheduler and the multiproc executor itself, hand-builds
@@ -16,7 +16,7 @@ import importlib.metadata as md
 from dataclasses import dataclass
 
 from corecap._vllm import versions
-from corecap._vllm.source import ClassView, Method, Source, SourceMissing
+from corecap._vllm.vllm_source import ClassView, Method, Source, SourceMissing
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`corecap doctor`, and the same checks at the start of every run: vLLM's contract checked before
 any weights load.
 
-doctor reads vLLM's installed source (contract.py, source.py) and the installed packages'
+doctor reads vLLM's installed source (contract.py, vllm_source.py) and the installed packages'
 metadata (torchvision, torchaudio and torchcodec built for another torch break `import vllm`:
 versions.companion_problems), and imports neither vLLM nor torch: about a second, where
 importing vLLM takes 7-25 s. The checks that need vLLM's objects (live.py) run at the start of
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from corecap._vllm import contract, live, versions
-from corecap._vllm.source import Source
+from corecap._vllm.vllm_source import Source
 from corecap.errors import CorecapError
 
 _PROBE_CONFIG = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
 from corecap.config import Layer
-from corecap._vllm import prefix
+from corecap._vllm import prefix_tracker
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
 # steps to the pace of vLLM's own loop; one (strictly a step at a time) was 2-3% slower there
@@ -148,12 +148,12 @@ class Engine:
         self.in_flight: deque[_Batch] = deque()  # oldest first
         self._interrupted: str | None = None
         self._lock = threading.Lock()
-        self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix.py
-        if prefix.block_size(vllm_config):
-            problem = prefix.contract_problem()
+        self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix_tracker.py
+        if prefix_tracker.block_size(vllm_config):
+            problem = prefix_tracker.contract_problem()
             if problem:
-                raise CorecapError(f"--enable-prefix-caching: {problem} in this vLLM (corecap/_vllm/prefix.py)")
-            self.prefix = prefix.PrefixTracker(self.core.scheduler, capture.prefix_blocks)
+                raise CorecapError(f"--enable-prefix-caching: {problem} in this vLLM (corecap/_vllm/prefix_tracker.py)")
+            self.prefix = prefix_tracker.PrefixTracker(self.core.scheduler, capture.prefix_blocks)
 
     @staticmethod
     def dtype_of(vllm_config) -> str:
@@ -231,7 +231,7 @@ class Engine:
         return list(request.block_hashes)
 
     def take_prefix_actions(self) -> list[tuple]:
-        """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix.py)."""
+        """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix_tracker.py)."""
         return self.prefix.take_actions() if self.prefix is not None else []
 
     def take_responses(self) -> list[tuple[str, object]]:
@@ -320,7 +320,7 @@ class Engine:
         while len(self.in_flight) < self.steps_in_flight and (scheduler.has_requests() or not self.in_flight):
             t = time.time()
             scheduler_output = scheduler.schedule()
-            if self.prefix is not None:  # before the next schedule(): see prefix.py
+            if self.prefix is not None:  # before the next schedule(): see prefix_tracker.py
                 self.prefix.after_schedule(scheduler_output)
             t_schedule += time.time() - t
             t = time.time()

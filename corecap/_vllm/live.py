@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from corecap._vllm import contract
 from corecap._vllm.contract import Note, Result, run_check
-from corecap._vllm.source import Source
+from corecap._vllm.vllm_source import Source
 
 LIVE_CHECKS: list = []  # (name, fn()): vLLM imported, no engine configuration
 CONFIGURED_CHECKS: list = []  # (name, fn(vllm_config, source)): what a run's configuration makes vLLM build

@@ -229,7 +229,7 @@ def _amx_mla_refuses_the_weights(vllm_config, args) -> bool:
 def _prefix_caching_by_default(vllm_config, options: EngineOptions) -> None:
     """Prefix caching is on unless the user turned it off, except, when the user did not ask for
     it, for a model with sliding-window or hybrid (Mamba) attention: its KV cache has more than one
-    group, which corecap's prefix tracking does not keep exact (corecap/_vllm/prefix.py). Such a
+    group, which corecap's prefix tracking does not keep exact (corecap/_vllm/prefix_tracker.py). Such a
     model runs with it off and the run's first line says why; asked for, it is refused there."""
     model_config, cache = vllm_config.model_config, vllm_config.cache_config
     if options.enable_prefix_caching is not None or not cache.enable_prefix_caching:

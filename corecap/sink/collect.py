@@ -8,7 +8,7 @@ stored sample; each run of states is checked against the worker's CRC-32 as it i
 sample is complete when every one of its positions has been received.
 
 With vLLM's prefix caching on, a sample's leading full blocks may never be computed for it: the
-driver says how many (`hits`) and the states cache (corecap/sink/prefix.py), which every
+driver says how many (`hits`) and the states cache (corecap/sink/prefix_cache.py), which every
 captured full block of a sample with block hashes feeds, names the sample that produced each.
 Such a sample is stored once: it refers, for its first j hit blocks, to the producer of block
 j - 1, the last one already handed to the writer, and encodes only the rest, copying the states
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.sink.prefix import Producer, StatesCache, completed_blocks
+from corecap.sink.prefix_cache import Producer, StatesCache, completed_blocks
 from corecap.store import refs
 from corecap.transport import wire
 

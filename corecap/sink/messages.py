@@ -18,7 +18,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1):
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):
-    """vLLM took this request's first `num_blocks` blocks from its prefix cache (sink/prefix.py)."""
+    """vLLM took this request's first `num_blocks` blocks from its prefix cache (sink/prefix_cache.py)."""
 
     req_id: str
     num_blocks: int

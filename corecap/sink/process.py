@@ -125,7 +125,7 @@ class Sink:
 
     def prefix(self, actions) -> None:
         """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks),
-        ("drop", block_hash, count) and ("hash", req_id, index, block_hash) (corecap/_vllm/prefix.py)."""
+        ("drop", block_hash, count) and ("hash", req_id, index, block_hash) (corecap/_vllm/prefix_tracker.py)."""
         for kind, *args in actions:
             self._send(Hits(*args) if kind == "hits" else Drop(*args) if kind == "drop" else BlockHash(*args))
 

@@ -27,7 +27,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
-from corecap.store.codec import NonFiniteStates
+from corecap.store.fp8 import NonFiniteStates
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full

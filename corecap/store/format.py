@@ -1,8 +1,10 @@
 """What a store holds, record by record: its metadata, each sample's header, and the encoding
-of a sample into (header bytes, states parts) and back. docs/store.md has literal examples.
+of a sample into (header bytes, states parts); the records decoded. docs/store.md has literal
+examples.
 
-Everything here is checked as it is read: a store is input like any other, and a record that
-does not fit its declared shape is a CorecapError naming the sample and the field.
+Everything is checked as it is read: a store is input like any other, and a record that does not
+fit its declared shape is a CorecapError naming the sample and the field (the checks of a header
+and of its states: corecap/store/checks.py; the states decoded: corecap/store/decode.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
-from corecap.store import codec as codecs, fp8rows
+from corecap.store import codec as codecs, fp8, fp8rows
 from corecap.store.codec import DTYPES
 from corecap.store.generated import Generation
 from corecap.store.record import Record
@@ -31,7 +33,7 @@ LAYER_MEANING = (
     "prenorm = the residual stream after the last decoder layer, before the final norm "
     "(vLLM's aux index N, speculators' verifier state)"
 )
-FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/codec.py
+FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store/fp8.py
 KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
@@ -187,7 +189,7 @@ def encode_sample(
     dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
-        parts = (fp8rows.fp8_payload(states) if rows else codecs.quantize_fp8(states),)
+        parts = (fp8rows.fp8_payload(states) if rows else fp8.quantize_fp8(states),)
         checksum = codecs.crc32(parts[0])
     elif codec not in codecs.CODECS:
         raise CorecapError(f"codec {codec!r}: expected one of {list(codecs.CODECS) + [FP8]}")
@@ -232,161 +234,3 @@ def decode_header(key: str, value) -> SampleHeader:
         return _header_decoder.decode(value)
     except msgspec.DecodeError as e:  # ValidationError included: a field of the wrong type
         raise CorecapError(f"sample {key!r}: unreadable header ({e})") from None
-
-
-def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[list[str], bool]:
-    """What is wrong with a sample's header, against its key, the store's metadata and itself,
-    and whether its states can still be decoded by it (False: its shape or codec is wrong).
-    Every reader checks this before it reads the states the header describes."""
-    shape = []
-    for name in ("layers", "dtype", "hidden_size"):
-        mine, theirs = getattr(header, name), getattr(meta, name)
-        if mine != theirs:
-            shape.append(f"header has {name}={mine!r}, the store's metadata {theirs!r}")
-    if header.codec not in KNOWN_CODECS:
-        shape.append(f"header has codec={header.codec!r}, expected one of {list(KNOWN_CODECS)}")
-    elif not codecs_may_mix(header.codec, meta.codec):
-        shape.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
-    ids_ok = header.num_tokens >= 0 and len(header.input_ids) == 4 * header.num_tokens
-    if not ids_ok:
-        shape.append(f"header has num_tokens={header.num_tokens} and {len(header.input_ids)} bytes of input_ids, expected 4 per token")
-    else:
-        shape += prefix_problems(key, header)
-    if ids_ok and not shape and header.payload_bytes != stored_size(header):
-        shape.append(
-            f"header has payload_bytes={header.payload_bytes}, expected {stored_size(header)} "
-            "(layers x its own tokens x hidden size x itemsize)"
-        )
-    other = []
-    if header.id != key:
-        other.append(f"header is for sample {header.id!r}")
-    if ids_ok and input_fingerprint(np.frombuffer(header.input_ids, "<i4")) != header.input_fingerprint:
-        other.append(
-            f"input fingerprint {header.input_fingerprint} does not match its input ids "
-            f"({input_fingerprint(np.frombuffer(header.input_ids, '<i4'))})"
-        )
-    mask = header.loss_mask
-    if mask is not None and (len(mask) != header.num_tokens or np.frombuffer(mask, np.uint8).max(initial=0) > 1):
-        other.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
-    if header.generation is not None and header.generation.problem(header.num_tokens):
-        other.append(header.generation.problem(header.num_tokens))
-    if header.header_crc is not None and header_crc(header) != header.header_crc:
-        other.append(f"header checksum mismatch (header_crc {header.header_crc}, its fields' crc32 {header_crc(header)})")
-    return shape + other, not shape
-
-
-def prefix_problems(key: str, header: SampleHeader) -> list[str]:
-    """What is wrong with a header's reference by itself (the samples it names are checked by
-    the store: `Store.reference_problems`): segments contiguous from 0, each non-empty, ending
-    at most at num_tokens, naming other keys of 1 to MAX_KEY_BYTES bytes."""
-    if header.prefix is None:
-        return []
-    at = 0
-    for s in header.prefix:
-        raw = s.key.encode(errors="surrogateescape")
-        if s.start != at or s.end <= s.start or not 0 < len(raw) <= MAX_KEY_BYTES or s.key == key:
-            return [f"header's prefix segment {s.key[:40]!r} [{s.start}, {s.end}) does not continue at position {at} "
-                    f"(expected segments contiguous from 0, non-empty, naming other keys of 1 to {MAX_KEY_BYTES} bytes)"]
-        at = s.end
-    if not header.prefix or at > header.num_tokens:
-        return [f"header's prefix covers positions [0, {at}), expected 1 to {header.num_tokens} (its num_tokens)"]
-    return []
-
-
-def checked_header(key: str, value, meta: StoreMeta) -> SampleHeader:
-    """The header stored under `key`, decoded and checked (`header_problems`), or CorecapError."""
-    header = decode_header(key, value)
-    problems, _ = header_problems(key, header, meta)
-    if problems:
-        raise CorecapError(f"sample {key!r}: {'; '.join(problems)}")
-    return header
-
-
-def stored_size(header: SampleHeader) -> int:
-    """L*(T - n)*H*itemsize(dtype): the decoded size of the states the header's own payload holds
-    (n = 0 unless it refers to other samples for its prefix)."""
-    return len(header.layers) * (header.num_tokens - header.num_prefix) * header.hidden_size * DTYPES[header.dtype].itemsize
-
-
-def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int]:
-    """(the states' decoded size, the most bytes their encoding may take) by the header alone,
-    checked to be consistent before anything is read or allocated (errors name `key`, by default
-    the header's id)."""
-    key = header.id if key is None else key
-    dtype = DTYPES.get(header.dtype)
-    if dtype is None or header.num_tokens < 0 or header.hidden_size <= 0 or len(header.input_ids) != 4 * header.num_tokens:
-        raise CorecapError(
-            f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
-            f"hidden size {header.hidden_size}, {len(header.input_ids)} id bytes)"
-        )
-    problems = prefix_problems(key, header)
-    if problems:
-        raise CorecapError(f"sample {key!r}: {problems[0]}")
-    expected = stored_size(header)
-    if header.payload_bytes != expected:
-        raise CorecapError(f"sample {key!r}: header says {header.payload_bytes} state bytes, expected {expected}")
-    if header.codec == FP8:
-        rows = len(header.layers) * (header.num_tokens - header.num_prefix)
-        return expected, rows * header.hidden_size + 4 * rows
-    if header.codec not in codecs.CODECS:
-        raise CorecapError(f"sample {key!r}: codec {header.codec!r} is not known to this corecap")
-    return expected, codecs.max_encoded_bytes(expected, dtype.itemsize, header.codec)
-
-
-def check_stored(key: str, header: SampleHeader, payload) -> None:
-    """The stored states' integrity without decoding them (what `merge` copies as they are):
-    their size, and the crc32 that covers them (raw and fp8: the header's checksum; zstd-planes:
-    its container's, which covers every byte after the container's head, whose fields are
-    checked against the header)."""
-    expected, most = stored_bytes(header, key)
-    stored = memoryview(payload).cast("B")
-    if header.codec == "zstd-planes":
-        try:
-            codecs.check_planes(stored, header.dtype, expected)
-        except codecs.CodecError as e:
-            raise CorecapError(f"sample {key!r}: {e}") from None
-        return
-    if stored.nbytes != most:  # raw: the states themselves; fp8: values and row scales
-        raise CorecapError(f"sample {key!r}: payload is {stored.nbytes} bytes, expected {most}")
-    if codecs.crc32(stored) != header.checksum:
-        raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-
-
-def decode_states(key: str, header: SampleHeader, payload, out: torch.Tensor | None = None) -> Sample:
-    """The sample `key`, whose (checked: `header_problems`) header is `header`, from its stored
-    states, decoded into `out` (a contiguous tensor of their shape and dtype) or new memory;
-    CorecapError when they do not decode to what the header declares. A header with a prefix
-    gives the states of its own positions [n, T) only (corecap/store/refs.py assembles)."""
-    expected, _ = stored_bytes(header, key)
-    dtype = DTYPES[header.dtype]
-    shape = (len(header.layers), header.num_tokens - header.num_prefix, header.hidden_size)
-    ids = np.frombuffer(header.input_ids, dtype="<i4").copy()
-    try:
-        if header.codec == FP8:
-            check_stored(key, header, payload)
-            return Sample(header, ids, codecs.dequantize_fp8(payload, shape, dtype, out))
-        if header.codec == "raw" and out is None:
-            if memoryview(payload).nbytes != expected:
-                raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
-            raw = payload if not memoryview(payload).readonly else bytearray(payload)  # the reader's own buffer, or a copy
-            crc, states = codecs.crc32(raw), torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
-        else:
-            states = torch.from_numpy(np.empty(expected, np.uint8)) if out is None else out.view(-1).view(torch.uint8)
-            crc = codecs.decode_into(payload, header.dtype, expected, header.codec, states.numpy())
-    except codecs.CodecError as e:
-        raise CorecapError(f"sample {key!r}: {e}") from None
-    except MemoryError:
-        raise CorecapError(f"sample {key!r}: its {expected} bytes of states do not fit in memory") from None
-    if crc != header.checksum:
-        raise CorecapError(f"sample {key!r}: checksum mismatch (stored data is corrupt)")
-    return Sample(header, ids, states.view(dtype).view(shape) if out is None else out)
-
-
-def decode_sample(key: str, header_value, payload, num_layers: int) -> Sample:
-    """A sample from its stored header and states (without a store: `Store.get` also checks the
-    header against the store's metadata)."""
-    header = decode_header(key, header_value)
-    if len(header.layers) != num_layers:
-        raise CorecapError(f"sample {key!r}: header has {len(header.layers)} layers, the store {num_layers}")
-    stored_bytes(header, key)
-    return decode_states(key, header, payload)

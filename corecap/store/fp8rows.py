@@ -1,6 +1,6 @@
 """fp8 quantised where the states are made: on the worker's device, a step at a time.
 
-`--store-dtype fp8` stores `quantize_fp8`'s payload (corecap/store/codec.py): e4m3 values
+`--store-dtype fp8` stores `quantize_fp8`'s payload (corecap/store/fp8.py): e4m3 values
 [L, T, H], then float32 row scales [L, T]. Quantising in the sink cost more CPU per sample than
 zstd-planes, so on the H200's disk-bound 1B shape fewer bytes stored fewer tokens a second
 (docs/benchmarks.md). The workers quantise each step instead (`quantize_fp8_rows`, on the GPU
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from corecap.store.codec import _MAGNITUDES, FP8_MAX, FP8_MIN_SCALE, ITEMSIZE, NonFiniteStates
+from corecap.store.codec import ITEMSIZE
+from corecap.store.fp8 import _MAGNITUDES, FP8_MAX, FP8_MIN_SCALE, NonFiniteStates
 
 ROW_EXTRA = 4  # bytes after a row's H codes: its float32 scale, little-endian
 

@@ -16,7 +16,7 @@ container's, which covers every byte after the container's head), which costs a 
 (~30 GB/s) where decoding would cost ~1 GB/s; `corecap verify` decodes. A damaged record
 refuses the merge with one line naming the input, the key and the field, and OUT is left as it
 was: every record is copied and checked before any of their headers is committed (a new OUT is
-removed again); the headers then go in in batches (`Store.put_all`), owners of references
+removed again); the headers then go in in batches (`put_all`), owners of references
 before the samples that refer to them. A sample stored once (a `prefix` of references,
 corecap/store/refs.py) is copied only if its input satisfies the reference; when the record OUT
 keeps for a referred key is another store's (a duplicate), the segments are resolved again
@@ -31,13 +31,16 @@ import contextlib
 import functools
 import heapq
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import lmdb
 import msgspec
 
 from corecap.errors import CorecapError
-from corecap.store import FORMAT_VERSION, Record, Store, StoreMeta, decode_header, refs
-from corecap.store.format import check_stored, checked_header, encode_header
+from corecap.store import FORMAT_VERSION, Record, Store, StoreMeta, decode_header, refs, segments
+from corecap.store.checks import check_stored, checked_header
+from corecap.store.format import encode_header
 from corecap.store.segments import LOCK_FILE, segment_numbers, segment_path
 from corecap.store.store import key_text, lmdb_errors, prefixed
 
@@ -250,10 +253,67 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
 
         try:
             with out:
-                num_copied, nbytes = out.put_all(entries(), header_of, _BATCH_BYTES)
+                num_copied, nbytes = put_all(out, entries(), header_of, _BATCH_BYTES)
                 num_samples = len(out)
         except BaseException:
             if not out_exists:
                 _remove_new_store(out_path, made_dir)
             raise
     return MergeSummary(out_path, len(inputs), num_copied, num_duplicates, num_samples, nbytes)
+
+
+def put_all(
+    store: Store, entries: Iterable[tuple[str, Callable[[], Record]]], header_of: Callable[[str], bytes],
+    batch_bytes: int = 256 << 20, commit_records: int = 8192,
+) -> tuple[int, int]:
+    """Commit the record `load()` of every (key, load) in `entries` whose key `store` does
+    not hold yet (nor came earlier), all or none as far as a damaged input goes: first every
+    record is loaded (and so checked) and its states are written past the committed end,
+    `batch_bytes` at a time; an error there (a damaged input) cuts them off again and leaves
+    the store as it was. Only then, once the states are durable, the headers (`header_of(key)`
+    reads a key's header again) and pointers are committed, `commit_records` per transaction:
+    one transaction for a million samples would hold gigabytes of dirty pages (LMDB keeps them
+    in memory until the commit). A crash between those commits leaves a store whose committed
+    samples are whole. Returns (records committed, bytes committed)."""
+    with lmdb_errors(store.path, "states_end"), store.env.begin() as txn:
+        committed = store.committed_end(txn) or (0, 0)
+        held = lambda raw: txn.get(raw, db=store.headers_db) is not None  # noqa: E731
+        store.append([])  # the writer, holding the store's lock
+        copied: list[tuple[str, bytes, int]] = []  # (key, pointer, the record's num_prefix), in order
+        taken: set[str] = set()
+        nbytes = 0
+        try:
+            batch: list[Record] = []
+            pending = 0
+            for key, load in entries:
+                if key in taken or held(key.encode()):
+                    continue
+                taken.add(key)
+                batch.append(load())
+                pending += batch[-1].nbytes
+                nbytes += batch[-1].nbytes
+                if pending >= batch_bytes:
+                    copied += zip((r.key for r in batch), store.append(batch).pointers, (r.num_prefix for r in batch))
+                    batch, pending = [], 0
+            copied += zip((r.key for r in batch), store.append(batch).pointers, (r.num_prefix for r in batch))
+            store.writer.sync()  # the states are durable before any pointer to them commits
+        except BaseException:
+            store.writer.cut(committed)
+            raise
+    end = segments.END.pack(*store.writer.end)
+    copied.sort(key=lambda c: c[2])  # an owner's prefix is shorter than its referrers' (refs.py): it commits first
+    for i in range(0, len(copied), commit_records):
+        while True:
+            try:
+                batch = copied[i : i + commit_records]
+                with lmdb_errors(store.path, "the merged headers"), store.env.begin(write=True) as txn:
+                    meta = store._refer(txn, batch[-1][2] > 0)  # sorted: the last has the longest prefix
+                    for key, pointer, _ in batch:
+                        txn.put(key.encode(), header_of(key), db=store.headers_db)
+                        txn.put(key.encode(), pointer, db=store.samples_db)
+                    txn.put(b"states_end", end, db=store.meta_db)
+                store.meta = meta
+                break
+            except lmdb.MapFullError:
+                store.env.set_mapsize(2 * store.env.info()["map_size"])
+    return len(copied), nbytes

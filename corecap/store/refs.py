@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
-from corecap.store.format import DTYPES, Sample, SampleHeader, Segment, decode_header, decode_states, header_problems
+from corecap.store.checks import header_problems
+from corecap.store.decode import decode_states
+from corecap.store.format import DTYPES, Sample, SampleHeader, Segment, decode_header
 
 
 def layout(key: str, prefix, num_prefix: int, num_tokens: int) -> tuple[Segment, ...]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import lmdb
@@ -23,9 +22,11 @@ import msgspec
 
 from corecap.errors import CorecapError
 from corecap.store import refs, segments
+from corecap.store.checks import checked_header, stored_bytes
+from corecap.store.decode import decode_states
 from corecap.store.format import (
-    DTYPES, MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, checked_header, decode_header,
-    decode_meta, decode_states, prompt_fingerprint, stored_bytes,
+    DTYPES, MAX_KEY_BYTES, REFERENCE_VERSION, Record, Sample, SampleHeader, StoreMeta, decode_header, decode_meta,
+    prompt_fingerprint,
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
@@ -165,7 +166,7 @@ class Store:
         """The sample `key`, every field of its records checked before its states are read
         (docs/store.md, "What readers check"); CorecapError naming the store, the key and the
         field when anything is wrong. `alloc(shape, dtype)`, when given, returns the contiguous
-        tensor the states are decoded into (corecap/store/shared.py's pool)."""
+        tensor the states are decoded into (corecap/dataset/pool.py's pool)."""
         raw_key = self._key(key)
         with lmdb_errors(self.path, f"sample {key!r}"), self.env.begin(buffers=True) as txn:
             header_value = txn.get(raw_key, db=self.headers_db)
@@ -203,7 +204,7 @@ class Store:
 
     def states(self, key: str, header: SampleHeader, value, end: tuple[int, int] | None):
         """A sample's encoded states from its `samples` value (read inside the same txn as `end`,
-        `committed_end`), at most as many bytes as its header allows (`format.stored_bytes`)."""
+        `committed_end`), at most as many bytes as its header allows (`checks.stored_bytes`)."""
         _, most = prefixed(self.path, stored_bytes, header, key)
         try:
             return self.reader.read(value, most, end)
@@ -269,62 +270,6 @@ class Store:
         meta = msgspec.structs.replace(self.meta, format_version=REFERENCE_VERSION)
         txn.put(b"store", msgspec.json.encode(meta), db=self.meta_db)
         return meta
-
-    def put_all(
-        self, entries: Iterable[tuple[str, Callable[[], Record]]], header_of: Callable[[str], bytes],
-        batch_bytes: int = 256 << 20, commit_records: int = 8192,
-    ) -> tuple[int, int]:
-        """Commit the record `load()` of every (key, load) in `entries` whose key the store does
-        not hold yet (nor came earlier), all or none as far as a damaged input goes: first every
-        record is loaded (and so checked) and its states are written past the committed end,
-        `batch_bytes` at a time; an error there (a damaged input) cuts them off again and leaves
-        the store as it was. Only then, once the states are durable, the headers (`header_of(key)`
-        reads a key's header again) and pointers are committed, `commit_records` per transaction:
-        one transaction for a million samples would hold gigabytes of dirty pages (LMDB keeps them
-        in memory until the commit). A crash between those commits leaves a store whose committed
-        samples are whole. Returns (records committed, bytes committed)."""
-        with lmdb_errors(self.path, "states_end"), self.env.begin() as txn:
-            committed = self.committed_end(txn) or (0, 0)
-            held = lambda raw: txn.get(raw, db=self.headers_db) is not None  # noqa: E731
-            self.append([])  # the writer, holding the store's lock
-            copied: list[tuple[str, bytes, int]] = []  # (key, pointer, the record's num_prefix), in order
-            taken: set[str] = set()
-            nbytes = 0
-            try:
-                batch: list[Record] = []
-                pending = 0
-                for key, load in entries:
-                    if key in taken or held(key.encode()):
-                        continue
-                    taken.add(key)
-                    batch.append(load())
-                    pending += batch[-1].nbytes
-                    nbytes += batch[-1].nbytes
-                    if pending >= batch_bytes:
-                        copied += zip((r.key for r in batch), self.append(batch).pointers, (r.num_prefix for r in batch))
-                        batch, pending = [], 0
-                copied += zip((r.key for r in batch), self.append(batch).pointers, (r.num_prefix for r in batch))
-                self.writer.sync()  # the states are durable before any pointer to them commits
-            except BaseException:
-                self.writer.cut(committed)
-                raise
-        end = segments.END.pack(*self.writer.end)
-        copied.sort(key=lambda c: c[2])  # an owner's prefix is shorter than its referrers' (refs.py): it commits first
-        for i in range(0, len(copied), commit_records):
-            while True:
-                try:
-                    batch = copied[i : i + commit_records]
-                    with lmdb_errors(self.path, "the merged headers"), self.env.begin(write=True) as txn:
-                        meta = self._refer(txn, batch[-1][2] > 0)  # sorted: the last has the longest prefix
-                        for key, pointer, _ in batch:
-                            txn.put(key.encode(), header_of(key), db=self.headers_db)
-                            txn.put(key.encode(), pointer, db=self.samples_db)
-                        txn.put(b"states_end", end, db=self.meta_db)
-                    self.meta = meta
-                    break
-                except lmdb.MapFullError:
-                    self.env.set_mapsize(2 * self.env.info()["map_size"])
-        return len(copied), nbytes
 
     def put_many(self, records: list[Record]) -> int:
         """Commit whole records durably (append, then commit); returns the bytes committed."""

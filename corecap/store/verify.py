@@ -35,7 +35,9 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import Store, decode_header, refs, segments
-from corecap.store.format import SampleHeader, decode_states, header_problems
+from corecap.store.checks import header_problems
+from corecap.store.decode import decode_states
+from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, lmdb_errors, lmdb_message, prefixed
 
 

@@ -145,7 +145,7 @@ def read_export(path: str, line: dict, reference: dict):
     its sample's ids and states ([T, L, H], the stored layers in order)."""
     from safetensors.torch import load_file
 
-    from corecap.store.export import MANIFEST, export_store
+    from corecap.export.driver import MANIFEST, export_store
 
     out = os.path.join(line["scratch"], "export")
     for leftover in (out, out + ".partial"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import textwrap
 
-from corecap._vllm.source import Source
+from corecap._vllm.vllm_source import Source
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from corecap.config import DEFAULT_CODEC
-from corecap.store import codec
+from corecap.store import codec, fp8
 from tools.bench.codec_states import dummy_states, real_states, synthetic_states
 from tools.common.child import command_line
 
@@ -152,8 +152,8 @@ def bench_codec(samples: list[np.ndarray], dtype: str, tested, pools: dict, repe
 def fp8_report(states: torch.Tensor, repeat: int) -> dict:
     """fp8 error per layer: per-element |err| / row absmax (mean, p99, max) and per-row
     relative L2 error ||x_hat - x|| / ||x|| (mean, p99, max); zero rows are left out of L2."""
-    payload = codec.quantize_fp8(states)
-    restored = codec.dequantize_fp8(payload, tuple(states.shape), torch.float32)
+    payload = fp8.quantize_fp8(states)
+    restored = fp8.dequantize_fp8(payload, tuple(states.shape), torch.float32)
     x = states.to(torch.float32)
     layers = []
     for i in range(x.shape[0]):
@@ -173,8 +173,8 @@ def fp8_report(states: torch.Tensor, repeat: int) -> dict:
             }
         )
     nbytes = states.numel() * states.element_size()
-    t_q = _timed(codec.quantize_fp8, ([states],), None, repeat)
-    t_d = _timed(codec.dequantize_fp8, ([payload], [tuple(states.shape)], [states.dtype]), None, repeat)
+    t_q = _timed(fp8.quantize_fp8, ([states],), None, repeat)
+    t_d = _timed(fp8.dequantize_fp8, ([payload], [tuple(states.shape)], [states.dtype]), None, repeat)
     return {
         "ratio": nbytes / len(payload),
         "quantize_mb_s": nbytes / t_q / 1e6,

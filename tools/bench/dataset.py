@@ -27,7 +27,7 @@ import torch.utils.data
 
 import corecap
 from corecap.store import Store, decode_header, decode_sample
-from corecap.store.export import export_store
+from corecap.export.driver import export_store
 from tools.common.stores import build_store
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from corecap.store import Store, decode_header
-from corecap.store import layouts
+from corecap.export import formats as layouts
 from corecap.store.codec import DTYPES
 from tools.common.child import child_env
 from tools.common.disk import dd_rate
@@ -77,7 +77,8 @@ def _gather(layout, sample, positions) -> None:
 
 _CHILD = """
 import json, resource, sys, threading, time
-from corecap.store import export, layouts, store
+from corecap.export import driver as export, formats as layouts
+from corecap.store import store
 
 spent = {}  # stage -> seconds summed over the threads that ran it
 lock = threading.Lock()

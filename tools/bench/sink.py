@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from corecap.sink import process as sink
-from corecap.store import codec
+from corecap.store import codec, fp8
 from corecap.transport import wire
 from corecap.sink.collect import BufferPool, Collector
 from corecap.store import FP8, encode_sample
@@ -138,11 +138,11 @@ def bench_fp8(repeat: int) -> None:
         x[..., :1] *= 300  # an outlier channel, as in real residual streams
         ids = np.arange(shape[1], dtype=np.int32)
         writer = types.SimpleNamespace(layers=LAYER_IDS, codec=FP8, nonfinite="stop", flagged=[])
-        payload = codec.quantize_fp8(x)
+        payload = fp8.quantize_fp8(x)
         runs = {
-            "quantize": lambda: codec.quantize_fp8(x),
+            "quantize": lambda: fp8.quantize_fp8(x),
             "writer encode": lambda: Writer._encode_checked(writer, "k", ids, x, None, None),
-            "dequantize": lambda: codec.dequantize_fp8(payload, shape, torch.bfloat16),
+            "dequantize": lambda: fp8.dequantize_fp8(payload, shape, torch.bfloat16),
         }
         for name, fn in runs.items():
             # this thread's CPU time too: on a shared machine the wall clock counts other work

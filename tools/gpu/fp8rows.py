@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from corecap.store.codec import quantize_fp8
+from corecap.store.fp8 import quantize_fp8
 from corecap.store.fp8rows import fp8_payload, quantize_fp8_rows
 
 

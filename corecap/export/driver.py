@@ -3,9 +3,10 @@
     corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
     corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
 
-(The samples as text, without states, `--format jsonl`, are corecap/store/jsonl.py's.)
+(The samples as text, without states, `--format jsonl`, are corecap/export/jsonl.py's.)
 
-The layouts are in corecap/store/layouts.py and docs/export.md. Everything is checked before
+The layouts are in corecap/export/speculators.py, corecap/export/specforge.py (the formats
+by name: corecap/export/formats.py) and docs/export.md. Everything is checked before
 anything is written: a store that lacks what the format needs (speculators: the `prenorm` layer;
 SpecForge: layer N and exactly three aux layers) or an unknown key is refused in one line that
 names what is missing and the `corecap run --layers` that would capture it.
@@ -40,13 +41,15 @@ import numpy as np
 
 from corecap import __version__
 from corecap.errors import CorecapError
+from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
+from corecap.export.formats import LAYOUTS
+from corecap.export.layers import describe_layer
+from corecap.export.plan import ExportPlan, plan_export
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.codec import DTYPES
-from corecap.store.format import checked_header
-from corecap.store.layouts import LAYOUTS, TMP_SUFFIX, commit_file, fsync_dir
+from corecap.store.checks import checked_header
 from corecap.store.store import key_text, prefixed
-from corecap.store.trainers import ExportPlan, describe_layer, plan_export
 
 EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over
 MANIFEST = "corecap_manifest.jsonl"

@@ -9,7 +9,7 @@ corecap/store/refs.py), else from the producer's own buffer, which stays as it i
 producer is handed on. So the cache copies nothing and holds no states of its own: an entry
 shows its producer's block (a view) only while the producer is pending (`release`).
 
-Who decides what is kept: the driver (corecap/_vllm/prefix.py). Both sides apply one rule to the
+Who decides what is kept: the driver (corecap/_vllm/prefix_tracker.py). Both sides apply one rule to the
 same steps: a block is *produced* when a step computes its last position (`completed_blocks`;
 that is when vLLM caches it). The driver counts productions per hash, for at most
 `--prefix-blocks` hashes, dropping the least recently used, evicting them from vLLM's prefix

@@ -1,5 +1,6 @@
-"""The trainers' offline layouts that `corecap export` writes, one sample file at a time
-(corecap/store/export.py walks the store; docs/export.md has literal examples).
+"""speculators' offline layout (`corecap export --format speculators`), written one sample file at
+a time (corecap/export/driver.py walks the store; docs/export.md has literal examples), and what
+it needs from a store.
 
 speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
     DIR/                      a HF `datasets` directory (`save_to_disk` after `set_format("torch")`):
@@ -9,71 +10,23 @@ speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
                               hidden_states [T, L, H]: the aux layers ascending, then the verifier's
                               last state BEFORE its final norm (speculators applies the norm itself);
                               token_ids [T] int64 (speculators checks them against input_ids)
-SpecForge 0.2.0 (`specforge.runtime.data_plane.offline_reader.OfflineManifestReader`):
-    DIR/rows_{a:08d}-{b:08d}/data_{row:08d}.ckpt
-                              torch.save of {input_ids [T] int64, loss_mask [T] int64,
-                              aux_hidden_state [1, T, 3H] (three aux layers concatenated, ascending),
-                              hidden_state [1, T, H] AFTER the final norm}. SpecForge finds the files
-                              by suffix and sorts their paths as strings: zero-padded numbers keep
-                              that order the row order.
-Every file is unshifted (row t holds token t's states): both trainers shift themselves.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 
 import numpy as np
 import torch
 
+from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
+from corecap.export.files import scratch_tensor
+from corecap.export.layers import run_flag
+from corecap.store.format import StoreMeta
 
-TMP_SUFFIX = ".corecap-tmp"  # a file being written; renamed when complete, so existence = complete
-FILE_GROUP = 2000  # SpecForge files per directory, as SpecForge's own prepare_hidden_states groups them
 _TABLE_DIR = ".rows"  # the speculators table while rows are added (save_to_disk copies it into DIR)
 _TABLE_BATCH = 1024
-
-
-def commit_file(tmp: str, path: str) -> int:
-    """fsync the finished temporary file and rename it to `path`: a file that exists is complete
-    and durable. Returns its size. (Apart from the writing so that a worker thread goes on
-    decoding while another waits for the disk.)"""
-    fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    return size
-
-
-_scratch = threading.local()
-
-
-def scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype, slot: int) -> torch.Tensor:
-    """A tensor of exactly `shape` over this thread's reused buffer number `slot`. A fresh 64 MiB
-    tensor costs more in page faults than copying a sample into it (50-150 ms against 10-15 ms
-    here), and glibc maps every allocation that large anew. The tensor's storage is exactly its
-    own bytes, so torch.save writes no more than them; it is valid until the slot is reused."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(slot)
-    if buffer is None or len(buffer) < nbytes:
-        buffer = buffers[slot] = bytearray(nbytes + nbytes // 4)  # room for somewhat longer samples
-    return torch.frombuffer(memoryview(buffer)[:nbytes], dtype=dtype).view(shape)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Speculators:
@@ -176,63 +129,46 @@ class Speculators:
         ids = np.flatnonzero(self._freq)
         torch.save(dict(zip(ids.tolist(), self._freq[ids].tolist())), os.path.join(self.root, "token_freq.pt"))
 
+    # --- the plan: what speculators needs from a store (corecap/export/plan.py asks) ---
+
+    @staticmethod
+    def final_layer(meta: StoreMeta, path: str) -> Layer:
+        """The verifier's state: corecap's "prenorm" (vLLM's id N, before the final norm)."""
+        stored = tuple(meta.layers)
+        if PRENORM not in stored:
+            ints = [k for k in stored if k != PRENORM]
+            raise CorecapError(
+                f"{path}: --format speculators needs the '{PRENORM}' layer (the last decoder layer's output before the "
+                f"final norm, which speculators applies itself); the store has layers {list(stored)}: capture it with "
+                f"`{run_flag(ints + [PRENORM])}`"
+            )
+        return PRENORM
+
+    @staticmethod
+    def check_aux(aux: tuple[int, ...], meta: StoreMeta, path: str) -> None:
+        if not aux:
+            num_layers, stored = meta.model.num_layers, tuple(meta.layers)
+            raise CorecapError(
+                f"{path}: --format speculators needs at least one aux layer besides {PRENORM}; the store has {list(stored)}: "
+                f"capture some with `{run_flag([2, num_layers // 2, num_layers - 3, PRENORM])}`"
+            )
+
+    @staticmethod
+    def auto_dtype(meta: StoreMeta) -> tuple[str, str]:
+        """(--dtype auto's choice, why)."""
+        return meta.dtype, "the stored dtype; speculators casts to its --hidden-states-dtype, bfloat16 by default"
+
+    @staticmethod
+    def dtype_note(dtype: str) -> str | None:
+        return None
+
+    @staticmethod
+    def draft_config(aux_layers: tuple[int, ...]) -> dict:
+        """The layer ids its draft config names (docs/export.md, "Layer indices")."""
+        return {"target_layer_ids": list(aux_layers)}  # vLLM's ids are HF's indices
+
 
 def _table_schema():
     import pyarrow as pa
 
     return pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
-
-
-class SpecForge:
-    """rows_{a}-{b}/data_{row}.ckpt per sample; no table (SpecForge lists the files)."""
-
-    name = "specforge"
-
-    def __init__(self, root: str):
-        self.root = root
-        self.num_rows = 0
-        self._made: set[str] = set()
-
-    @staticmethod
-    def check_available() -> None:
-        pass
-
-    def begin(self) -> None:
-        pass
-
-    def path(self, row: int) -> str:
-        first = row // FILE_GROUP * FILE_GROUP
-        return os.path.join(f"rows_{first:08d}-{first + FILE_GROUP:08d}", f"data_{row:08d}.ckpt")
-
-    def dirs(self) -> list[str]:
-        return sorted(os.path.join(self.root, d) for d in self._made)
-
-    def write(self, tmp: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> None:
-        *aux, final = positions
-        num_tokens, hidden = states.shape[1], states.shape[2]
-        aux_state = scratch_tensor((1, num_tokens, len(aux) * hidden), dtype, 0)
-        for j, p in enumerate(aux):
-            aux_state[0, :, j * hidden : (j + 1) * hidden].copy_(states[p])
-        # A tensor of its own, not a view of the states: torch.save stores a view's whole storage.
-        hidden_state = scratch_tensor((1, num_tokens, hidden), dtype, 1)
-        hidden_state[0].copy_(states[final])
-        record = {
-            "input_ids": torch.from_numpy(ids.astype(np.int64)),
-            "loss_mask": torch.from_numpy(mask.astype(np.int64)),
-            "aux_hidden_state": aux_state,
-            "hidden_state": hidden_state,
-        }
-        torch.save(record, tmp)
-
-    def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        directory = os.path.dirname(self.path(self.num_rows))
-        if directory not in self._made:
-            os.makedirs(os.path.join(self.root, directory), exist_ok=True)
-            self._made.add(directory)
-        self.num_rows += 1
-
-    def finish(self) -> None:
-        pass
-
-
-LAYOUTS = {"speculators": Speculators, "specforge": SpecForge}

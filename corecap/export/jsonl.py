@@ -1,6 +1,6 @@
 """`corecap export --format jsonl`: a store's samples as text, one JSON object per line, so that
 regenerated data (`corecap run --max-tokens`) can be read, filtered and shared. No hidden states:
-the trainers' layouts (corecap/store/export.py) carry those.
+the trainers' layouts (corecap/export/driver.py) carry those.
 
     corecap export --store out.lmdb --format jsonl --out samples.jsonl [--keys FILE] [--tokenizer DIR]
 
@@ -33,11 +33,12 @@ import lmdb
 import numpy as np
 
 from corecap.errors import CorecapError
+from corecap.export.driver import select_keys
+from corecap.export.files import fsync_dir
 from corecap.progress import Progress
 from corecap.store import Store
-from corecap.store.export import select_keys
-from corecap.store.format import SampleHeader, checked_header
-from corecap.store.layouts import fsync_dir
+from corecap.store.checks import checked_header
+from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, prefixed
 
 

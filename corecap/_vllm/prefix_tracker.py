@@ -1,5 +1,5 @@
 """vLLM's prefix caching, kept exact for the capture: the driver's half (the sink's half, and
-why the two agree, is corecap/sink/prefix.py).
+why the two agree, is corecap/sink/prefix_cache.py).
 
 After every `schedule()` (`Engine._fill`) the tracker reads, for each newly scheduled request,
 how many of its positions vLLM took from its prefix cache (`NewRequestData.num_computed_tokens`,
@@ -12,7 +12,7 @@ use stays allocated to its request, it only stops being a cache hit). Both happe
 `schedule()` calls, so no later hit can name a block the sink has forgotten. vLLM evicting a
 block on its own needs no message: the sink forgets it when the bound drops it. The bound is,
 unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached: the
-sink keeps no states of its own for a hash (corecap/sink/prefix.py), only who produced it.
+sink keeps no states of its own for a hash (corecap/sink/prefix_cache.py), only who produced it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from corecap.errors import CorecapError
-from corecap.sink.prefix import completed_blocks
+from corecap.sink.prefix_cache import completed_blocks
 
 
 def block_size(vllm_config) -> int:

@@ -28,7 +28,7 @@ as `corecap export` gives it. Only a generated sample's item has `num_prompt` an
 `item.get("finish_reason")`.
 
 In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
-trainer is done with an item (corecap/store/shared.py): torch's pickler would otherwise copy every
+trainer is done with an item (corecap/dataset/pool.py): torch's pickler would otherwise copy every
 item into new shared memory, which cost as much as decoding it. What the trainer gets is a plain
 tensor either way; `reuse_shared_memory=False` turns the pool off.
 """
@@ -43,7 +43,7 @@ import torch.utils.data
 
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
-from corecap.store import shared
+from corecap.dataset import pool
 from corecap.store.store import Store
 
 
@@ -80,7 +80,7 @@ class StoreDataset(torch.utils.data.Dataset):
             if not -len(self.keys) <= index < len(self.keys):
                 raise IndexError(f"index {index} is out of range for {len(self.keys)} samples")
             key = self.keys[index]
-        alloc = shared.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
+        alloc = pool.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
         with Store.open(self.path) as store:
             sample = store.get(key, alloc if self._positions is None else None)
         states = sample.hidden_states

@@ -1,0 +1,28 @@
+"""How each trainer names a layer (docs/export.md, "Layer indices"), and the `corecap run --layers`
+that would capture what a store lacks.
+
+HF index k (corecap's layers) is vLLM's and speculators' aux id k, and SpecForge's (SGLang's) id
+k - 1; speculators' verifier state is corecap's "prenorm" (vLLM's id N, before the final norm),
+SpecForge's hidden_state is HF's hidden_states[N] (after it).
+"""
+
+from __future__ import annotations
+
+from corecap.config import PRENORM, Layer, layer_order
+
+
+def run_flag(layers) -> str:
+    return "corecap run --layers " + ",".join(str(k) for k in sorted(set(layers), key=layer_order))
+
+
+def describe_layer(layer: Layer, aux: bool, num_layers: int) -> dict:
+    """One exported layer in every convention (docs/export.md, "Layer indices")."""
+    if layer == PRENORM:
+        return {"layer": PRENORM, "role": "final", "meaning": f"output of decoder layer {num_layers} before the final norm",
+                "vllm_id": num_layers, "specforge_id": None}
+    if not aux:
+        return {"layer": layer, "role": "final", "meaning": f"HF hidden_states[{layer}]: after the final norm",
+                "vllm_id": None, "specforge_id": None}
+    meaning = "the token embeddings" if layer == 0 else f"output of decoder layer {layer}"
+    return {"layer": layer, "role": "aux", "meaning": f"HF hidden_states[{layer}]: {meaning}",
+            "vllm_id": layer, "specforge_id": layer - 1 if layer >= 1 else None}

@@ -1,0 +1,70 @@
+"""What `corecap export` writes, decided before it writes anything (docs/export.md): the layers
+and dtype of the export, or a one-line refusal saying what the store lacks for the format. What
+each trainer needs is its own module's (corecap/export/formats.py lists them); this is the part
+they share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corecap.config import PRENORM, Layer, parse_layers
+from corecap.errors import CorecapError
+from corecap.export.formats import FORMATS, LAYOUTS
+from corecap.export.layers import run_flag
+from corecap.store.codec import DTYPES
+from corecap.store.format import FP8, StoreMeta
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    fmt: str
+    aux_layers: tuple[int, ...]
+    final_layer: Layer  # speculators: PRENORM; SpecForge: N
+    positions: tuple[int, ...]  # indices into the stored layers: the aux layers, then the final one
+    dtype: str
+    notes: tuple[str, ...]  # what the user should know (dtype, lossy fp8)
+
+    def draft_config(self) -> dict:
+        """The layer ids each trainer's draft config names (docs/export.md, "Layer indices")."""
+        return LAYOUTS[self.fmt].draft_config(self.aux_layers)
+
+
+def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = None, dtype: str = "auto") -> ExportPlan:
+    """What the export writes, or a CorecapError saying what the store lacks for `fmt`."""
+    if fmt not in FORMATS:
+        raise CorecapError(f"--format {fmt!r}: expected one of {list(FORMATS)}")
+    if dtype not in DTYPE_CHOICES:
+        raise CorecapError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
+    layout = LAYOUTS[fmt]
+    num_layers, stored = meta.model.num_layers, tuple(meta.layers)
+    ints = [k for k in stored if k != PRENORM]
+    final = layout.final_layer(meta, path)
+    if aux_layers is None:
+        aux = tuple(k for k in ints if k != num_layers)
+    else:
+        aux = parse_layers(aux_layers)
+        if len(set(aux)) != len(aux) or PRENORM in aux:
+            raise CorecapError(f"--aux-layers {aux_layers!r}: expected distinct HF indices (the final state is added by the format)")
+        missing = [k for k in aux if k not in stored]
+        if missing:
+            raise CorecapError(
+                f"--aux-layers {aux_layers!r}: the store has no layer {missing[0]} (it has {list(stored)}): capture it with "
+                f"`{run_flag(list(stored) + list(missing))}`"
+            )
+        aux = tuple(sorted(aux))
+    layout.check_aux(aux, meta, path)
+    notes = []
+    if dtype == "auto":
+        dtype, why = layout.auto_dtype(meta)
+        notes.append(f"hidden states exported in {dtype} ({why}; --dtype to choose)")
+    elif (note := layout.dtype_note(dtype)) is not None:
+        notes.append(note)
+    if DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
+        notes.append(f"warning: hidden states rounded from the stored {meta.dtype} to {dtype}")
+    if meta.codec == FP8:
+        notes.append(f"warning: the store holds lossy fp8 states ({FP8}): exported dequantized, not the captured values")
+    positions = tuple(stored.index(k) for k in aux + (final,))
+    return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))
