@@ -201,12 +201,12 @@ class _Capture:
     def run(self) -> Done:
         """Capture every sample still to do; on any failure or stop, commit what is complete,
         shut everything down and raise one CorecapError saying how many samples were kept."""
-        from corecap._vllm import nodes, prefix
+        from corecap._vllm import nodes, prefix_tracker
         from corecap._vllm.engine import output_rank
 
         cfg = self.cfg
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
-        block_size = prefix.block_size(self.plan.vllm_config)
+        block_size = prefix_tracker.block_size(self.plan.vllm_config)
         sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, sink_encode_threads(cfg), cfg.buffer_bytes, tcp, block_size)
         record = shm.ShmRecord()
         try:
