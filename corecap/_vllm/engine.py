@@ -20,8 +20,8 @@ from corecap.config import Layer
 from corecap._vllm import prefix_tracker
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
-# steps to the pace of vLLM's own loop; one (strictly a step at a time) was 2-3% slower there
-# (docs/benchmarks.md, calls 8-11, `corecap-serial`).
+# steps to the pace of vLLM's own loop; one (strictly a step at a time) was slower there
+# (docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)", `corecap-serial`).
 STEPS_IN_FLIGHT = 2
 _DEAD_WORKER_GRACE_S = 10  # how long a failed step waits for vLLM's monitor to name a dead worker
 

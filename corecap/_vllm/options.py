@@ -249,7 +249,8 @@ def _use_override(vllm_config, target: str) -> None:
     """Have vLLM build corecap's subclass (corecap/_vllm/models.py) for this architecture, in
     every process that resolves it (the workers register it from the config they are given).
     Set on the built configuration rather than by building it again: a new override class is
-    inspected by vLLM in a subprocess first, 12-14 s per architecture on a loaded 2-core CPU."""
+    inspected by vLLM in a subprocess first, seconds per architecture (docs/benchmarks.md,
+    'Figures that docstrings used to quote')."""
     model_config = vllm_config.model_config
     model_config.model_class_overrides = {**model_config.model_class_overrides, model_config.architecture: target}
     # The preflight's answer (vLLM's own class) sits in vLLM's resolver cache, whose key does not

@@ -2,7 +2,8 @@
 
 Every tensor a DataLoader worker returns goes through torch's pickler, which copies it into new
 shared memory (`UntypedStorage._share_fd_cpu_`) unless it is there already. For an EAGLE-3-sized
-sample (67 MB) that copy cost about what decoding it did (49 ms against 51 here, one thread), most
+sample (67 MB) that copy cost about what decoding it did (one thread; measured: docs/benchmarks.md,
+'Figures that docstrings used to quote'), most
 of it the first touch of the new pages (shared memory gets no huge pages by default: 4 KiB a
 fault). So `StoreDataset`, in a worker, decodes into a slot of this pool instead: a memfd the
 worker keeps mapped, its pages already in place after the first item, which the pickler sends to

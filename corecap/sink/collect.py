@@ -83,11 +83,11 @@ class BufferPool:
     """Host buffers for reassembled samples, reused once their sample is committed.
 
     A fresh buffer per sample is, above glibc's mmap threshold (32 MiB at most), a fresh mapping:
-    every page faults and is zeroed on first touch. Reassembling one 16,384-token step (4 layers
-    x 4,096 x bf16, 16 samples of 32 MiB) took 240-249 ms into fresh buffers and 47-50 ms into
-    reused ones on one copy thread (2-core machine, tools/bench_sink.py). On the H200 host it took
-    120-220 ms into fresh buffers and still 94-228 ms with this pool (docs/benchmarks.md, calls
-    8-11), with torch's default threads in the sink: there something else dominated.
+    every page faults and is zeroed on first touch, so reassembling a step into fresh buffers
+    was several times slower than into reused ones on a 2-core machine. On the H200 host, with
+    torch's default threads in the sink, the pool gained little: there something else dominated
+    (measured: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)" and
+    'Figures that docstrings used to quote').
     Sizes are rounded up to classes at most 25% apart; at most `max_free_bytes` are kept free.
     `take` runs on the collector thread, `give` on the writer's commit thread."""
 
@@ -134,8 +134,9 @@ class Collector:
 
     A chunk's copies (one per segment and layer, each a contiguous run) go to `copy_threads`
     threads: the sink runs torch single-threaded (sink.py), so this is where the copy of a
-    537 MB step gets more than one core (2-core machine: 47-50 ms on one thread, 37-40 ms on
-    two; tools/bench_sink.py). Samples are handed on once every copy of the chunk is done."""
+    step gets more than one core (two threads beat one even on a 2-core machine; measured:
+    docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)"). Samples are
+    handed on once every copy of the chunk is done."""
 
     def __init__(
         self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None,

@@ -48,8 +48,9 @@ class NonFiniteError(CorecapError):
 def all_finite(states: torch.Tensor) -> bool:
     """Whether no element is NaN or ±Inf. A sum is non-finite whenever an element is (NaN and Inf
     propagate through IEEE additions), and a finite sum settles it in one read of the states,
-    without isfinite's mask: 1.1-1.3 / 2.7-3.3 ms against 79-82 / 89-93 ms (bf16 / float32,
-    4 x 1,024 x 4,096, one thread; tools/bench_sink.py). Only a sum that overflowed is checked
+    without isfinite's mask, which is many times slower (measured: `python -m tools.bench.sink
+    --only check`; docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)").
+    Only a sum that overflowed is checked
     element by element, which float16's small range makes likelier (then as slow as before)."""
     if not states.is_floating_point():
         return True

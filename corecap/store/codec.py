@@ -24,7 +24,7 @@ against the buffer's own.
 Thread safety: all functions may be called from several threads at once. zstd contexts are not
 thread-safe, so each thread keeps its own compressor and decompressors (threading.local);
 zstandard, crc32 and the numpy plane copies release the GIL, so a thread pool over samples
-scales with free cores (1.6-1.9x on 2 threads of a shared 2-core machine, docs/codec.md).
+scales with free cores (measured: docs/codec.md; docs/benchmarks.md, 'Figures that docstrings used to quote').
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
-try:  # the same CRC-32 as zlib's, with SIMD: 0.9 ms for 32 MiB against zlib's 8.0 here
+try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, 'Figures that docstrings used to quote')
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
     from zlib import crc32
@@ -57,11 +57,13 @@ _ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
     strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7
 )
 # A large plane is first tried on one probe slice: mantissa planes are noise, and not running
-# zstd over them saves 15-25% of the encode time on bf16 (docs/codec.md).
+# zstd over them saves a share of the encode time on bf16 (measured: docs/codec.md, and the table
+# 'Figures that docstrings used to quote' in docs/benchmarks.md).
 _PROBE_BYTES = 1 << 17
 _PROBE_MIN_SAVING = 0.03
 # decode_into joins planes this many values at a time: small enough that the decompressed slices
-# stay in L2, large enough to keep per-slice overhead small (64 KiB-1 MiB measured alike here).
+# stay in L2, large enough to keep per-slice overhead small (a range of sizes measured alike:
+# docs/benchmarks.md, 'Figures that docstrings used to quote').
 _JOIN_BYTES = 1 << 17
 
 _local = threading.local()
@@ -131,9 +133,9 @@ def encode_parts(raw, dtype: str, codec: str) -> list:
 
 def _split_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
     """[itemsize, n]: row k is byte k of every (little-endian) element. For 2-byte elements, a
-    narrowing cast and a shift of the elements as words: 8.0 ms for a 32 MiB bf16 sample here,
-    against 13.1 for the strided copy of a transpose, which stays for 4-byte elements (25.7 ms,
-    the shifts 29.8)."""
+    narrowing cast and a shift of the elements as words, faster than the strided copy of a
+    transpose, which stays for 4-byte elements, where the shifts were slower (measured:
+    docs/benchmarks.md, 'Figures that docstrings used to quote')."""
     if itemsize != 2:
         return np.ascontiguousarray(data.reshape(-1, itemsize).T)
     words = data.view("<u2")
@@ -179,8 +181,8 @@ def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> in
     """`decode` into `out` (a writable uint8 array of `nbytes`), returning the crc32 of the
     decoded bytes. zstd-planes planes are decompressed and joined a slice at a time, so the
     decompressed slices stay in cache and `out` is written once: into memory already touched,
-    about 0.7x the time of a `decode` into fresh memory and its crc32 (67 MB of bf16 here:
-    docs/benchmarks.md, "StoreDataset's shared-memory pool")."""
+    faster than a `decode` into fresh memory and its crc32 (measured: docs/benchmarks.md,
+    "StoreDataset's shared-memory pool", and 'Figures that docstrings used to quote')."""
     itemsize = _declared(nbytes, dtype, codec)
     if out.dtype != np.uint8 or out.nbytes != nbytes or not out.flags.c_contiguous:
         raise ValueError(f"codec {codec!r}: out must be {nbytes} contiguous uint8 bytes, got {out.dtype} {out.shape}")
@@ -195,7 +197,7 @@ def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> in
     columns, crc = out.reshape(-1, itemsize), 0
     for start, part in zip(range(0, plane_bytes, _JOIN_BYTES), zip(*slices)):
         rows = columns[start : start + len(part[0])]
-        if itemsize == 2:  # word shifts: 2.5x faster than a strided byte copy per plane
+        if itemsize == 2:  # word shifts: faster than a strided byte copy per plane (see _split_planes)
             words = rows.view("<u2").reshape(-1)
             np.left_shift(part[1], 8, out=words, dtype=np.uint16)
             np.bitwise_or(words, part[0], out=words)

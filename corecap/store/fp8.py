@@ -9,7 +9,8 @@ so no scaled error exceeds 16 = 448/28. Before rounding to the output dtype, eve
     |x_hat - x| <= max(2^-4 |x|, 2^-10 s)     and     |x_hat - x| <= absmax(row) / 28  (~0.036)
 (the second for rows with absmax >= 448 * 2^-126 ~ 5e-36; tinier rows use the floor scale and
 are off by at most 16 * 2^-126).
-Measured on real activations: max 0.0357 of absmax, row-relative L2 error about 2.5% (docs/codec.md).
+On real activations the largest error sits at the second bound (measured: docs/codec.md; docs/benchmarks.md,
+'Figures that docstrings used to quote').
 Rows must be finite; all-zero rows come back as zeros.
 
 Thread safety: all functions may be called from several threads at once.
@@ -58,9 +59,10 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
     clamp is left out as it never changes a code: s rounds absmax / 448 to within 2^-24, so
     |x| / s stays under 448 * (1 + 2^-22), and the cast maps [448, 464) (464: 448's rounding
     boundary) to 448, as clamping first would (CPU torch gives NaN, or saturates, only from 464).
-    One sample on one thread, CPU time (`python tools/bench_sink.py --only fp8`; docs/benchmarks.md,
-    "fp8 encode per sample"): 4 x 256 x 2,048 bf16 median 6.0 → 3.6 ms, 4 x 1,024 x 4,096 73 → 31 ms;
-    what is left is mostly torch's float32 → e4m3 cast, scalar on AVX2 (0.86 ns a value)."""
+    Faster than the old per-layer formula (abs, amax, divide, clamp), per sample on one thread in
+    CPU time; what is left is mostly torch's float32 → e4m3 cast, scalar on AVX2 (measured:
+    `python -m tools.bench.sink --only fp8`; docs/benchmarks.md, "CPU: fp8 encode per sample (fewer
+    bytes should mean faster)")."""
     if states.dim() != 3 or states.dtype not in _MAGNITUDES:
         raise ValueError(f"fp8: expected a [L, T, H] bf16/fp16/fp32 tensor, got {states.dtype} {list(states.shape)}")
     num_layers, num_tokens, hidden = states.shape
@@ -70,7 +72,7 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
     scales = torch.full((num_rows,), FP8_MIN_SCALE, dtype=torch.float32)
     if num_values:
         int_dtype, mask, inf = _MAGNITUDES[states.dtype]
-        mask = torch.tensor(mask, dtype=int_dtype)  # a tensor: and-ing a Python int is 2x slower
+        mask = torch.tensor(mask, dtype=int_dtype)  # a tensor: and-ing a Python int is slower (docs/benchmarks.md)
         x = states.contiguous().view(num_rows, hidden)
         bits = x.view(int_dtype)
         q = torch.from_numpy(payload[:num_values]).view(torch.float8_e4m3fn).view(num_rows, hidden)

@@ -1,11 +1,12 @@
 """Shared memory that a killed run leaves in /dev/shm, recorded by each run and removed by the next.
 
 vLLM's message queues between the driver and its workers are files in /dev/shm: two psm_*
-files, 400 MiB together for the tiny CPU model in the tests, more with more workers. A run that
+files, hundreds of MiB together even for the tiny CPU model in the tests, more with more workers. A run that
 ends by itself, by SIGTERM or with a dead worker has them unlinked on the way out (by vLLM, or by
 a dead worker's resource tracker). A run SIGKILLed with its whole process group (a job
 scheduler's hard limit, an OOM kill of its cgroup) cannot, and /dev/shm is RAM that stays taken
-until reboot: 20 kills in tests/support/kill_loop.py left 7,040 MiB before the harness removed it.
+until reboot: repeated kills in tests/support/kill_loop.py left gigabytes before the harness removed
+it (docs/benchmarks.md, 'Figures that docstrings used to quote').
 
 So while its engine starts, a run records every /dev/shm file its processes (the driver and its
 descendants) map in /dev/shm/corecap-shm-<pid namespace>-<pid>-<start time>.json, and removes
@@ -102,8 +103,9 @@ class ShmRecord:
     what the run's processes map, so that a kill during a long model load finds the files made so
     far recorded. `close()` when the run ends.
 
-    Reading the processes' maps costs ~10 ms (4 processes, 1,400 mappings each, on 2 busy
-    cores), so the thread lists the directory every `interval` seconds instead and reads the maps
+    Reading the processes' maps costs far more than listing a directory (docs/benchmarks.md,
+    'Figures that docstrings used to quote'), so the thread lists the directory every `interval`
+    seconds instead and reads the maps
     when a name appears, then again each tick while a new name is not yet accounted for (for up
     to a second: it may be another program's, or not mapped yet). A kill in the few tens of
     milliseconds between a file's creation and its recording leaves that file unrecorded."""
