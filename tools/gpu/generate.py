@@ -57,8 +57,10 @@ def prompt_rows(shape: str, n: int, lengths: tuple[int, int]) -> list[dict]:
     vocab = SHAPES[shape]["config"]["vocab_size"]
     rng = np.random.default_rng(0)
     sizes = rng.integers(lengths[0], lengths[1] + 1, size=n)
-    return [{"id": f"p{i:06d}", "input_ids": rng.integers(10, vocab - 1000, size=int(k)).tolist()}
-            for i, k in enumerate(sizes)]
+    return [
+        {"id": f"p{i:06d}", "input_ids": rng.integers(10, vocab - 1000, size=int(k)).tolist()}
+        for i, k in enumerate(sizes)
+    ]
 
 
 def write_jsonl(path: str, rows) -> None:
@@ -78,8 +80,17 @@ def one_generate(args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=args.seed, **_device_options(args))
     load = time.perf_counter() - t0
-    params = [SamplingParams(max_tokens=args.max_tokens, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True,
-                             seed=request_seed(args.seed, r["id"]), detokenize=False) for r in rows]
+    params = [
+        SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            ignore_eos=True,
+            seed=request_seed(args.seed, r["id"]),
+            detokenize=False,
+        )
+        for r in rows
+    ]
     prompts = [TokensPrompt(prompt_token_ids=r["input_ids"]) for r in rows]
     t = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -90,16 +101,29 @@ def one_generate(args) -> dict:
         for r, out in zip(rows, outputs):
             response = list(out.outputs[0].token_ids)
             num_generated += len(response)
-            f.write(json.dumps({"id": r["id"], "input_ids": r["input_ids"] + response,
-                                "loss_mask": [0] * len(r["input_ids"]) + [1] * len(response)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": r["id"],
+                        "input_ids": r["input_ids"] + response,
+                        "loss_mask": [0] * len(r["input_ids"]) + [1] * len(response),
+                    }
+                )
+                + "\n"
+            )
     write_s = time.perf_counter() - t
     c = llm.llm_engine.vllm_config
-    return {"load_s": load, "generate_s": generate_s, "write_s": write_s, "generated_tokens": num_generated,
-            "generated_tok_s": num_generated / generate_s,
-            "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
-            "max_num_seqs": c.scheduler_config.max_num_seqs,
-            "async_scheduling": c.scheduler_config.async_scheduling,
-            "prefix_caching": c.cache_config.enable_prefix_caching}
+    return {
+        "load_s": load,
+        "generate_s": generate_s,
+        "write_s": write_s,
+        "generated_tokens": num_generated,
+        "generated_tok_s": num_generated / generate_s,
+        "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": c.scheduler_config.max_num_seqs,
+        "async_scheduling": c.scheduler_config.async_scheduling,
+        "prefix_caching": c.cache_config.enable_prefix_caching,
+    }
 
 
 def _device_options(args) -> dict:
@@ -112,8 +136,23 @@ def _device_options(args) -> dict:
 
 
 def run_generate(args, model: str, data: str, responses: str) -> dict:
-    cmd = [sys.executable, "-m", __spec__.name, "--one", "generate", "--model", model, "--data", data,
-           "--responses", responses, "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        __spec__.name,
+        "--one",
+        "generate",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--responses",
+        responses,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--seed",
+        str(args.seed),
+    ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     proc, wall, peaks = _timed(cmd)
@@ -124,11 +163,34 @@ def run_generate(args, model: str, data: str, responses: str) -> dict:
 
 
 def run_corecap(args, model: str, data: str, store: str, generate: bool) -> dict:
-    cmd = [sys.executable, "-m", "corecap", "run", "--model", model, "--data", data, "--store", store,
-           "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "corecap",
+        "run",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--store",
+        store,
+        "--layers",
+        SHAPES[args.shape]["layers"],
+        "--load-format",
+        "dummy",
+        "--seed",
+        str(args.seed),
+    ]
     if generate:
-        cmd += ["--max-tokens", str(args.max_tokens), "--temperature", str(TEMPERATURE), "--top-p", str(TOP_P),
-                "--ignore-eos"]
+        cmd += [
+            "--max-tokens",
+            str(args.max_tokens),
+            "--temperature",
+            str(TEMPERATURE),
+            "--top-p",
+            str(TOP_P),
+            "--ignore-eos",
+        ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
     shutil.rmtree(store, ignore_errors=True)
@@ -141,15 +203,23 @@ def run_corecap(args, model: str, data: str, store: str, generate: bool) -> dict
     steps = trace["steps"]
     steps_s = steps[-1]["end"] - steps[0]["start"]
     out = {
-        "wall_s": wall, "stored_tokens": num_tokens, "stored_bytes": rates["committed_bytes"],
-        "bytes_per_token": rates["committed_bytes"] / num_tokens, "steps": len(steps), "steps_s": steps_s,
-        "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
-        "durable_s": rates["durable_s"], "computed_tokens": rates["computed_tokens"],
+        "wall_s": wall,
+        "stored_tokens": num_tokens,
+        "stored_bytes": rates["committed_bytes"],
+        "bytes_per_token": rates["committed_bytes"] / num_tokens,
+        "steps": len(steps),
+        "steps_s": steps_s,
+        "capture_tok_s": rates["capture_tok_s"],
+        "durable_tok_s": rates["durable_tok_s"],
+        "durable_s": rates["durable_s"],
+        "computed_tokens": rates["computed_tokens"],
         "trace_start_to_first_step_s": steps[0]["start"] - trace["start"],
         "lines": [line for line in proc.stderr.splitlines() if not line.startswith("\r")][-12:],
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
-        "sink_peak_rss_gb": _role_peak(peaks, "sink"), "worker_peak_rss_gb": _role_peak(peaks, "worker"),
-        "driver_peak_rss_gb": _role_peak(peaks, "driver"), "peak_rss_gb_by_process": peaks.largest_gb(4),
+        "sink_peak_rss_gb": _role_peak(peaks, "sink"),
+        "worker_peak_rss_gb": _role_peak(peaks, "worker"),
+        "driver_peak_rss_gb": _role_peak(peaks, "driver"),
+        "peak_rss_gb_by_process": peaks.largest_gb(4),
         "decode": decode_steps(trace),
     }
     if generate:
@@ -177,10 +247,15 @@ def decode_steps(trace: dict) -> dict:
             share.append(copy[k + 1] / dt)
     if not period:
         return {"num_steps": 0}
-    return {"num_steps": len(period), "period_ms_p50": 1e3 * float(np.median(period)),
-            "batch_p50": float(np.median(batch)), "tokens_s_p50": float(np.median(np.array(batch) / np.array(period))),
-            "worker_copy_share_p50": float(np.median(share)) if share else None,
-            "seconds": float(np.sum(period)), "empty_steps": len(trace["steps"]) - len(busy)}
+    return {
+        "num_steps": len(period),
+        "period_ms_p50": 1e3 * float(np.median(period)),
+        "batch_p50": float(np.median(batch)),
+        "tokens_s_p50": float(np.median(np.array(batch) / np.array(period))),
+        "worker_copy_share_p50": float(np.median(share)) if share else None,
+        "seconds": float(np.sum(period)),
+        "empty_steps": len(trace["steps"]) - len(busy),
+    }
 
 
 def _stored_tokens(data: str, max_tokens: int) -> int:
@@ -235,11 +310,15 @@ def _log_tail(store: str) -> str:
 
 def keep_trace(store: str, out: str, shape: str) -> None:
     """The one run's `corecap trace` table and its trace.json (xz) under out."""
-    proc = subprocess.run([sys.executable, "-m", "corecap", "trace", "--store", store], capture_output=True,
-                          text=True, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "corecap", "trace", "--store", store], capture_output=True, text=True, env=child_env()
+    )
     with open(os.path.join(out, f"trace_summary_{shape}.txt"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    with open(os.path.join(store, "trace.json"), "rb") as src, lzma.open(os.path.join(out, f"trace_{shape}_one-run.json.xz"), "wb") as dst:
+    with (
+        open(os.path.join(store, "trace.json"), "rb") as src,
+        lzma.open(os.path.join(out, f"trace_{shape}_one-run.json.xz"), "wb") as dst,
+    ):
         shutil.copyfileobj(src, dst)
 
 
@@ -247,25 +326,37 @@ def summary(shape: str, results: dict) -> list[str]:
     g, c, o = results.get("generate"), results.get("capture"), results.get("one-run")
     lines = [f"== {shape}"]
     if g:
-        lines.append(f"pass 1 LLM.generate: wall {g['wall_s']:.1f} s (load {g['load_s']:.1f}, generate {g['generate_s']:.1f}, "
-                     f"JSONL {g['write_s']:.1f}); {g['generated_tok_s']:,.0f} generated tok/s; "
-                     f"async_scheduling {g['async_scheduling']}, max_num_seqs {g['max_num_seqs']}")
+        lines.append(
+            f"pass 1 LLM.generate: wall {g['wall_s']:.1f} s (load {g['load_s']:.1f}, generate {g['generate_s']:.1f}, "
+            f"JSONL {g['write_s']:.1f}); {g['generated_tok_s']:,.0f} generated tok/s; "
+            f"async_scheduling {g['async_scheduling']}, max_num_seqs {g['max_num_seqs']}"
+        )
     if c:
-        lines.append(f"pass 2 corecap run: wall {c['wall_s']:.1f} s; durable {c['durable_tok_s']:,.0f} tok/s over {c['durable_s']:.1f} s; "
-                     f"sink peak RSS {c['sink_peak_rss_gb']} GB")
+        lines.append(
+            f"pass 2 corecap run: wall {c['wall_s']:.1f} s; durable {c['durable_tok_s']:,.0f} tok/s over {c['durable_s']:.1f} s; "
+            f"sink peak RSS {c['sink_peak_rss_gb']} GB"
+        )
     if o:
-        lines.append(f"one run --max-tokens: wall {o['wall_s']:.1f} s; steps {o['steps_s']:.1f} s, {o['generated_tok_s']:,.0f} generated tok/s; "
-                     f"durable {o['durable_tok_s']:,.0f} tok/s over {o['durable_s']:.1f} s; sink peak RSS {o['sink_peak_rss_gb']} GB; "
-                     f"decode {o['decode']}")
+        lines.append(
+            f"one run --max-tokens: wall {o['wall_s']:.1f} s; steps {o['steps_s']:.1f} s, {o['generated_tok_s']:,.0f} generated tok/s; "
+            f"durable {o['durable_tok_s']:,.0f} tok/s over {o['durable_s']:.1f} s; sink peak RSS {o['sink_peak_rss_gb']} GB; "
+            f"decode {o['decode']}"
+        )
     if g and c and o:
         two = g["wall_s"] + c["wall_s"]
-        lines.append(f"end to end: two-pass {two:.1f} s / one run {o['wall_s']:.1f} s = {two / o['wall_s']:.2f}x (target >= 1.3)")
-        lines.append(f"generation rate: one run / LLM.generate = {o['generated_tok_s'] / g['generated_tok_s']:.2f} (target >= 0.9)")
+        lines.append(
+            f"end to end: two-pass {two:.1f} s / one run {o['wall_s']:.1f} s = {two / o['wall_s']:.2f}x (target >= 1.3)"
+        )
+        lines.append(
+            f"generation rate: one run / LLM.generate = {o['generated_tok_s'] / g['generated_tok_s']:.2f} (target >= 0.9)"
+        )
     return lines
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="8b", choices=[s for s in PROMPTS])
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the shape's, >= 20 s of work an arm)")
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -273,9 +364,13 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None, help="both tools' (default: the model's)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, in order: " + ", ".join(ARMS))
     ap.add_argument("--dd", action="store_true", help="also the disk's fsync'd write rate (4 GiB)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="the tiny shape, 8 prompts of 16-64 tokens, 16 new tokens each")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="the tiny shape, 8 prompts of 16-64 tokens, 16 new tokens each"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--dir", default=os.path.expanduser("~/gen"), help="configs, prompts, stores (default: %(default)s)")
+    ap.add_argument(
+        "--dir", default=os.path.expanduser("~/gen"), help="configs, prompts, stores (default: %(default)s)"
+    )
     for name in ("--one", "--model", "--data", "--responses"):
         ap.add_argument(name, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -316,9 +411,16 @@ def main() -> None:
             rec = {"failed": str(e), "stderr_tail": e.stderr[-12000:]}
             status = f"FAILED ({e})\n{e.stderr[-4000:]}"
         shutil.rmtree(store, ignore_errors=True)  # an 8B store is ~25 GB: one at a time on the disk
-        append_jsonl(os.path.join(args.out, "bench_generate.jsonl"),
-                     {"shape": args.shape, "arm": arm, "prompts": args.prompts or PROMPTS[args.shape],
-                      "max_tokens": args.max_tokens, **rec})
+        append_jsonl(
+            os.path.join(args.out, "bench_generate.jsonl"),
+            {
+                "shape": args.shape,
+                "arm": arm,
+                "prompts": args.prompts or PROMPTS[args.shape],
+                "max_tokens": args.max_tokens,
+                **rec,
+            },
+        )
         print(f"{args.shape}:{arm}: {status} in {time.time() - t:.0f}s", flush=True)
     print("\n".join(summary(args.shape, results)), flush=True)
 
