@@ -175,7 +175,7 @@ def run_corecap(args, model: str, data: str, store: str, generate: bool) -> dict
         "--store",
         store,
         "--layers",
-        SHAPES[args.shape]["layers"],
+        args.layers or SHAPES[args.shape]["layers"],
         "--load-format",
         "dummy",
         "--seed",
@@ -362,6 +362,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=None, help="both tools' (default: the model's)")
+    ap.add_argument("--layers", default=None, help="corecap's --layers (default: the shape's, as tools.gpu.shapes)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, in order: " + ", ".join(ARMS))
     ap.add_argument("--dd", action="store_true", help="also the disk's fsync'd write rate (4 GiB)")
     ap.add_argument(
@@ -418,6 +419,7 @@ def main() -> None:
                 "arm": arm,
                 "prompts": args.prompts or PROMPTS[args.shape],
                 "max_tokens": args.max_tokens,
+                "layers": args.layers or SHAPES[args.shape]["layers"],
                 **rec,
             },
         )
