@@ -268,3 +268,66 @@ def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pend
     assert handed == [("a", ()), ("d", (Segment("a", 0, 4),)), ("e", (Segment("a", 0, 4),))]
     assert torch.equal(states["d"][:, 4:12], step1.states)  # e's blocks, from e's buffer
     assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 8, 0)
+
+
+# --- decode steps: a token for each of many requests (corecap run --max-tokens) ------------------
+
+
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_decode_steps_of_many_requests_land_each_token_under_its_sample(copy_threads):
+    """Responses being written: each step holds one token of every request, at its own position
+    (the batched path of `Collector._copy_all`); the states land where they belong, then each
+    sample completes with its response (`Collector.generated`)."""
+    from corecap.store.generated import Generation
+
+    rng = np.random.default_rng(3)
+    prompts = {f"r{k}": rng.integers(0, 100, int(rng.integers(1, 6))).astype(np.int32) for k in range(12)}
+    response = {r: rng.integers(0, 100, 3).astype(np.int32) for r in prompts}
+    done = {}
+    c = Collector(LAYERS, lambda p: done.__setitem__(p.key, (p.token_ids.copy(), p.stored_states().clone(), p.loss_mask)),
+                  BufferPool(1 << 20), copy_threads=copy_threads)
+    for r, ids in prompts.items():
+        c.expect(r, r, ids, None, None, max_new=4)
+    expected = {r: torch.empty(len(LAYERS), len(ids) + 3, HIDDEN) for r, ids in prompts.items()}
+    first = _chunk(0, [(r, ids, 0) for r, ids in prompts.items()])  # the prompts' prefill
+    offset = 0
+    for r, ids in prompts.items():
+        expected[r][:, : len(ids)] = first.states[:, offset : offset + len(ids)]
+        offset += len(ids)
+    c.take(first, 0.0)
+    for t in range(3):  # three decode steps: every request's response token t
+        msg = _chunk(1 + t, [(r, response[r][t : t + 1], len(prompts[r]) + t) for r in prompts])
+        for k, r in enumerate(prompts):
+            expected[r][:, len(prompts[r]) + t] = msg.states[:, k]
+        c.take(msg, 0.0)
+    assert not done  # the responses are not known yet
+    for r in prompts:
+        c.generated(r, response[r], Generation(len(prompts[r]), 3, "length"))
+    c.close()
+    assert sorted(done) == sorted(prompts)
+    for r, (ids, states, mask) in done.items():
+        assert ids.tolist() == prompts[r].tolist() + response[r].tolist()
+        assert torch.equal(states, expected[r]), r
+        assert mask.tolist() == [0] * len(prompts[r]) + [1] * 3
+
+
+def test_a_damaged_token_of_a_decode_step_is_refused_naming_its_request():
+    c = Collector(LAYERS, lambda p: None, copy_threads=3)
+    for k in range(8):
+        c.expect(f"r{k}", f"r{k}", np.array([5], np.int32), None, None, max_new=2)
+    msg = _chunk(1, [(f"r{k}", np.array([9], np.int32), 1) for k in range(8)])
+    msg.states[1, 6, 0] += 1.0  # layer LAYERS[1] of request r6, after its CRC was taken
+    with pytest.raises(CorecapError, match=r"states of request 'r6' \(layer 3, step 1\) arrived damaged"):
+        c.take(msg, 0.0)
+    c.close()
+
+
+def test_a_response_whose_states_are_of_other_tokens_is_refused():
+    from corecap.store.generated import Generation
+
+    c = Collector(LAYERS, lambda p: None)
+    c.expect("r", "key-r", np.array([5, 6], np.int32), None, None, max_new=3)
+    c.take(_chunk(0, [("r", np.array([5, 6], np.int32), 0)]), 0.0)
+    c.take(_chunk(1, [("r", np.array([7], np.int32), 2)]), 0.0)
+    with pytest.raises(CorecapError, match="the states received for its response are of other tokens"):
+        c.generated("r", np.array([8], np.int32), Generation(2, 1, "eos"))

@@ -54,6 +54,10 @@ class _Pending:
     final: bool = True  # token_ids is the whole sample
 
     def cover(self, start: int, num_tokens: int) -> None:
+        if num_tokens == 1:  # a decode step's token: numpy's slice sum costs more than the check
+            self.num_covered += not self.covered[start]
+            self.covered[start] = True
+            return
         self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
         self.covered[start : start + num_tokens] = True
 
@@ -153,6 +157,7 @@ class Collector:
         self.num_referred_tokens = 0
         self.num_stored_whole = 0  # with hits, but their source was not yet handed to the writer
         self.timings: list[ChunkTiming] = []
+        self.copy_threads = copy_threads
         self.copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="corecap-copy") if copy_threads > 1 else None
 
     def close(self) -> None:
@@ -279,6 +284,28 @@ class Collector:
             served.append(req_id)
         return served
 
+    def _copy_all(self, msg: wire.DecodedChunk, copies: list) -> None:
+        """Check and copy a chunk's runs into their samples. A prefill step has a few long segments:
+        one task a (layer, segment), so that even one segment's layers spread over the copy
+        threads. A decode step has a segment of one token for each request: one task a group of
+        segments (as many groups as threads), each segment checked layer by layer and copied in
+        one go, since a task per run costs the pool more than its few-KiB copy (a decode step's
+        reassembly was the sink's bottleneck on the H200: docs/benchmarks.md, "2026-12-03:
+        generation and capture in one run")."""
+        threads = self.copy_threads
+        if len(copies) >= 2 * threads:
+            tasks = [(msg, copies[k::threads]) for k in range(threads)]
+            run = lambda task: _copy_segments(*task)  # noqa: E731
+        else:
+            tasks = [(target[i], msg, i, j, lo) for target, j, lo in copies for i in range(target.shape[0])]
+            run = _copy
+        if self.copiers and len(tasks) > 1:
+            for _ in self.copiers.map(run, tasks):  # re-raises a copy's error
+                pass
+        else:
+            for task in tasks:
+                run(task)
+
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
 
@@ -286,7 +313,7 @@ class Collector:
         h = msg.header
         if h.layers != self.layers:
             raise CorecapError(f"worker sent layers {h.layers}, expected {self.layers}")
-        copies, runs = [], []
+        copies, runs = [], []  # copies: (the sample's states [L, n, H] there, segment j, its offset in the chunk)
         offset = 0
         for j, seg in enumerate(h.segments):
             lo, hi = offset, offset + seg.num_tokens
@@ -298,26 +325,24 @@ class Collector:
             start = int(positions[0])
             end = start + seg.num_tokens
             limit = len(p.token_ids) if p.final else p.capacity
-            if not np.array_equal(positions, np.arange(start, end)) or end > limit:
+            # A decode step's one token per request needs no run check (one check a token is the
+            # sink's cost per request then: `_copy_all`).
+            contiguous = seg.num_tokens == 1 or np.array_equal(positions, np.arange(start, end))
+            if not contiguous or end > limit:
                 raise CorecapError(
                     f"sample {p.key!r}: received positions {start}..{int(positions[-1])}, "
                     f"not a contiguous run inside its {limit} tokens"
                 )
             known = max(start, min(end, len(p.token_ids)))  # a response's ids are checked once it is known
-            if not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known]):
+            if known > start and not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known]):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
             if not p.final and end > len(p.token_ids):
                 p.received[known:end] = msg.token_ids[lo + known - start : hi]
             states = p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
-            copies.extend((states[i, start : start + seg.num_tokens], msg, i, j, lo) for i in range(len(self.layers)))
+            copies.append((states[:, start:end], j, lo))
             p.cover(start, seg.num_tokens)
             runs.append((seg.req_id, p, start, seg.num_tokens))
-        if self.copiers and len(copies) > 1:
-            for _ in self.copiers.map(_copy, copies):  # re-raises a copy's error
-                pass
-        else:
-            for item in copies:
-                _copy(item)
+        self._copy_all(msg, copies)
         served = []
         if self.block_size:  # every full block this chunk completed, for later hits on it
             for _, p, start, n in runs:
@@ -336,3 +361,17 @@ def _copy(item: tuple) -> None:
     except wire.WireError as e:
         raise CorecapError(str(e)) from None
     target.copy_(run)
+
+
+def _copy_segments(msg: wire.DecodedChunk, group: list) -> None:
+    """Check and copy every layer of each segment in `group`, through the chunk's bytes (numpy:
+    a torch operation a run would cost more than the run's copy)."""
+    rows = msg.state_rows()
+    for target, j, lo in group:
+        n = target.shape[1]
+        try:
+            for i in range(rows.shape[0]):
+                msg.check_run(i, j, rows[i, lo : lo + n])
+        except wire.WireError as e:
+            raise CorecapError(str(e)) from None
+        np.copyto(target.view(torch.uint8).numpy(), rows[:, lo : lo + n])

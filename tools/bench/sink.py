@@ -18,7 +18,7 @@
                (torch's default intra-op threads, serial copies) and as the sink runs now
                (one intra-op thread, the sink's copy threads); copy times, encoders' samples/s
 
-    python -m tools.bench.sink [--repeat 5] [--encoders 0,1,2] [--only check,encode,parts,scaling,...]
+    python -m tools.bench.sink [--repeat 5] [--encoders 0,1,2] [--only check,encode,parts,scaling,decode,...]
 """
 
 from __future__ import annotations
@@ -191,6 +191,39 @@ def bench_reassembly(step: torch.Tensor, repeat: int, threads: int) -> None:
         fresh.close(), reused.close()
 
 
+def decode_chunk(num_requests: int, position: int) -> wire.DecodedChunk:
+    """One decode step's chunk: a token for each of `num_requests` requests, at `position`."""
+    segments = tuple(wire.Segment(str(i), 1) for i in range(num_requests))
+    states = torch.randn(LAYERS, num_requests, HIDDEN).bfloat16()
+    ids = np.full(num_requests, 7, dtype=np.int32)
+    positions = np.full(num_requests, position, dtype=np.int32)
+    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, num_requests, segments,
+                        crcs=wire.checksums(segments, ids, positions, states))
+    return wire.DecodedChunk(header, ids, positions, states)
+
+
+def bench_decode(repeat: int, threads: int, num_requests: int = 400, position: int = 1023) -> None:
+    """take() of decode steps: one token for each of `num_requests` samples being generated
+    (`corecap run --max-tokens`), each sample's buffer made by its first chunk."""
+    msg = decode_chunk(num_requests, position)
+    for copy_threads in sorted({1, threads}):
+        c = collector(True, copy_threads, [])
+        for seg in msg.header.segments:
+            c.expect(seg.req_id, seg.req_id, np.full(position, 7, dtype=np.int32), None, None, max_new=512)
+        c.take(msg, 0.0)  # the buffers
+        seconds = []
+        for _ in range(repeat):
+            for p in c.pending.values():
+                p.covered[:] = False
+                p.num_covered = 0
+            t = time.perf_counter()
+            c.take(msg, t)
+            seconds.append(time.perf_counter() - t)
+        print(f"decode step of {num_requests} requests x {LAYERS} layers x {HIDDEN} bf16, {copy_threads} copy "
+              f"thread(s): take {ms(sorted(seconds))} ({min(seconds) / num_requests * 1e3:.3f} ms a request at best)")
+        c.close()
+
+
 def bench_contention(step: torch.Tensor, repeat: int, encoders: list[int], default_threads: int, threads: int) -> None:
     sample = torch.randn(LAYERS, SAMPLE, HIDDEN).bfloat16()
     ids = np.arange(SAMPLE, dtype=np.int32)
@@ -228,7 +261,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--encoders", default="0,1,2", help="encoder thread counts for the contention runs")
-    ap.add_argument("--only", default="check,encode,fp8,parts,reassembly,contention,scaling")
+    ap.add_argument("--only", default="check,encode,fp8,parts,reassembly,decode,contention,scaling")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     default_threads = torch.get_num_threads()
@@ -240,6 +273,8 @@ def main() -> None:
     threads = sink.copy_threads()
     if "reassembly" in parts:
         bench_reassembly(step, args.repeat, threads)
+    if "decode" in parts:
+        bench_decode(args.repeat, threads)
     if "contention" in parts:
         bench_contention(step, args.repeat, [int(k) for k in args.encoders.split(",")], default_threads, threads)
         torch.set_num_threads(1)
