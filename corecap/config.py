@@ -72,7 +72,8 @@ class EngineOptions:
     model_impl: str = "auto"
     seed: int = 0
     # None: on (vLLM's default), and off, said in the run's first line, for a model with sliding-window
-    # or hybrid attention, whose KV cache corecap cannot keep exact under prefix caching (_vllm/options.py).
+    # or hybrid attention (its KV cache corecap does not keep exact under prefix caching), and with
+    # pipeline parallelism or across nodes, never run with it (_vllm/options.py).
     enable_prefix_caching: bool | None = None
     extra: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field: (name, value)
     extra_args: tuple[str, ...] = ()  # any other engine argument as vLLM's CLI spells it

@@ -10,6 +10,7 @@ or by field name (`extra`), and is parsed and checked by vLLM's own argument def
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import shutil
@@ -140,7 +141,7 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         enforce_eager=options.enforce_eager,
         model_impl=options.model_impl,
         seed=options.seed,
-        enable_prefix_caching=options.enable_prefix_caching is not False,  # None: on, unless _prefix_caching_by_default
+        enable_prefix_caching=options.enable_prefix_caching is not False,  # None: on, unless _prefix_caching_off_by_default
         **({"gpu_memory_utilization": memory} if memory else {}),
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
@@ -177,15 +178,22 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     from corecap._vllm.preflight import plan_capture
 
     args = engine_args(options, model, layers)
-    config = _create(args, model)
+    config = _create(copy.deepcopy(args), model)  # vLLM's creation may set fields of the args it is given
+    notes = []
     if _amx_mla_refuses_the_weights(config, args):
         args.attention_backend = "CPU_MLA"  # vLLM's reference MLA backend, which takes every dtype
+        notes.append("attention CPU_MLA (vLLM's AMX MLA backend takes no float32 weights)")
+    why_off = _prefix_caching_off_by_default(config, options)
+    if why_off:  # made again: vLLM sets a hybrid model's KV cache up for the caching it was given
+        args.enable_prefix_caching = False
+        notes.insert(0, f"prefix caching off: {why_off}")
+    if notes:
         config = _create(args, model)
-        _note(config, "attention CPU_MLA (vLLM's AMX MLA backend takes no float32 weights)")
+        for note in notes:
+            _note(config, note)
     plan = plan_capture(config, layers)
     if plan.override is not None:
         _use_override(config, plan.override)
-    _prefix_caching_by_default(config, options)
     _cpu_rotary_without_custom_op(config)
     _cpu_mla_moe_without_inductor(config)
     _room_for_the_sampled_token(config)
@@ -226,17 +234,22 @@ def _amx_mla_refuses_the_weights(vllm_config, args) -> bool:
     return bool(getattr(model, "use_mla", False)) and model.dtype == torch.float32 and amx
 
 
-def _prefix_caching_by_default(vllm_config, options: EngineOptions) -> None:
-    """Prefix caching is on unless the user turned it off, except, when the user did not ask for
-    it, for a model with sliding-window or hybrid (Mamba) attention: its KV cache has more than one
-    group, which corecap's prefix tracking does not keep exact (corecap/_vllm/prefix_tracker.py). Such a
-    model runs with it off and the run's first line says why; asked for, it is refused there."""
-    model_config, cache = vllm_config.model_config, vllm_config.cache_config
-    if options.enable_prefix_caching is not None or not cache.enable_prefix_caching:
-        return
+def _prefix_caching_off_by_default(vllm_config, options: EngineOptions) -> str | None:
+    """Why prefix caching stays off although the user did not turn it off (None: it is on, vLLM's
+    default). Off where corecap does not keep it exact, or has not run it: a model with
+    sliding-window or hybrid (Mamba) attention, whose KV cache has more than one group
+    (corecap/_vllm/prefix_tracker.py refuses it when asked for); pipeline parallelism and an engine
+    across nodes, never run with it. Asked for (`--enable-prefix-caching`), it is on, or refused."""
+    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+    if options.enable_prefix_caching is not None or not vllm_config.cache_config.enable_prefix_caching:
+        return None
     if model_config.is_hybrid or model_config.get_sliding_window() is not None:
-        cache.enable_prefix_caching = False
-        _note(vllm_config, "prefix caching off: the model has sliding-window or hybrid attention (--enable-prefix-caching refuses it)")
+        return "the model has sliding-window or hybrid attention (--enable-prefix-caching refuses it)"
+    if parallel.pipeline_parallel_size > 1:
+        return "not yet run with pipeline parallelism (--enable-prefix-caching to try it)"
+    if getattr(parallel, "nnodes", 1) > 1:
+        return "not yet run across nodes (--enable-prefix-caching to try it)"
+    return None
 
 
 def _note(vllm_config, text: str) -> None:
