@@ -147,9 +147,11 @@ def dp2_runs(exact_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp2")
     data = write_jsonl(tmp / "data.jsonl", exactness_rows(np.random.default_rng(SEED)) + MASKED)
     pause = str(tmp / "pause")
+    # Prefix caching off: the tokens the engines ran are then the tokens committed (below); -dp 2
+    # with caching on is tests/test_prefix.py's.
     cfg = dataclasses.replace(
         exact_cfg, data=data, store=str(tmp / "store"),
-        engine=dataclasses.replace(exact_cfg.engine, data_parallel_size=2),
+        engine=dataclasses.replace(exact_cfg.engine, data_parallel_size=2, enable_prefix_caching=False),
     )
     killed_log: list[str] = []
     outcome: dict = {}
