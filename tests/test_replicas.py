@@ -23,9 +23,9 @@ class _Engine:
         self.num_outstanding_tokens = self.num_unfinished = 0
         self.stepped = 0
 
-    def add(self, req_id, token_ids):
-        self.tokens[req_id] = len(token_ids)
-        self.num_outstanding_tokens += len(token_ids)
+    def add(self, req_id, token_ids, response=None, settings=None):  # Engine.add's signature
+        self.tokens[req_id] = len(token_ids) + (response.max_tokens if response is not None else 0)
+        self.num_outstanding_tokens += self.tokens[req_id]
         self.num_unfinished += 1
 
     def step(self):
