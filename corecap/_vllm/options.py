@@ -249,6 +249,11 @@ def _prefix_caching_off_by_default(vllm_config, options: EngineOptions) -> str |
         return "not yet run with pipeline parallelism (--enable-prefix-caching to try it)"
     if getattr(parallel, "nnodes", 1) > 1:
         return "not yet run across nodes (--enable-prefix-caching to try it)"
+    from corecap._vllm.prefix_tracker import contract_problem
+
+    problem = contract_problem()
+    if problem:  # asked for, the engine refuses to start with it, naming the same
+        return f"what corecap's prefix tracking relies on moved in this vLLM ({problem})"
     return None
 
 
