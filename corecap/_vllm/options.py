@@ -243,7 +243,8 @@ def _prefix_caching_off_by_default(vllm_config, options: EngineOptions) -> str |
     model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
     if options.enable_prefix_caching is not None or not vllm_config.cache_config.enable_prefix_caching:
         return None
-    if model_config.is_hybrid or model_config.get_sliding_window() is not None:
+    sliding = getattr(model_config, "get_sliding_window", lambda: None)()  # both ask vLLM's own model info
+    if getattr(model_config, "is_hybrid", False) or sliding is not None:
         return "the model has sliding-window or hybrid attention (--enable-prefix-caching refuses it)"
     if parallel.pipeline_parallel_size > 1:
         return "not yet run with pipeline parallelism (--enable-prefix-caching to try it)"
