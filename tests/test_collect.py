@@ -311,14 +311,21 @@ def test_decode_steps_of_many_requests_land_each_token_under_its_sample(copy_thr
         assert mask.tolist() == [0] * len(prompts[r]) + [1] * 3
 
 
-def test_a_damaged_token_of_a_decode_step_is_refused_naming_its_request():
-    c = Collector(LAYERS, lambda p: None, copy_threads=3)
-    for k in range(8):
+def test_a_damaged_token_of_a_decode_step_is_refused_naming_its_layer():
+    """A decode step of many requests has one CRC a layer (wire.crc_per_layer): a flipped value
+    in any request's row refuses the step, naming the layer and the step; nothing is handed on."""
+    done = []
+    c = Collector(LAYERS, done.append, copy_threads=3)
+    num = wire.PER_LAYER_SEGMENTS
+    for k in range(num):
         c.expect(f"r{k}", f"r{k}", np.array([5], np.int32), None, None, max_new=2)
-    msg = _chunk(1, [(f"r{k}", np.array([9], np.int32), 1) for k in range(8)])
-    msg.states[1, 6, 0] += 1.0  # layer LAYERS[1] of request r6, after its CRC was taken
-    with pytest.raises(CorecapError, match=r"states of request 'r6' \(layer 3, step 1\) arrived damaged"):
+    c.take(_chunk(0, [(f"r{k}", np.array([5], np.int32), 0) for k in range(num)]), 0.0)
+    msg = _chunk(1, [(f"r{k}", np.array([9], np.int32), 1) for k in range(num)])
+    assert len(msg.header.crcs) == 2 + len(LAYERS)
+    msg.states[1, num - 2, 0] += 1.0  # layer LAYERS[1] of one request, after its CRC was taken
+    with pytest.raises(CorecapError, match=rf"states of {num} requests \(layer 3, step 1\) arrived damaged"):
         c.take(msg, 0.0)
+    assert done == []
     c.close()
 
 

@@ -12,11 +12,15 @@ from corecap.transport import wire
 from support import fuzz
 
 
-def _chunk(num_tokens=5, layers=(2, 8), hidden=16, dtype=torch.bfloat16, version=wire.WIRE_VERSION):
+def _chunk(num_tokens=5, layers=(2, 8), hidden=16, dtype=torch.bfloat16, version=wire.WIRE_VERSION, decode=False):
+    """Two segments (a prefill chunk: a CRC a run), or with `decode` a one-token segment for each
+    of `num_tokens` requests (a CRC a layer)."""
+    segments = (wire.Segment("a", 2), wire.Segment("b", num_tokens - 2))
+    if decode:
+        segments = tuple(wire.Segment(f"r{k}", 1) for k in range(num_tokens))
     header = wire.Chunk(
         version=version, rank=0, step=1, dtype=wire.DTYPE_NAMES[dtype], layers=layers,
-        hidden_size=hidden, num_tokens=num_tokens,
-        segments=(wire.Segment("a", 2), wire.Segment("b", num_tokens - 2)),
+        hidden_size=hidden, num_tokens=num_tokens, segments=segments,
     )
     ids = torch.arange(num_tokens, dtype=torch.int32)
     states = torch.randn(len(layers), num_tokens, hidden).to(dtype)
@@ -98,8 +102,11 @@ def test_garbage_is_rejected_not_decoded(frames):
 @given(st.data())
 def test_any_flipped_byte_is_caught(data):
     """A byte flipped anywhere in a valid message (header, ids, positions, states), with or
-    without the frame cut short after it, is a WireError: never decoded."""
-    header, ids, states = _chunk()
+    without the frame cut short after it, is a WireError: never decoded; for a prefill chunk (a
+    CRC a run) and a decode step's (a CRC a layer) alike."""
+    decode = data.draw(st.booleans())
+    header, ids, states = _chunk(num_tokens=wire.PER_LAYER_SEGMENTS + 3 if decode else 5, decode=decode)
+    assert len(header.crcs) == 2 + len(header.layers) * (1 if decode else len(header.segments))
     sent = _frames(header, ids, states)
     frames = [bytearray(f) for f in sent]
     i = data.draw(st.integers(0, 3))

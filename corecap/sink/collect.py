@@ -39,6 +39,7 @@ class _Pending:
     token_ids: np.ndarray
     loss_mask: np.ndarray | None
     states: torch.Tensor | None = None
+    rows: np.ndarray | None = None  # `states` as bytes, uint8 [L, capacity, bytes a row]
     covered: np.ndarray = field(default=None)  # bool [T]
     num_covered: int = 0
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
@@ -65,6 +66,7 @@ class _Pending:
         if self.states is None:
             shape = (num_layers, self.capacity, hidden_size)
             self.states = buffers.take(shape, dtype) if buffers else torch.empty(shape, dtype=dtype)
+            self.rows = self.states.view(torch.uint8).numpy().reshape(num_layers, self.capacity, -1)
         return self.states
 
     def stored_states(self) -> torch.Tensor:
@@ -284,27 +286,34 @@ class Collector:
             served.append(req_id)
         return served
 
-    def _copy_all(self, msg: wire.DecodedChunk, copies: list) -> None:
-        """Check and copy a chunk's runs into their samples. A prefill step has a few long segments:
-        one task a (layer, segment), so that even one segment's layers spread over the copy
-        threads. A decode step has a segment of one token for each request: one task a group of
-        segments (as many groups as threads), each segment checked layer by layer and copied in
-        one go, since a task per run costs the pool more than its few-KiB copy (a decode step's
-        reassembly was the sink's bottleneck on the H200: docs/benchmarks.md, "2026-12-03:
-        generation and capture in one run")."""
-        threads = self.copy_threads
-        if len(copies) >= 2 * threads:
-            tasks = [(msg, copies[k::threads]) for k in range(threads)]
-            run = lambda task: _copy_segments(*task)  # noqa: E731
+    def _copy_all(self, msg: wire.DecodedChunk, placed: list) -> None:
+        """Check and copy a chunk's runs into their samples, through the chunk's bytes (numpy: a
+        torch operation a run costs more than a decode step's one-row copy). `placed`: (the
+        sample's rows, its first position, the segment's index and offset in the chunk, its
+        tokens). A chunk of a few segments (prefill) is one task a (layer, segment), each run
+        checked against its CRC as it is copied, so that even one segment's layers spread over
+        the copy threads. A chunk of many (`wire.crc_per_layer`: a decode step) is one task a
+        layer, which checks the layer's CRC and copies its runs of more than one token; then
+        each one-token segment's rows are copied in one go: a task and a check a (layer,
+        segment) made a decode step's reassembly the sink's bottleneck on the H200
+        (docs/benchmarks.md, "2026-12-03: generation and capture in one run")."""
+        rows = msg.state_rows()
+        per_layer = wire.crc_per_layer(len(msg.header.segments))
+        if per_layer:
+            longer = [run for run in placed if run[4] > 1]
+            tasks = [(msg, rows, i, -1, longer) for i in range(rows.shape[0])]
         else:
-            tasks = [(target[i], msg, i, j, lo) for target, j, lo in copies for i in range(target.shape[0])]
-            run = _copy
+            tasks = [(msg, rows, i, run[2], [run]) for run in placed for i in range(rows.shape[0])]
         if self.copiers and len(tasks) > 1:
-            for _ in self.copiers.map(run, tasks):  # re-raises a copy's error
+            for _ in self.copiers.map(_copy_runs, tasks):  # re-raises a copy's error
                 pass
         else:
             for task in tasks:
-                run(task)
+                _copy_runs(task)
+        if per_layer:
+            for target, start, _, lo, n in placed:
+                if n == 1:
+                    target[:, start] = rows[:, lo]
 
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
@@ -313,36 +322,44 @@ class Collector:
         h = msg.header
         if h.layers != self.layers:
             raise CorecapError(f"worker sent layers {h.layers}, expected {self.layers}")
-        copies, runs = [], []  # copies: (the sample's states [L, n, H] there, segment j, its offset in the chunk)
+        positions, token_ids = msg.positions.tolist(), msg.token_ids.tolist()  # a decode step's scalars
+        placed, runs = [], []  # placed: see `_copy_all`
         offset = 0
         for j, seg in enumerate(h.segments):
-            lo, hi = offset, offset + seg.num_tokens
+            n = seg.num_tokens
+            lo, hi = offset, offset + n
             offset = hi
             p = self.pending.get(seg.req_id)
             if p is None:
                 raise CorecapError(f"worker sent states for unknown request {seg.req_id!r}")
-            positions = msg.positions[lo:hi]
-            start = int(positions[0])
-            end = start + seg.num_tokens
+            start = positions[lo]
+            end = start + n
             limit = len(p.token_ids) if p.final else p.capacity
             # A decode step's one token per request needs no run check (one check a token is the
-            # sink's cost per request then: `_copy_all`).
-            contiguous = seg.num_tokens == 1 or np.array_equal(positions, np.arange(start, end))
+            # sink's cost per request then).
+            contiguous = n == 1 or np.array_equal(msg.positions[lo:hi], np.arange(start, end))
             if not contiguous or end > limit:
                 raise CorecapError(
-                    f"sample {p.key!r}: received positions {start}..{int(positions[-1])}, "
+                    f"sample {p.key!r}: received positions {start}..{positions[hi - 1]}, "
                     f"not a contiguous run inside its {limit} tokens"
                 )
             known = max(start, min(end, len(p.token_ids)))  # a response's ids are checked once it is known
-            if known > start and not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known]):
+            if known > start and (
+                p.token_ids[start] != token_ids[lo] if n == 1
+                else not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known])
+            ):
                 raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
             if not p.final and end > len(p.token_ids):
-                p.received[known:end] = msg.token_ids[lo + known - start : hi]
-            states = p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
-            copies.append((states[:, start:end], j, lo))
-            p.cover(start, seg.num_tokens)
-            runs.append((seg.req_id, p, start, seg.num_tokens))
-        self._copy_all(msg, copies)
+                if n == 1:
+                    p.received[start] = token_ids[lo]
+                else:
+                    p.received[known:end] = msg.token_ids[lo + known - start : hi]
+            if p.rows is None:
+                p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
+            placed.append((p.rows, start, j, lo, n))
+            p.cover(start, n)
+            runs.append((seg.req_id, p, start, n))
+        self._copy_all(msg, placed)
         served = []
         if self.block_size:  # every full block this chunk completed, for later hits on it
             for _, p, start, n in runs:
@@ -352,26 +369,14 @@ class Collector:
         self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
 
 
-def _copy(item: tuple) -> None:
-    """Check one (layer i, segment j) run of a chunk against its CRC-32, then copy it into place."""
-    target, msg, i, j, lo = item
-    run = msg.states[i, lo : lo + target.shape[0]]
+def _copy_runs(task: tuple) -> None:
+    """Check layer i's run of segment j (-1: of every segment, `wire.crc_per_layer`) against its
+    CRC-32, then copy layer i of the runs `placed` into their samples."""
+    msg, rows, i, j, placed = task
     try:
-        msg.check_run(i, j, run)
+        msg.check_run(i, j, rows[i] if j < 0 else rows[i, placed[0][3] : placed[0][3] + placed[0][4]])
     except wire.WireError as e:
         raise CorecapError(str(e)) from None
-    target.copy_(run)
-
-
-def _copy_segments(msg: wire.DecodedChunk, group: list) -> None:
-    """Check and copy every layer of each segment in `group`, through the chunk's bytes (numpy:
-    a torch operation a run would cost more than the run's copy)."""
-    rows = msg.state_rows()
-    for target, j, lo in group:
-        n = target.shape[1]
-        try:
-            for i in range(rows.shape[0]):
-                msg.check_run(i, j, rows[i, lo : lo + n])
-        except wire.WireError as e:
-            raise CorecapError(str(e)) from None
-        np.copyto(target.view(torch.uint8).numpy(), rows[:, lo : lo + n])
+    src = rows[i]
+    for target, start, _, lo, n in placed:
+        target[i, start : start + n] = src[lo : lo + n]

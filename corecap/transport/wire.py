@@ -12,9 +12,9 @@ order. A worker that fails sends a `WorkerError` instead, so that the sink can n
 The decoder trusts nothing: a wrong version, frame count, or size for the declared shape is a
 `WireError`, never a stored sample. The header's own CRC and its `crcs` (which the worker
 computes once the states are on the host) cover the token ids, the positions and each (layer,
-segment) run of the states, so a flipped byte anywhere is caught: the header, ids and positions
-in `decode`, the states runs where they
-are copied into their samples (corecap/sink/collect.py, on several threads) or, when asked
+segment) run of the states (of each layer, for a chunk of many segments: `crc_per_layer`), so a
+flipped byte anywhere is caught: the header, ids and positions in `decode`, the states runs where
+they are copied into their samples (corecap/sink/collect.py, on several threads) or, when asked
 (`check_states`), in `decode` too.
 """
 
@@ -32,7 +32,14 @@ from corecap.config import Layer
 from corecap.store.codec import DTYPE_NAMES, DTYPES, crc32
 from corecap.store.fp8rows import ROW_EXTRA
 
-WIRE_VERSION = 4  # 3: CRC-32s of every part; a layer may be "prenorm". 4: fp8 rows
+WIRE_VERSION = 5  # 3: CRC-32s of every part; a layer may be "prenorm". 4: fp8 rows. 5: a CRC a layer for many segments
+
+# A chunk of this many segments or more (a decode step: a token for each of many requests) has one
+# CRC-32 a layer, over all its rows, instead of one a (layer, segment) run: thousands of small
+# checks a step were most of both ends' cost per request (docs/benchmarks.md, "2026-12-03:
+# generation and capture in one run"). Fewer segments (prefill chunks) keep one a run, so that a
+# damaged run names its request.
+PER_LAYER_SEGMENTS = 8
 
 _IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
@@ -74,7 +81,7 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
     slot: int = -1
     slot_bytes: int = 0
     # CRC-32 of the ids frame, of the positions frame, then of each states run in the order of
-    # `state_runs` (layer-major, then segment).
+    # `state_runs` (layer-major, then segment), or of each layer's rows (`crc_per_layer`).
     crcs: tuple[int, ...] = ()
     # The states are fp8 rows (uint8 [L, T, H + 4]) of states captured in `dtype`.
     fp8: bool = False
@@ -122,9 +129,19 @@ def _as_buffer(t):
     return memoryview(np.ascontiguousarray(t)).cast("B")
 
 
+def crc_per_layer(num_segments: int) -> bool:
+    """Whether a chunk of `num_segments` segments has one states CRC a layer (else one a run)."""
+    return num_segments >= PER_LAYER_SEGMENTS
+
+
 def state_runs(segments, num_layers: int, num_tokens: int):
-    """(layer index, segment index, first row, end row) of each run of a [L, T, H] chunk, rows
-    counted over its flattened [L * T] axis: the order of `Chunk.crcs[2:]`."""
+    """(layer index, segment index, first row, end row) of each checksummed run of a [L, T, H]
+    chunk, rows counted over its flattened [L * T] axis: the order of `Chunk.crcs[2:]`. With
+    `crc_per_layer`, a run is a whole layer and its segment index -1."""
+    if crc_per_layer(len(segments)):
+        for i in range(num_layers):
+            yield i, -1, i * num_tokens, (i + 1) * num_tokens
+        return
     for i in range(num_layers):
         row = i * num_tokens
         for j, seg in enumerate(segments):
@@ -150,13 +167,13 @@ class DecodedChunk(msgspec.Struct, frozen=True):
 
     def check_run(self, i: int, j: int, run) -> None:
         """Raise WireError unless `run` (states of layer i, segment j, as received: a contiguous
-        view of `states`, or of `state_rows()`) has the CRC the worker sent."""
-        if crc32(_as_buffer(run)) != self.header.crcs[2 + i * len(self.header.segments) + j]:
-            seg = self.header.segments[j]
-            raise WireError(
-                f"states of request {seg.req_id!r} (layer {self.header.layers[i]}, step {self.header.step}) "
-                f"arrived damaged: CRC-32 mismatch"
-            )
+        view of `states`, or of `state_rows()`) has the CRC the worker sent. With
+        `crc_per_layer`, j is -1 and the run is the layer's every row."""
+        h = self.header
+        per_layer = j < 0
+        if crc32(_as_buffer(run)) != h.crcs[2 + (i if per_layer else i * len(h.segments) + j)]:
+            whose = f"{len(h.segments)} requests" if per_layer else f"request {h.segments[j].req_id!r}"
+            raise WireError(f"states of {whose} (layer {h.layers[i]}, step {h.step}) arrived damaged: CRC-32 mismatch")
 
     def state_rows(self) -> np.ndarray:
         """The states as bytes, uint8 [L, T, bytes a row]: a decode step's many one-token runs are
@@ -190,8 +207,9 @@ def decode(frames: list, ring=None, check_states: bool = False) -> DecodedChunk 
         raise WireError(f"bad shape: tokens={num_tokens} layers={num_layers} hidden={hidden}")
     if sum(s.num_tokens for s in msg.segments) != num_tokens or any(s.num_tokens <= 0 for s in msg.segments):
         raise WireError(f"segments {[s.num_tokens for s in msg.segments]} do not cover {num_tokens} tokens")
-    if len(msg.crcs) != 2 + num_layers * len(msg.segments):
-        raise WireError(f"{len(msg.crcs)} checksums, expected {2 + num_layers * len(msg.segments)}")
+    num_runs = num_layers * (1 if crc_per_layer(len(msg.segments)) else len(msg.segments))
+    if len(msg.crcs) != 2 + num_runs:
+        raise WireError(f"{len(msg.crcs)} checksums, expected {2 + num_runs}")
     sizes = [memoryview(f).nbytes for f in frames[1:]]
     if msg.fp8:  # the rows' bytes, as uint8
         dtype, hidden = torch.uint8, hidden + ROW_EXTRA

@@ -154,8 +154,9 @@ def bench_fp8(repeat: int) -> None:
 def chunk(step: torch.Tensor) -> wire.DecodedChunk:
     """One worker chunk holding SAMPLES whole samples of SAMPLE tokens."""
     segments = tuple(wire.Segment(str(i), SAMPLE) for i in range(SAMPLES))
-    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, SAMPLES * SAMPLE, segments)
     positions = np.tile(np.arange(SAMPLE, dtype=np.int32), SAMPLES)
+    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, SAMPLES * SAMPLE, segments,
+                        crcs=wire.checksums(segments, positions, positions, step))
     return wire.DecodedChunk(header, positions.copy(), positions, step)
 
 
