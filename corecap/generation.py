@@ -120,6 +120,47 @@ class Responses:
         return f"{self.num_tokens} tokens in {sum(self.reasons.values())} responses (finished by {reasons})"
 
 
+class ResponseBudget:
+    """The sink's memory for samples whose responses are being written, bounded.
+
+    The sink reassembles such a sample in a buffer of its prompt and its longest response
+    (corecap/sink/collect.py, `_Pending.buffer`) from its first chunk until the response ends, so
+    that memory grows with the responses in flight, not with what awaits the disk: without a
+    bound, 1,024 prompts of the 8B shape held 39 GB (docs/benchmarks.md, "2026-12-03: generation
+    and capture in one run"). The driver adds a generating request only while the buffers of
+    those in flight, its own included, fit in `budget_bytes` (--buffer-gb); at least one is
+    always in flight."""
+
+    def __init__(self, budget_bytes: int, token_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.token_bytes = token_bytes
+        self.reserved: dict[str, int] = {}  # request → its buffer's bytes
+        self.num_bytes = 0
+        self.num_waits = 0  # times a request waited for room
+        self.most_in_flight = 0
+
+    def fits(self, num_tokens: int) -> bool:
+        return not self.reserved or self.num_bytes + num_tokens * self.token_bytes <= self.budget_bytes
+
+    def reserve(self, req_id: str, num_tokens: int) -> None:
+        self.reserved[req_id] = num_tokens * self.token_bytes
+        self.num_bytes += self.reserved[req_id]
+        self.most_in_flight = max(self.most_in_flight, len(self.reserved))
+
+    def release(self, req_id: str) -> None:
+        self.num_bytes -= self.reserved.pop(req_id, 0)
+
+    def line(self) -> str:
+        """Said at the end of a run where the bound held requests back."""
+        if not self.num_waits:
+            return ""
+        return (
+            f"responses in flight: at most {self.most_in_flight} at once, held to --buffer-gb "
+            f"{self.budget_bytes / 2**30:g} ({self.token_bytes} bytes a token in the sink's buffers); "
+            f"a larger --buffer-gb lets more be written at once"
+        )
+
+
 def turn_key(key: str, index: int) -> str:
     """The key of a conversation's answer `index` (0-based) when every turn is rewritten."""
     return f"{key}/turn-{index + 1}"

@@ -22,7 +22,7 @@ import msgspec
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig, resolve_layers
-from corecap.generation import Conversations, Response, Responses, StopRule, request_seed
+from corecap.generation import Conversations, Response, ResponseBudget, Responses, StopRule, request_seed
 from corecap.resume import ResumeCheck, committed_fingerprints
 from corecap.summary import RunSummary
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
@@ -91,6 +91,8 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
     if capture.conversations.line():
         log(capture.conversations.line())
+    if capture.budget.line():
+        log(capture.budget.line())
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
@@ -192,6 +194,7 @@ class _Capture:
         self.start = self.end = time.time()
         self.engine = None
         self.responses = Responses()
+        self.budget = ResponseBudget(self.cfg.buffer_bytes, _token_bytes(plan))
         self.conversations = _conversations(plan)
         from corecap._vllm import nodes
 
@@ -272,14 +275,17 @@ class _Capture:
         feed_tokens = (engine.steps_in_flight + 1) * engine.token_budget
         last_progress = time.monotonic()
         exhausted = False
+        waiting = None  # a request held back until the sink has room for its response
         while True:
             added = 0
-            while (not exhausted or turns.ready) and engine.num_unfinished < queued and added < feed_tokens:
-                if turns.ready:  # a conversation's next answer, given the model's earlier ones
+            while (waiting or not exhausted or turns.ready) and engine.num_unfinished < queued and added < feed_tokens:
+                if waiting:
+                    request, waiting = waiting, None
+                elif turns.ready:  # a conversation's next answer, given the model's earlier ones
                     turn = turns.ready.popleft()
                     req_id = f"{turn.conversation.line}.{turn.index}"
                     turns.asked[req_id] = turn
-                    key, ids, mask, max_tokens = turn.key, turn.token_ids, None, turn.max_tokens
+                    request = (req_id, turn.key, turn.token_ids, None, turn.max_tokens)
                 else:
                     sample = next(samples, None)
                     if sample is None:
@@ -288,9 +294,15 @@ class _Capture:
                     if sample.points:  # every turn rewritten: its answers come through `turns`
                         turns.start(sample)
                         continue
-                    req_id, key, ids, mask, max_tokens = str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens
+                    request = (str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens)
+                req_id, key, ids, mask, max_tokens = request
                 response = None
                 if max_tokens:
+                    if not self.budget.fits(len(ids) + max_tokens):
+                        waiting = request
+                        self.budget.num_waits += 1
+                        break
+                    self.budget.reserve(req_id, len(ids) + max_tokens)
                     response = Response(len(ids), max_tokens, plan.stop_rule, request_seed(self.cfg.engine.seed, key))
                 block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
                 sink.expect(req_id, key, ids, mask, block_hashes, max_tokens)
@@ -301,6 +313,7 @@ class _Capture:
             sink.prefix(engine.take_prefix_actions())  # before any response: a block hash first, then the sample whole
             for req_id, response in engine.take_responses():
                 sink.generated(req_id, response.token_ids, self.responses.record(response, plan.sampling))
+                self.budget.release(req_id)
                 turns.answered(req_id, response)
             if self.steps is not None:
                 self.steps.append(timing)
@@ -366,6 +379,17 @@ class _Capture:
     def _shutdown_engine(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def _token_bytes(plan: _Plan) -> int:
+    """A token's bytes in the sink's buffers: a row of each layer (fp8: its codes and scale)."""
+    from corecap._vllm import Engine
+    from corecap.store.codec import DTYPES
+    from corecap.store.fp8rows import ROW_EXTRA
+
+    hidden = plan.identity.hidden_size
+    row = hidden + ROW_EXTRA if plan.cfg.codec == FP8 else hidden * DTYPES[Engine.dtype_of(plan.vllm_config)].itemsize
+    return len(plan.layers) * row
 
 
 def sink_encode_threads(cfg: RunConfig) -> int:

@@ -20,6 +20,9 @@ TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-7 here
 MAX_TOKENS = 20
 LAYERS = (0, 2, 4, NUM_LAYERS, PRENORM)
 NEAR_TIE = 1e-4  # HF's own top-2 logit gap below which a greedy difference is a tie, not a bug
+# --buffer-gb for the shared run: room in the sink for three of the longest prompts' responses at
+# once (float32 rows of 64), fewer than the batch, so that the bound holds requests back.
+BUFFER_BYTES = 3 * (150 + MAX_TOKENS) * len(LAYERS) * 64 * 4
 
 
 def _rows() -> list[dict]:
@@ -40,7 +43,7 @@ def _rows() -> list[dict]:
 @pytest.fixture(scope="module", params=["tp1", pytest.param("tp2", marks=pytest.mark.full)])
 def generate_run(request, tiny_model, tmp_path_factory):
     """Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
-    responses complete blocks; TP=2 the second time."""
+    responses complete blocks; a --buffer-gb that holds responses back; TP=2 the second time."""
     from corecap.run import run
 
     tmp = tmp_path_factory.mktemp(f"generate-{request.param}")
@@ -48,7 +51,7 @@ def generate_run(request, tiny_model, tmp_path_factory):
     cfg = build(
         model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
         dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0, tp=2 if request.param == "tp2" else 1,
-        extra_args=("--block-size", "32"),
+        extra_args=("--block-size", "32"), buffer_bytes=BUFFER_BYTES,
     )
     log: list[str] = []
     summary = run(cfg, log=log.append)
@@ -75,6 +78,8 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
     assert summary.num_committed == len(_rows())
     assert "generation: max tokens 20, temperature 0.0" in log[0] and "prefix caching on" in log[0], log[0]
     assert summary.num_referring >= 1  # dup-b's prompt, from dup-a's
+    held = [line for line in log if line.startswith("responses in flight: at most ")]
+    assert held, log  # the sink's room for responses (BUFFER_BYTES) held requests back, and the run says so
     tokenizer = load_tokenizer(tiny_model)
     with Store.open(cfg.store) as store:
         for row in _rows():
@@ -371,3 +376,19 @@ def test_a_resumed_conversation_goes_on_from_its_first_turn_not_stored(tiny_mode
     cut = Conversations(renderer, tokenizer.decode, 8, len(turn.token_ids) + 3, "error", {"two/turn-1": "f"}, lambda key: "over the dog")
     cut.start(conversation)
     assert not cut.ready and cut.num_cut == 1  # its prompt leaves no room for --max-tokens
+
+
+def test_the_response_budget_admits_while_the_buffers_fit_and_always_one():
+    from corecap.generation import ResponseBudget
+
+    budget = ResponseBudget(budget_bytes=1000, token_bytes=10)
+    assert budget.fits(500)  # nothing in flight: one always fits, however long
+    budget.reserve("a", 60)
+    assert budget.fits(40) and not budget.fits(41)
+    budget.reserve("b", 40)
+    assert not budget.fits(1)
+    budget.release("a")
+    assert budget.fits(60) and budget.num_bytes == 400 and budget.most_in_flight == 2
+    assert budget.line() == ""  # nothing was held back
+    budget.num_waits += 1
+    assert budget.line().startswith("responses in flight: at most 2 at once, held to --buffer-gb")
