@@ -193,6 +193,8 @@ def run_corecap(args, model: str, data: str, store: str, generate: bool) -> dict
         ]
     if args.max_model_len:
         cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.buffer_gb is not None:
+        cmd += ["--buffer-gb", str(args.buffer_gb)]
     shutil.rmtree(store, ignore_errors=True)
     proc, wall, peaks = _timed(cmd)
     if proc.returncode != 0:
@@ -363,6 +365,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=None, help="both tools' (default: the model's)")
+    ap.add_argument("--buffer-gb", type=float, default=None, help="corecap's --buffer-gb (default: corecap's)")
     ap.add_argument("--layers", default=None, help="corecap's --layers (default: the shape's, as tools.gpu.shapes)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated, in order: " + ", ".join(ARMS))
     ap.add_argument("--dd", action="store_true", help="also the disk's fsync'd write rate (4 GiB)")
@@ -421,6 +424,7 @@ def main() -> None:
                 "prompts": args.prompts or PROMPTS[args.shape],
                 "max_tokens": args.max_tokens,
                 "layers": args.layers or SHAPES[args.shape]["layers"],
+                "buffer_gb": args.buffer_gb,
                 **rec,
             },
         )
