@@ -166,7 +166,9 @@ class RunConfig:
     invalid: str | None = None  # invalid rows: error or skip (default: skip under overflow=skip)
     shard: tuple[int, int] | None = None  # (K, N): only the keys whose stable hash mod N is K
     progress: bool | None = None  # None: a progress line when stderr is a terminal
-    buffer_bytes: int = 4 << 30  # states awaiting commit before the capture waits for the disk
+    # States awaiting commit before the capture waits for the disk, and the responses being written
+    # (None: generation.buffer_bytes, which is larger when the model writes responses).
+    buffer_bytes: int | None = None
     prefix_blocks: int | None = None  # with prefix caching on: blocks a hit may name, per engine (None: its KV cache's)
     encode_threads: int = min(8, max(2, (os.cpu_count() or 2) // 2))  # sink: checksums, compression
     trace: bool = True  # record the run's timeline in STORE/trace.json

@@ -120,6 +120,23 @@ class Responses:
         return f"{self.num_tokens} tokens in {sum(self.reasons.values())} responses (finished by {reasons})"
 
 
+CAPTURE_BUFFER_BYTES = 4 << 30  # --buffer-gb's default for a capture of given tokens
+# --buffer-gb's default with --max-tokens: this share of the memory available at start. The sink
+# holds every response in flight whole until it ends, and a decode step runs as many requests as
+# fit: 4 GiB held an 8B model's 1,024 sequences to ~85 at once (docs/benchmarks.md, "2026-12-04").
+GENERATION_MEMORY_SHARE = 0.4
+
+
+def buffer_bytes(given: int | None, generate: bool, available: int) -> int:
+    """The sink's memory bound (`RunConfig.buffer_bytes`): `given` (--buffer-gb), else 4 GiB, or
+    with --max-tokens GENERATION_MEMORY_SHARE of the `available` bytes, at least 4 GiB."""
+    if given is not None:
+        return given
+    if not generate:
+        return CAPTURE_BUFFER_BYTES
+    return max(CAPTURE_BUFFER_BYTES, int(GENERATION_MEMORY_SHARE * available))
+
+
 class ResponseBudget:
     """The sink's memory for samples whose responses are being written, bounded.
 

@@ -18,11 +18,12 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+import psutil
 
 from corecap import __version__, data, demo
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig, resolve_layers
-from corecap.generation import Conversations, Response, ResponseBudget, Responses, StopRule, request_seed
+from corecap.generation import Conversations, Response, ResponseBudget, Responses, StopRule, buffer_bytes, request_seed
 from corecap.resume import ResumeCheck, committed_fingerprints
 from corecap.summary import RunSummary
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
@@ -71,6 +72,7 @@ class _Plan:
     sampling: dict | None = None  # --max-tokens: the sampling settings in effect (vLLM's names)
     stop_rule: StopRule | None = None  # --max-tokens: when a response ends
     total: int = 0  # the input's samples (a rewritten conversation: one a turn)
+    buffer_bytes: int = 0  # the sink's memory bound (generation.buffer_bytes)
 
 
 def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> RunSummary:
@@ -118,6 +120,9 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
     nodes.cluster(vllm_config)  # node 0 only
     tokenizer = load_tokenizer(model_dir)
     settings, stop_rule, generation_line = _generation(cfg, vllm_config, tokenizer)
+    sink_bytes = buffer_bytes(cfg.buffer_bytes, cfg.sampling.generate, psutil.virtual_memory().available)
+    if cfg.sampling.generate:  # it bounds the responses in flight, and so the decode batch
+        generation_line += f", sink buffers {sink_bytes / 2**20:,.0f} MiB (--buffer-gb)"
     log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else "") + generation_line)
     max_len = max_prompt_len(vllm_config)
     read = dict(
@@ -145,7 +150,7 @@ def _prepare(cfg: RunConfig, log) -> _Plan:
     )
     return _Plan(
         cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices,
-        settings, stop_rule, resume.total,
+        settings, stop_rule, resume.total, sink_bytes,
     )
 
 
@@ -194,7 +199,7 @@ class _Capture:
         self.start = self.end = time.time()
         self.engine = None
         self.responses = Responses()
-        self.budget = ResponseBudget(self.cfg.buffer_bytes, _token_bytes(plan))
+        self.budget = ResponseBudget(plan.buffer_bytes, _token_bytes(plan))
         self.conversations = _conversations(plan)
         from corecap._vllm import nodes
 
@@ -210,7 +215,7 @@ class _Capture:
         cfg = self.cfg
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
         block_size = prefix_tracker.block_size(self.plan.vllm_config)
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, sink_encode_threads(cfg), cfg.buffer_bytes, tcp, block_size)
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, sink_encode_threads(cfg), self.plan.buffer_bytes, tcp, block_size)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:

@@ -77,6 +77,7 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
     cfg, summary, log = generate_run
     assert summary.num_committed == len(_rows())
     assert "generation: max tokens 20, temperature 0.0" in log[0] and "prefix caching on" in log[0], log[0]
+    assert f"sink buffers {BUFFER_BYTES / 2**20:,.0f} MiB (--buffer-gb)" in log[0], log[0]
     assert summary.num_referring >= 1  # dup-b's prompt, from dup-a's
     held = [line for line in log if line.startswith("responses in flight: at most ")]
     assert held, log  # the sink's room for responses (BUFFER_BYTES) held requests back, and the run says so
@@ -392,3 +393,13 @@ def test_the_response_budget_admits_while_the_buffers_fit_and_always_one():
     assert budget.line() == ""  # nothing was held back
     budget.num_waits += 1
     assert budget.line().startswith("responses in flight: at most 2 at once, held to --buffer-gb")
+
+
+def test_the_sink_buffers_default_to_a_share_of_the_memory_when_generating():
+    from corecap.generation import CAPTURE_BUFFER_BYTES, buffer_bytes
+
+    gib = 2**30
+    assert buffer_bytes(3 * gib, True, 100 * gib) == 3 * gib  # --buffer-gb as given
+    assert buffer_bytes(None, False, 100 * gib) == CAPTURE_BUFFER_BYTES == 4 * gib  # a capture: 4 GiB
+    assert buffer_bytes(None, True, 100 * gib) == 40 * gib  # generating: 40% of what is available
+    assert buffer_bytes(None, True, 2 * gib) == 4 * gib  # never below a capture's

@@ -48,7 +48,11 @@ _CAPTURE_OPTIONS = (
     click.option("--invalid", type=click.Choice(["error", "skip"]), default=None, help="Invalid rows: stop, or skip and count (default: skip under --overflow skip)."),
     click.option("--shard", type=str, default=None, help="K/N: capture only shard K of N (by a stable hash of the key)."),
     click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal)."),
-    click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=4.0, show_default=True, help="Host memory for states awaiting their commit."),
+    click.option(
+        "--buffer-gb", type=click.FloatRange(min=0.0), default=None,
+        help="Host memory for states awaiting their commit and for the responses being written "
+        "(default: 4; with --max-tokens, 40% of the memory available at start, at least 4).",
+    ),
     click.option("--prefix-blocks", type=click.IntRange(min=1), default=None,
                  help="With --enable-prefix-caching: the most cached blocks an engine's hits may name (default: as many "
                       "as its KV cache holds); beyond, the least recently used leave vLLM's prefix cache."),
@@ -118,7 +122,7 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
         invalid=rest["invalid"],
         shard=parse_shard(rest["shard"]) if rest["shard"] else None,
         progress=rest["progress"],
-        buffer_bytes=int(rest["buffer_gb"] * 2**30),
+        buffer_bytes=None if rest["buffer_gb"] is None else int(rest["buffer_gb"] * 2**30),
         prefix_blocks=rest["prefix_blocks"],
         private_network=rest["private_network"],
         sampling=sampling,

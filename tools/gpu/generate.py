@@ -311,17 +311,15 @@ def _log_tail(store: str) -> str:
 
 
 def keep_trace(store: str, out: str, shape: str) -> None:
-    """The one run's `corecap trace` table and its trace.json (xz) under out."""
+    """The one run's `corecap trace` table, its trace.json and its log (vLLM's start) under out, xz."""
     proc = subprocess.run(
         [sys.executable, "-m", "corecap", "trace", "--store", store], capture_output=True, text=True, env=child_env()
     )
     with open(os.path.join(out, f"trace_summary_{shape}.txt"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    with (
-        open(os.path.join(store, "trace.json"), "rb") as src,
-        lzma.open(os.path.join(out, f"trace_{shape}_one-run.json.xz"), "wb") as dst,
-    ):
-        shutil.copyfileobj(src, dst)
+    for name, kept in (("trace.json", f"trace_{shape}_one-run.json.xz"), ("corecap.log", f"log_{shape}_one-run.txt.xz")):
+        with open(os.path.join(store, name), "rb") as src, lzma.open(os.path.join(out, kept), "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def summary(shape: str, results: dict) -> list[str]:
