@@ -317,8 +317,9 @@ def keep_trace(store: str, out: str, shape: str) -> None:
     )
     with open(os.path.join(out, f"trace_summary_{shape}.txt"), "w") as f:
         f.write(proc.stdout + proc.stderr)
-    for name, kept in (("trace.json", f"trace_{shape}_one-run.json.xz"), ("corecap.log", f"log_{shape}_one-run.txt.xz")):
-        with open(os.path.join(store, name), "rb") as src, lzma.open(os.path.join(out, kept), "wb") as dst:
+    kept = {"trace.json": f"trace_{shape}_one-run.json.xz", "corecap.log": f"log_{shape}_one-run.txt.xz"}
+    for name, kept_as in kept.items():
+        with open(os.path.join(store, name), "rb") as src, lzma.open(os.path.join(out, kept_as), "wb") as dst:
             shutil.copyfileobj(src, dst)
 
 
