@@ -16,7 +16,8 @@ from corecap.config import RunConfig, build
 from corecap.run import RunSummary, Stop, run
 
 
-def capture(config: RunConfig | None = None, *, log=None, stop: Stop | None = None, terminal=None, **options) -> RunSummary:
+def capture(config: RunConfig | None = None, *, log=None, stop: Stop | None = None, terminal=None,
+            **options) -> RunSummary:
     """Capture the hidden states of every sample of `data` into `store`; returns the summary.
     Raises CorecapError (one line) on anything the user can fix. `log(line)` gets corecap's log
     lines; `terminal`: where the progress line goes (default sys.stderr)."""

@@ -113,7 +113,8 @@ class TestHooks:
 # The sampling settings of `--max-tokens` runs, by vLLM's SamplingParams names. Unset ones take
 # the model's defaults (its generation_config.json, as `vllm serve` does), then vLLM's.
 REWRITE_TURNS = ("last", "all")
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,8 @@ class RunConfig:
     def __post_init__(self):
         """The combinations that cannot work, refused here, for the CLI and `corecap.capture` alike."""
         if self.codec == FP8_CODEC and self.nonfinite == "store":
-            raise CorecapError("--nonfinite store and --store-dtype fp8 exclude each other (fp8 cannot hold NaN or Inf): "
-                               "store such samples lossless, or stop at them")
+            raise CorecapError("--nonfinite store and --store-dtype fp8 exclude each other "
+                               "(fp8 cannot hold NaN or Inf): store such samples lossless, or stop at them")
         if self.sampling.generate and self.nonfinite == "store":
             raise CorecapError("--max-tokens and --nonfinite store exclude each other: a response sampled from NaN/Inf "
                                "states is no training data (stop at them instead)")

@@ -110,7 +110,8 @@ class Responses:
         self.num_tokens += len(response.token_ids)
         self.reasons[response.finish_reason] = self.reasons.get(response.finish_reason, 0) + 1
         return Generation(
-            response.num_prompt, len(response.token_ids), response.finish_reason, response.stop_reason, response.seed, settings,
+            response.num_prompt, len(response.token_ids), response.finish_reason, response.stop_reason, response.seed,
+            settings,
         )
 
     def line(self) -> str:
@@ -206,7 +207,9 @@ class Conversations:
 
     def __init__(self, renderer, decode: Callable[[list[int]], str], max_tokens: int, max_len: int, overflow: str,
                  committed, stored_answer: Callable[[str], str]):
-        self.renderer, self.decode, self.max_tokens, self.max_len, self.overflow = renderer, decode, max_tokens, max_len, overflow
+        self.renderer, self.decode, self.max_tokens, self.max_len, self.overflow = (
+            renderer, decode, max_tokens, max_len, overflow
+        )
         self.committed, self.stored_answer = committed, stored_answer
         self.ready: deque[Turn] = deque()
         self.asked: dict[str, Turn] = {}  # req_id → the turn it answers

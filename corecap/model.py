@@ -91,7 +91,8 @@ def model_identity(model_dir: str, load_format: str) -> ModelIdentity:
 def load_tokenizer(model_dir: str):
     """The model's HF tokenizer from local files only; None when the directory has none."""
     if not any(
-        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        os.path.exists(os.path.join(model_dir, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):
         return None
     from transformers import AutoTokenizer

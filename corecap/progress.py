@@ -33,7 +33,8 @@ class Progress:
             written = f", {self.nbytes / 1e6 / elapsed:,.0f} MB/s" if self.nbytes else ""
             left = elapsed / self.samples * (self.total - self.samples) if self.samples else float("nan")
             self.stream.write(
-                f"\r{self.samples}/{self.total} samples, {self.tokens} tokens, {rate:,.0f} tokens/s{written}, ETA {left:,.0f}s   "
+                f"\r{self.samples}/{self.total} samples, {self.tokens} tokens, {rate:,.0f} tokens/s{written}, "
+                f"ETA {left:,.0f}s   "
             )
             self.stream.flush()
 

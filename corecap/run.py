@@ -1,14 +1,12 @@
 """A capture run: validate the input → open the store → start the sink and the engine → step →
 finish. `run(cfg)` is the library entry (corecap/api.py and the CLI call it).
 
-The step loop keeps the engine fed (about twice the sequences in flight queued), steps it, and
-leaves the data path to the sink process (corecap/sink/: ZeroMQ → reassembled samples →
-encoded, durable commits). Keys already in the store are skipped (after checking that their
-inputs did not change), so rerunning after any interruption completes the store.
+The step loop keeps the engine fed (about twice the sequences in flight queued), steps it, and leaves the data path to
+the sink process (corecap/sink/: ZeroMQ → reassembled samples → encoded, durable commits). Keys already in the store are
+skipped (after checking that their inputs did not change), so rerunning after any interruption completes the store.
 
-`run` changes no process-wide state for good: it installs no signal handler (a caller asks it
-to stop through `Stop`, which the CLI sets from SIGTERM and Ctrl-C) and runs from any thread.
-"""
+`run` changes no process-wide state for good: it installs no signal handler (a caller asks it to stop through `Stop`,
+which the CLI sets from SIGTERM and Ctrl-C) and runs from any thread."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ from corecap.transport import shm
 
 
 class Interrupted(CorecapError):
-    """A stop was requested (SIGTERM, Ctrl-C): the run stopped early after committing every
-    complete sample."""
+    """A stop was requested (SIGTERM, Ctrl-C): the run stopped early after committing every complete sample."""
 
 
 class Stop:
@@ -107,13 +104,15 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
 def _prepare(cfg: RunConfig, log) -> _Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
-    from corecap._vllm import Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes, placement, vllm_version
+    from corecap._vllm import (Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes,
+                               placement, vllm_version)
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
     layers = resolve_layers(cfg.layers, identity.num_layers)
-    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)  # vLLM's contract (its source first), the preflight
+    # vLLM's contract (its source first), the preflight
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)
     version = vllm_version()  # vLLM is imported by now, not before its source was checked
     check_pipeline(vllm_config, version)
     devices = placement(vllm_config, cfg.engine.data_parallel_size)
@@ -176,12 +175,14 @@ def _conversations(plan: _Plan) -> Conversations:
     from corecap.data.chat import ChatRenderer
 
     tokenizer, cfg = plan.read["tokenizer"], plan.cfg
-    renderer = ChatRenderer(tokenizer, plan.data_path, "messages", plan.read["template_kwargs"]) if plan.read["all_turns"] else None
+    renderer = (ChatRenderer(tokenizer, plan.data_path, "messages", plan.read["template_kwargs"])
+                if plan.read["all_turns"] else None)
 
     def stored_answer(key: str) -> str:
         with Store.open(cfg.store) as store:
             sample = store.get(key)
-        return tokenizer.decode(sample.input_ids[sample.header.generation.num_prompt :].tolist(), skip_special_tokens=True)
+        return tokenizer.decode(sample.input_ids[sample.header.generation.num_prompt :].tolist(),
+                                skip_special_tokens=True)
 
     return Conversations(
         renderer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), cfg.sampling.max_tokens,
@@ -339,8 +340,10 @@ class _Capture:
 
         nnodes, address, port = self.cluster
         identity = self.plan.identity
-        plan = nodes.Plan(msgspec.to_builtins(self.cfg.engine), identity.path, identity.config_hash, identity.weights_fingerprint, list(self.plan.layers))
-        self.nodes = nodes.Leader(nnodes, address, port, plan, (__version__, vllm_version()), self.cfg.stall_timeout, self.log)
+        plan = nodes.Plan(msgspec.to_builtins(self.cfg.engine), identity.path, identity.config_hash,
+                          identity.weights_fingerprint, list(self.plan.layers))
+        self.nodes = nodes.Leader(nnodes, address, port, plan, (__version__, vllm_version()), self.cfg.stall_timeout,
+                                  self.log)
 
     def _node_died(self, why: str) -> None:
         """Another node's worker died, or its `corecap worker` is gone: end the engine's wait.

@@ -32,7 +32,8 @@ class RunSummary:
             + (f"; generated {self.generated}" if self.generated else "")
             + (f"; input: {self.outcomes}" if self.outcomes else "")
             + (f"; stored once: {self.num_referring} samples refer to earlier ones for their prefix "
-               f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), {self.num_stored_whole} with cache hits "
+               f"({self.referred_bytes / 1e6:.1f} MB of raw states not written), "
+               f"{self.num_stored_whole} with cache hits "
                "stored whole (the sample they would refer to was not yet committed)"
                if self.num_referring or self.num_stored_whole else "")
         )

@@ -65,7 +65,8 @@ def pytest_sessionstart(session):
 def tiny_model(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     # Norm weights not all ones: the pre-norm final state then differs from layer N in more than scale.
-    build_tiny_llama(path, seed=SEED, num_layers=NUM_LAYERS, vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, random_norms=True)
+    build_tiny_llama(path, seed=SEED, num_layers=NUM_LAYERS, vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS,
+                     random_norms=True)
     texts = ["the quick brown fox jumps over the lazy dog", "hidden states for a draft head"] * 20
     build_tokenizer(path, texts, vocab_size=VOCAB)
     return path
@@ -142,7 +143,8 @@ def tp2_run(tiny_model, tmp_path_factory):
     cfg = build(
         model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 2, 5, 8, PRENORM),
         tp=2, batch=3, max_len=512, max_batched_tokens=64, dtype="float32", ring=False,
-        enable_prefix_caching=False,  # the matrix's TP=2 run on every release; TP=2 with caching: test_prefix, test_generate
+        # the matrix's TP=2 run on every release; TP=2 with caching: test_prefix, test_generate
+        enable_prefix_caching=False,
     )
     log: list[str] = []
     summary = run(cfg, log=log.append)
@@ -162,8 +164,9 @@ def verifier(tmp_path_factory) -> str:
 
     path = str(tmp_path_factory.mktemp("verifier"))
     config = transformers.LlamaConfig(
-        vocab_size=VERIFIER_VOCAB, hidden_size=VERIFIER_HIDDEN, intermediate_size=128, num_hidden_layers=VERIFIER_LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=VERIFIER_VOCAB, hidden_size=VERIFIER_HIDDEN, intermediate_size=128,
+        num_hidden_layers=VERIFIER_LAYERS, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)

@@ -109,9 +109,11 @@ def test_what_data_parallelism_and_nodes_rely_on():
     assert {"nnodes", "node_rank", "master_addr", "master_port"} <= set(ParallelConfig.__dataclass_fields__)
     assert isinstance(inspect.getattr_static(ParallelConfig, "local_world_size"), property)
     for tp, pp in ((1, 1), (2, 1), (1, 2), (4, 2)):
-        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1, world_size=tp * pp)
+        parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1,
+                                   world_size=tp * pp)
         executor = SimpleNamespace(world_size=tp * pp, parallel_config=parallel)
-        assert MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel)) == tp * (pp - 1)
+        assert (MultiprocExecutor._get_output_rank(executor) == output_rank(SimpleNamespace(parallel_config=parallel))
+                == tp * (pp - 1))
 
 
 def test_what_pipeline_parallelism_relies_on():
@@ -135,7 +137,8 @@ def test_what_pipeline_parallelism_relies_on():
     from vllm.model_executor.models.llama import LlamaModel
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import reserve_aux_intermediate_tensor_slots
 
-    assert hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp") and LlamaModel.supports_aux_hidden_states_over_pp
+    assert (hasattr(EagleModelMixin, "supports_aux_hidden_states_over_pp")
+            and LlamaModel.supports_aux_hidden_states_over_pp)
     assert "make_empty_intermediate_tensors" in inspect.getsource(reserve_aux_intermediate_tensor_slots)
     assert get_pp_indices(8, 0, 2) == (0, 4) and get_pp_indices(8, 1, 2) == (4, 8)
 

@@ -60,7 +60,8 @@ def _case_of(key: str) -> str:
 
 def test_every_sample_matches_hf(exact_run, hf_model):
     cfg, summary = exact_run
-    ring_line = next(line for line in RUN_LOGS["exact"] if line.startswith("states to the store: shared-memory ring 4 slots of"))
+    ring_line = next(line for line in RUN_LOGS["exact"]
+                     if line.startswith("states to the store: shared-memory ring 4 slots of"))
     assert re.search(r"slots of [1-9]\d* (KiB|MiB) in ", ring_line), ring_line  # never "0 MiB"
     _check_store(cfg, summary, hf_model, "text (tokenized)")
 
@@ -159,7 +160,9 @@ def test_fp8_quantised_by_the_workers_is_the_sinks_quantisation_of_the_same_stat
         for key in keys:
             states = exact.get(key).hidden_states
             sample = store.get(key)
-            assert (sample.header.codec, sample.header.dtype, sample.header.hidden_size) == (FP8, "float32", states.shape[-1])
+            assert (sample.header.codec, sample.header.dtype, sample.header.hidden_size) == (
+                FP8, "float32", states.shape[-1]
+            )
             assert sample.header.payload_bytes == states[:, sample.header.num_prefix :].numel() * 4  # its own positions
             expected = dequantize_fp8(quantize_fp8(states), tuple(states.shape), states.dtype)
             assert np.array_equal(sample.hidden_states.numpy(), expected.numpy()), key

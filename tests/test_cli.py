@@ -16,7 +16,8 @@ def corecap(*args, cwd, env_extra=None, check=True):
     import os
 
     env = {**os.environ, **(env_extra or {})}
-    result = subprocess.run([sys.executable, "-m", "corecap.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "corecap.cli", *args], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=900)
     if check and result.returncode != 0:
         raise AssertionError(f"corecap {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return result

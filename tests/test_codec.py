@@ -39,7 +39,8 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 def _round_trip(raw: np.ndarray, dtype: str, name: str) -> None:
     buf = encode(raw, dtype, name)
     out = decode(buf, dtype, raw.nbytes, name)
-    assert not memoryview(out).readonly and memoryview(out).nbytes == raw.nbytes  # writable: torch.frombuffer takes it as is
+    # writable: torch.frombuffer takes it as is
+    assert not memoryview(out).readonly and memoryview(out).nbytes == raw.nbytes
     assert bytes(out) == raw.tobytes()
 
 
@@ -275,7 +276,8 @@ def _fp8_reference(states: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_payload_is_the_plain_formula_to_the_bit(dtype):
     g = torch.Generator().manual_seed(3)
-    spread = torch.logspace(-6, 4, 33)[None, :, None] if dtype == torch.float16 else torch.logspace(-30, 30, 33)[None, :, None]
+    spread = (torch.logspace(-6, 4, 33)[None, :, None] if dtype == torch.float16
+              else torch.logspace(-30, 30, 33)[None, :, None])
     states = (torch.randn(3, 33, 24, generator=g) * spread).to(dtype)
     states[0, 0] = 0  # a zero row: the floor scale
     assert quantize_fp8(states).tobytes() == _fp8_reference(states)

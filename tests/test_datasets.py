@@ -179,11 +179,13 @@ def test_input_ids_with_loss_mask_pass_through(tmp_path, tok):
 @pytest.mark.parametrize(
     "row, message, reason",
     [
-        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "field 'loss_mask' has 2 entries, 'input_ids' has 3", "bad loss_mask"),
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "field 'loss_mask' has 2 entries, 'input_ids' has 3",
+         "bad loss_mask"),
         ({"input_ids": [1, 2], "loss_mask": [0, 2]}, "field 'loss_mask' must be a list of 0s and 1s", "bad loss_mask"),
         ({"input_ids": [1, 2], "loss_mask": "01"}, "field 'loss_mask' must be a list of 0s and 1s", "bad loss_mask"),
         ({"input_ids": [1, 2], "loss_mask": [0, 0]}, "the loss mask marks no token", "empty loss mask"),
-        ({"text": "the dog", "loss_mask": [1, 1]}, "field 'loss_mask' goes with 'input_ids', not with 'text'", "bad loss_mask"),
+        ({"text": "the dog", "loss_mask": [1, 1]}, "field 'loss_mask' goes with 'input_ids', not with 'text'",
+         "bad loss_mask"),
         ({"input_ids": [1], "text": "the dog"}, "fields 'input_ids' and 'text' both given", "several input fields"),
         ({"text": "x", "messages": CHAT}, "fields 'text' and 'messages' both given", "several input fields"),
     ],
@@ -234,7 +236,8 @@ def _check_bad_row(tmp_path, tok, row, message, reason):
         ({"messages": [["user", "hi"]]}, "messages[0] must be an object, got list", "malformed conversation"),
         ({"messages": [{"content": "x"}]}, "messages[0] has no field 'role'", "malformed conversation"),
         ({"conversations": [{"from": "gpt"}]}, "conversations[0] has no field 'value'", "malformed conversation"),
-        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn (nothing to train on)", "no assistant turn"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn (nothing to train on)",
+         "no assistant turn"),
         ({"id": 1.5, "messages": CHAT}, "field 'id' must be a string or an integer", "bad id"),
         ("[1, 2]", "expected a JSON object, got list", "not an object"),
         ('{"messages": [', "not valid JSON", "not valid JSON"),
@@ -265,7 +268,8 @@ def test_all_rows_skipped_is_an_error(tmp_path, tok):
 
 
 def test_overflow_policies(tmp_path, tok):
-    short_chat = [{"role": "user", "content": "the fox?"}, {"role": "assistant", "content": "it jumps over the lazy dog"}]
+    short_chat = [{"role": "user", "content": "the fox?"},
+                  {"role": "assistant", "content": "it jumps over the lazy dog"}]
     long_chat = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 3},
                  {"role": "assistant", "content": "it does"}]
     rows = [
@@ -335,7 +339,8 @@ def test_json_array_reads_like_json_lines(tmp_path, tok, monkeypatch, chunk):
         ('[{"input_ids": [1]}] [', "d.json: text after the closing ']' (line 1)"),
         ('[{"input_ids": [1]},', "d.json: element 2: the file ends inside the array"),
         ('[{"input_ids": [1]}, 5]', "d.json: element 2: expected a JSON object, got int"),
-        ('[{"id": "a", "input_ids": [1]}, {"id": "a", "input_ids": [2]}]', "d.json: element 2: duplicate id 'a' (first seen at element 1)"),
+        ('[{"id": "a", "input_ids": [1]}, {"id": "a", "input_ids": [2]}]',
+         "d.json: element 2: duplicate id 'a' (first seen at element 1)"),
     ],
 )
 def test_json_array_errors(tmp_path, tok, text, message):
@@ -380,7 +385,8 @@ def test_parquet_without_pyarrow(tmp_path, tok, monkeypatch):
     (tmp_path / "d.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(CorecapError, match=r"d.parquet: reading Parquet needs pyarrow \(pip install 'corecap\[parquet\]'"):
+    with pytest.raises(CorecapError,
+                       match=r"d.parquet: reading Parquet needs pyarrow \(pip install 'corecap\[parquet\]'"):
         summary(tmp_path / "d.parquet", tok)
 
 
@@ -466,7 +472,8 @@ def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(corecap.store.merge, "_BATCH_BYTES", 3000)  # several state-file writes per input
     put_all = corecap.store.merge.put_all
-    monkeypatch.setattr(corecap.store.merge, "put_all", lambda store, *a, **k: put_all(store, *a, commit_records=5, **k))
+    monkeypatch.setattr(corecap.store.merge, "put_all",
+                        lambda store, *a, **k: put_all(store, *a, commit_records=5, **k))
     keys = [f"k{i}" for i in range(40)] + ["ключ", "x" * 300]
     whole = _store(tmp_path / "whole", keys)
     shards = [_store(tmp_path / f"shard{k}", [key for key in keys if data.shard_of(key, 3) == k]) for k in range(3)]
@@ -502,7 +509,8 @@ def test_merge_refuses_a_key_with_different_inputs(tmp_path):
     with pytest.raises(CorecapError) as e:
         merge_stores(out, [one, two])
     message = str(e.value)
-    assert message.startswith(f"key 'c' is in {one} (input fingerprint ") and f"and in {two} (input fingerprint " in message
+    assert (message.startswith(f"key 'c' is in {one} (input fingerprint ")
+            and f"and in {two} (input fingerprint " in message)
     assert _data_mdb(out) == before  # refused before anything was written
     with pytest.raises(CorecapError, match="key 'c' is in "):
         merge_stores(tmp_path / "new", [one, two])
@@ -515,7 +523,8 @@ def test_merge_refuses_a_key_with_different_inputs(tmp_path):
         (dict(dtype="bfloat16"), "dtype"),
         (dict(layers=(2, 5)), "layers"),
         (dict(codec="zstd-planes"), "codec"),
-        (dict(model=ModelIdentity("/models/m", "LlamaForCausalLM", "c" * 32, "v" * 32, 8, HIDDEN, VOCAB)), "model.weights_fingerprint"),
+        (dict(model=ModelIdentity("/models/m", "LlamaForCausalLM", "c" * 32, "v" * 32, 8, HIDDEN, VOCAB)),
+         "model.weights_fingerprint"),
     ],
 )
 def test_merge_refuses_stores_whose_metadata_disagree(tmp_path, change, field):
@@ -558,4 +567,5 @@ def test_merge_command(tmp_path):
     result = CliRunner().invoke(merge, [str(tmp_path / "out"), bad])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        f"corecap: error: {bad}: metadata disagrees with {tmp_path / 'out'}: dtype is 'float16' there, 'float32' in {tmp_path / 'out'}"]
+        f"corecap: error: {bad}: metadata disagrees with {tmp_path / 'out'}: "
+        f"dtype is 'float16' there, 'float32' in {tmp_path / 'out'}"]

@@ -76,11 +76,14 @@ def test_speculators_loader_reads_the_store(tmp_path, captured, verifier):
         for row in rows:
             ids, mask, ref = captured[row["key"]]
             item = dataset[row["row"]]
-            assert item["input_ids"].dtype == torch.int64 and torch.equal(item["input_ids"], torch.from_numpy(ids.astype(np.int64)))
+            assert item["input_ids"].dtype == torch.int64 and torch.equal(item["input_ids"],
+                                                                          torch.from_numpy(ids.astype(np.int64)))
             assert item["loss_mask"].dtype == torch.int64 and torch.equal(item["loss_mask"], _mask(mask, ids.size))
-            assert torch.equal(item["hidden_states"], torch.cat([ref[k] for k in AUX], dim=-1))  # every aux slice, float32 as stored
+            # every aux slice, float32 as stored
+            assert torch.equal(item["hidden_states"], torch.cat([ref[k] for k in AUX], dim=-1))
             assert torch.equal(item["verifier_last_hidden_states"], ref["prenorm"])
-        collate = CollateFn(max_len=256, hidden_size=VERIFIER_HIDDEN, num_target_layers=len(AUX), dtype=torch.float32, preprocess=shift_batch)
+        collate = CollateFn(max_len=256, hidden_size=VERIFIER_HIDDEN, num_target_layers=len(AUX), dtype=torch.float32,
+                            preprocess=shift_batch)
         batch = collate([dataset[i] for i in range(len(dataset))])
     assert batch["error_records"] == 0
     # token_freq.pt, as speculators' own prepare_data counts it from the same table.
@@ -121,7 +124,8 @@ def _speculators_teacher(verifier):
 def _speculators_batch(out):
     ArrowDataset, CollateFn, shift_batch, _, _ = speculators()
     dataset = ArrowDataset(max_len=512, datapath=str(out), on_missing="raise")
-    collate = CollateFn(max_len=512, hidden_size=VERIFIER_HIDDEN, num_target_layers=len(AUX), dtype=torch.float32, preprocess=shift_batch)
+    collate = CollateFn(max_len=512, hidden_size=VERIFIER_HIDDEN, num_target_layers=len(AUX), dtype=torch.float32,
+                        preprocess=shift_batch)
     batch = collate([dataset[i] for i in range(len(dataset))])
     assert batch["error_records"] == 0
     return batch
@@ -296,7 +300,8 @@ def test_bfloat16_and_fp8_stores_export_what_the_store_reads(tmp_path, captured,
     out = tmp_path / "spec"
     result = _ok(store, out, "speculators")
     assert ("lossy fp8" in result.output) == (codec == "fp8-e4m3-rowscale")
-    assert f"{sum(m is None for _, m, _ in captured.values())} of {len(captured)} samples had no loss mask: exported with all ones" in result.output
+    assert (f"{sum(m is None for _, m, _ in captured.values())} of {len(captured)} samples had no loss mask: "
+            "exported with all ones") in result.output
     ArrowDataset = speculators()[0]
     dataset = ArrowDataset(max_len=64, datapath=str(out), on_missing="raise")
     with Store.open(store) as s:
@@ -353,10 +358,12 @@ def test_refusals_name_what_is_missing_and_the_flag_that_captures_it(tmp_path, c
     assert "capture three with `corecap run --layers 1,2,3,4,prenorm`" in line
     full = write_captured_store(str(tmp_path / "d"), captured, verifier)
     assert "the store has no layer 7" in _refused(tmp_path, full, "speculators", "--aux-layers", "1,7")
-    assert "capture three with `corecap run --layers 1,2,3,4,prenorm`" in _refused(tmp_path, full, "specforge", "--aux-layers", "1,2")
+    assert "capture three with `corecap run --layers 1,2,3,4,prenorm`" in _refused(tmp_path, full, "specforge",
+                                                                                    "--aux-layers", "1,2")
     four = write_captured_store(str(tmp_path / "e"), captured, verifier, layers=(0, 1, 2, 3, 4))
     assert "choose three with --aux-layers, e.g. --aux-layers 1,2,3" in _refused(tmp_path, four, "specforge")
-    assert "SpecForge names aux layers by HF index - 1" in _refused(tmp_path, full, "specforge", "--aux-layers", "2,3,4")
+    assert "SpecForge names aux layers by HF index - 1" in _refused(tmp_path, full, "specforge",
+                                                                    "--aux-layers", "2,3,4")
     keys = tmp_path / "keys.txt"
     keys.write_text(f"{sorted(captured)[0]}\nnot-a-key\n")
     assert "has no sample with key 'not-a-key'" in _refused(tmp_path, full, "speculators", "--keys", str(keys))

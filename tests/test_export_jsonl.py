@@ -40,7 +40,8 @@ def _samples(tokenizer) -> dict:
     out = {}
     for i, (key, (response, reason, stop)) in enumerate(responses.items()):
         source = chat if key == "gen-chat" else PROMPTS.get(key)
-        prompt = tokenizer.encode(source, add_special_tokens=False) if source is not None else rng.integers(3, vocab, size=9).tolist()
+        prompt = (tokenizer.encode(source, add_special_tokens=False) if source is not None
+                  else rng.integers(3, vocab, size=9).tolist())
         ids = np.array(prompt + response, dtype=np.int32)
         mask = np.array([0] * len(prompt) + [1] * len(response), dtype=np.uint8)
         out[key] = (ids, mask, Generation(len(prompt), len(response), reason, stop, 1000 + i, SAMPLING), source)
@@ -94,7 +95,8 @@ def test_export_jsonl_reads_back_as_the_tokenizer_decodes(generated, tokenizer, 
     out = tmp_path / "samples.jsonl"
     r = _corecap("export", "--store", store, "--format", "jsonl", "--out", str(out))
     assert r.exit_code == 0, r.stderr
-    assert f"{out}: 7 samples" in r.stdout and "5 with the model's response" in r.stdout and "no hidden states" in r.stdout
+    assert (f"{out}: 7 samples" in r.stdout and "5 with the model's response" in r.stdout
+            and "no hidden states" in r.stdout)
     assert "1 of 7 samples hold token ids the tokenizer has no token for" in r.stdout
     lines = _read_jsonl(out)
     assert [line["id"] for line in lines] == sorted(samples)  # the store's key order
@@ -158,13 +160,15 @@ def test_export_jsonl_refuses_before_writing(generated, tiny_model, tokenizer, t
     keys.write_text("gen-text\nno-such-key\n")
     refusals = [
         (["--keys", str(keys)], f"--keys: {store} has no sample with key 'no-such-key'"),
-        (["--aux-layers", "2"], "--aux-layers applies to the hidden states, and --format jsonl writes none (it is the text)"),
+        (["--aux-layers", "2"],
+         "--aux-layers applies to the hidden states, and --format jsonl writes none (it is the text)"),
         (["--workers", "2"], "--workers applies to the hidden states"),
     ]
     for extra, message in refusals:
         r = _corecap("export", "--store", store, "--format", "jsonl", "--out", str(out), *extra)
         assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
-    r = _corecap("export", "--store", store, "--format", "speculators", "--out", str(tmp_path / "d"), "--tokenizer", tiny_model)
+    r = _corecap("export", "--store", store, "--format", "speculators", "--out", str(tmp_path / "d"),
+                 "--tokenizer", tiny_model)
     assert r.exit_code == 2 and "--tokenizer applies to --format jsonl only" in r.stderr
     # A store whose model directory has no tokenizer here: one line, and --tokenizer gives one.
     bare = tmp_path / "bare-model"
@@ -172,7 +176,8 @@ def test_export_jsonl_refuses_before_writing(generated, tiny_model, tokenizer, t
     other = _write_store(str(tmp_path / "other"), str(bare), {k: samples[k] for k in ("gen-text", "plain-nomask")})
     r = _corecap("export", "--store", other, "--format", "jsonl", "--out", str(out))
     assert r.exit_code == 2 and r.stderr.strip() == (
-        f"corecap: error: --format jsonl decodes with the model's tokenizer, and the store's model directory {bare} has no "
+        "corecap: error: --format jsonl decodes with the model's tokenizer, "
+        f"and the store's model directory {bare} has no "
         "tokenizer files: pass --tokenizer DIR (the model's directory, or one with its tokenizer files)")
     assert not os.path.exists(out) and not os.path.exists(str(out) + ".partial")
     r = _corecap("export", "--store", other, "--format", "jsonl", "--out", str(out), "--tokenizer", tiny_model)
@@ -188,7 +193,8 @@ def test_get_shows_the_response_and_writes_its_record(generated, tmp_path):
     store, samples = generated
     r = _corecap("get", "gen-length", "--store", store)
     assert r.exit_code == 0 and r.stdout.strip().endswith(
-        f", prompt of {samples['gen-length'][2].num_prompt} tokens, response of 20 tokens (finished by length)"), r.stdout
+        f", prompt of {samples['gen-length'][2].num_prompt} tokens, response of 20 tokens (finished by length)"
+    ), r.stdout
     assert "(finished by stop ' head')" in _corecap("get", "gen-stop", "--store", store).stdout
     assert "response" not in _corecap("get", "plain-nomask", "--store", store).stdout
     out = tmp_path / "g.safetensors"
@@ -197,8 +203,8 @@ def test_get_shows_the_response_and_writes_its_record(generated, tmp_path):
         record = json.loads(f.metadata()["generation"])
         assert f.get_tensor("input_ids").tolist() == samples["gen-stop"][0].tolist()
     g = samples["gen-stop"][2]
-    assert record == {"num_prompt": g.num_prompt, "num_generated": g.num_generated, "finish_reason": "stop", "stop": " head",
-                      "seed": g.seed, "sampling": SAMPLING}
+    assert record == {"num_prompt": g.num_prompt, "num_generated": g.num_generated, "finish_reason": "stop",
+                      "stop": " head", "seed": g.seed, "sampling": SAMPLING}
     plain = tmp_path / "p.safetensors"
     assert _corecap("get", "plain-mask", "--store", store, "--out", str(plain)).exit_code == 0
     with safe_open(str(plain), "pt") as f:
@@ -210,7 +216,8 @@ def test_info_and_ls_count_the_responses(generated):
     info = json.loads(_corecap("info", "--store", store).stdout)
     generations = [s[2] for s in samples.values() if s[2] is not None]
     assert info["num_samples"] == 7 and info["num_tokens"] == sum(len(s[0]) for s in samples.values())
-    assert info["num_generated_samples"] == 5 and info["num_generated_tokens"] == sum(g.num_generated for g in generations)
+    assert (info["num_generated_samples"] == 5
+            and info["num_generated_tokens"] == sum(g.num_generated for g in generations))
     assert info["finish_reasons"] == {"eos": 1, "length": 3, "stop": 1}
     assert _corecap("ls", "--store", store).stdout.split() == sorted(samples)
     rows = [line.split("\t") for line in _corecap("ls", "-l", "--store", store).stdout.splitlines()]
@@ -218,7 +225,8 @@ def test_info_and_ls_count_the_responses(generated):
     for key, *columns in rows:
         ids, _, g, _ = samples[key]
         assert columns[0] == f"{len(ids)} tokens"
-        expected = [] if g is None else [f"prompt of {g.num_prompt} tokens, response of {g.num_generated} tokens (finished by {g.finish_reason}"
+        expected = [] if g is None else [f"prompt of {g.num_prompt} tokens, response of {g.num_generated} tokens "
+                                         f"(finished by {g.finish_reason}"
                                          + (f" {g.stop!r})" if g.stop else ")")]
         assert columns[1:] == expected
 
@@ -231,7 +239,8 @@ def test_dataset_items_carry_what_a_trainer_filters_on(generated):
     for item in (ds[i] for i in range(len(ds))):
         ids, mask, g, _ = samples[item["key"]]
         assert {"key", "input_ids", "loss_mask", "hidden_states"} <= set(item)
-        assert item["input_ids"].tolist() == ids.tolist() and item["hidden_states"].shape == (len(LAYERS), len(ids), HIDDEN)
+        assert (item["input_ids"].tolist() == ids.tolist()
+                and item["hidden_states"].shape == (len(LAYERS), len(ids), HIDDEN))
         assert item["loss_mask"].tolist() == ([1] * len(ids) if mask is None else mask.tolist())
         if g is None:
             assert "num_prompt" not in item and "finish_reason" not in item
@@ -249,4 +258,5 @@ def test_a_sample_stored_with_nonfinite_states_keeps_its_text(tokenizer):
     states = torch.full((len(LAYERS), len(ids), HIDDEN), float("nan"))
     header = decode_header("nan", encode_sample("nan", ids, states, LAYERS, codec="raw", nonfinite=True).header)
     line = sample_line("nan", header, ids, tokenizer)
-    assert line == {"id": "nan", "text": "the lazy dog", "nonfinite": True, "input_ids": ids.tolist(), "loss_mask": None}
+    assert line == {"id": "nan", "text": "the lazy dog", "nonfinite": True, "input_ids": ids.tolist(),
+                    "loss_mask": None}

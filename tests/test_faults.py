@@ -60,7 +60,9 @@ def reference(inputs):
     """The uninterrupted run every interrupted one is compared with, and its timing."""
     cmd = _command(inputs, "reference")
     outcome, timing = kill_loop.timed_run(cmd, "reference", timeout=900)
-    assert outcome.returncode == 0 and not outcome.failed, f"the uninterrupted run failed: {outcome.line()}\n{outcome.stderr_tail}"
+    assert outcome.returncode == 0 and not outcome.failed, (
+        f"the uninterrupted run failed: {outcome.line()}\n{outcome.stderr_tail}"
+    )
     assert outcome.committed_after == NUM_SAMPLES
     print(f"\nreference: load {timing.load:.1f}s, capture {timing.capture:.1f}s, total {timing.total:.1f}s")
     return cmd.store, timing
@@ -75,7 +77,10 @@ def _verify(store: str) -> subprocess.CompletedProcess:
 def _assert_matches_reference(reference_store: str, store: str) -> None:
     comparison = kill_loop.compare_stores(reference_store, store)
     print(f"\n{store}: {comparison.line()}")  # the measured difference, as the issue asks
-    assert comparison.ok, f"{comparison.line()}\nheader mismatches: {comparison.header_mismatches[:10]}\nmissing: {comparison.missing[:10]}\nextra: {comparison.extra[:10]}"
+    assert comparison.ok, (
+        f"{comparison.line()}\nheader mismatches: {comparison.header_mismatches[:10]}\n"
+        f"missing: {comparison.missing[:10]}\nextra: {comparison.extra[:10]}"
+    )
     result = _verify(store)
     assert result.returncode == 0, f"corecap verify failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
 
@@ -317,9 +322,11 @@ def _stop_problems(s: Stopped, ipc: bool = True) -> list[str]:
     if ipc and s.leftover_ipc:
         problems.append(f"IPC files left after exit: {s.leftover_ipc}")
     if s.committed_after < s.committed_before_signal:
-        problems.append(f"the store lost samples ({s.committed_before_signal} at the signal, {s.committed_after} after)")
+        problems.append(f"the store lost samples ({s.committed_before_signal} at the signal, "
+                        f"{s.committed_after} after)")
     if s.verify.returncode != 0:
-        problems.append(f"corecap verify after the stop exited {s.verify.returncode}:\n{s.verify.stdout[-2000:]}{s.verify.stderr[-2000:]}")
+        problems.append(f"corecap verify after the stop exited {s.verify.returncode}:\n"
+                        f"{s.verify.stdout[-2000:]}{s.verify.stderr[-2000:]}")
     return problems
 
 
@@ -450,13 +457,17 @@ def test_a_forward_pass_that_raised_is_named_not_its_empty_sample_output():
     engine._interrupted, engine.problem = None, lambda: None
     engine.executor = types.SimpleNamespace(output_rank=0)
     failed, empty = Future(), Future()
-    failed.set_exception(RuntimeError("Worker failed with error 'No module named 'flashinfer'', please check the stack trace above for the root cause"))
+    failed.set_exception(RuntimeError("Worker failed with error 'No module named 'flashinfer'', "
+                                      "please check the stack trace above for the root cause"))
     empty.set_result(types.SimpleNamespace(req_id_to_index={}))
     engine._fill = lambda timing: None
     engine.in_flight = deque([_Batch(types.SimpleNamespace(total_num_scheduled_tokens=8), failed, empty)])
     seen = []
-    engine.core = types.SimpleNamespace(scheduler=types.SimpleNamespace(update_from_output=lambda *a: seen.append(a) or {}))
-    with pytest.raises(CorecapError, match=r"^worker rank 0 failed during an engine step: No module named 'flashinfer'$"):
+    engine.core = types.SimpleNamespace(
+        scheduler=types.SimpleNamespace(update_from_output=lambda *a: seen.append(a) or {})
+    )
+    with pytest.raises(CorecapError,
+                       match=r"^worker rank 0 failed during an engine step: No module named 'flashinfer'$"):
         engine.step()
     assert not seen, "the scheduler was given the empty output"
 
@@ -509,13 +520,15 @@ def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
     _, _, s, _ = interrupted
     last = s.run.last_stderr_line()
     print(
-        f"\nworker pid {s.detail} killed at {s.signal_at:.1f}s ({s.committed_before_signal} of {NUM_SAMPLES} committed): "
+        f"\nworker pid {s.detail} killed at {s.signal_at:.1f}s "
+        f"({s.committed_before_signal} of {NUM_SAMPLES} committed): "
         f"exit {s.returncode} after {s.seconds_to_exit:.1f}s ({s.committed_after} committed); last line: {last}"
     )
     if s.leftover_ipc:
         print(f"IPC files left (not required after a worker's death): {s.leftover_ipc}")
     if s.committed_after >= NUM_SAMPLES:
-        pytest.fail(f"the run finished before its worker was killed ({s.committed_after} of {NUM_SAMPLES} committed): nothing was tested")
+        pytest.fail(f"the run finished before its worker was killed ({s.committed_after} of {NUM_SAMPLES} committed): "
+                    "nothing was tested")
     problems = _stop_problems(s, ipc=False)  # a SIGKILLed worker cannot clean up after itself
     # the driver's one-line error; a dead worker's resource-tracker warnings may follow it
     errors = [line for line in s.run.stderr().splitlines() if line.startswith("corecap: error:")]
@@ -551,7 +564,8 @@ def test_no_network_surface(interrupted):
             problems.append(f"{path}: mode {oct(mode)}, owner {uid}: expected 0o700, owned by us")
     for path, mode in sorted(seen.unix_sockets.items()):
         if mode is None or mode & 0o077:  # None: abstract (no permissions at all) or already gone
-            problems.append(f"unix socket {path!r} in a directory of mode {'None' if mode is None else oct(mode)}, expected 0o700")
+            problems.append(f"unix socket {path!r} in a directory of mode {'None' if mode is None else oct(mode)}, "
+                            "expected 0o700")
     host = os.readlink("/proc/self/ns/net")
     for pid, name, address, netns in sorted(seen.tcp_listening):
         if netns == host:
@@ -559,7 +573,8 @@ def test_no_network_surface(interrupted):
         else:
             print(f"\npid {pid} ({name}) listens on {address} inside its private namespace {netns}")
     if not any(netns != host for *_, netns in seen.tcp_listening):
-        problems.append("no listener was seen in a private namespace: the check saw nothing (vLLM's gloo always listens)")
+        problems.append("no listener was seen in a private namespace: the check saw nothing "
+                        "(vLLM's gloo always listens)")
     assert not problems, "\n".join(problems)
 
 
@@ -572,7 +587,8 @@ def small_filesystem(tmp_path):
     elsewhere, support/machine.py)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True,
+                            text=True)
     why = result.stderr.strip() or result.returncode
     machine.require(result.returncode == 0, f"mounting a 3 MB tmpfs ({why}; needs root)")
     try:
@@ -604,5 +620,6 @@ def test_disk_full_stops_with_a_clear_message_and_a_readable_store(inputs, small
         problems.append(f"processes left after exit: {leftovers}")
     result = _verify(cmd.store)  # the store still opens, and what it holds is whole
     if result.returncode != 0:
-        problems.append(f"corecap verify after disk full exited {result.returncode}:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        problems.append(f"corecap verify after disk full exited {result.returncode}:\n"
+                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
     assert not problems, "\n".join(problems) + f"\n--- stderr tail ---\n{run.stderr()[-2000:]}"

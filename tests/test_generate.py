@@ -27,7 +27,8 @@ BUFFER_BYTES = 3 * (150 + MAX_TOKENS) * len(LAYERS) * 64 * 4
 
 def _rows() -> list[dict]:
     rng = np.random.default_rng(SEED + 33)
-    rows = [{"id": f"ids-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate((1, 7, 40, 90, 150))]
+    rows = [{"id": f"ids-{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
+            for i, n in enumerate((1, 7, 40, 90, 150))]
     rows.append({"id": "text", "text": "the quick brown fox"})
     rows.append({"id": "chat", "messages": [
         {"role": "system", "content": "You are terse."},
@@ -110,7 +111,8 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
             differ = next((i for i, (a, b) in enumerate(zip(response, expected)) if a != b), None)
             if differ is not None:
                 assert gaps[differ] < NEAR_TIE, (row["id"], differ, response, expected, gaps[differ])
-                print(f"{row['id']}: greedy differs from HF at response token {differ}, a near tie (gap {gaps[differ]:.2e})")
+                print(f"{row['id']}: greedy differs from HF at response token {differ}, "
+                      f"a near tie (gap {gaps[differ]:.2e})")
             elif gen.finish_reason == FINISH_EOS:
                 assert response[-1] in (tokenizer.eos_token_id,)
 
@@ -130,17 +132,21 @@ def _prepare_error(tiny_model, tmp_path, rows, **options) -> str:
 
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     with pytest.raises(CorecapError) as e:
-        run(build(model=tiny_model, data=data, store=str(tmp_path / "store"), dtype="float32", **options), log=lambda line: None)
+        run(build(model=tiny_model, data=data, store=str(tmp_path / "store"), dtype="float32", **options),
+            log=lambda line: None)
     return str(e.value)
 
 
 def test_refusals_come_before_the_model_loads(tiny_model, tmp_path):
     long = [{"id": "long", "input_ids": list(range(3, 500))}]
     message = _prepare_error(tiny_model, tmp_path, long, max_tokens=64)
-    assert "data.jsonl:1: sample 'long' has a prompt of 497 tokens, and --max-tokens 64 after it makes more than --max-len 512" in message
+    assert ("data.jsonl:1: sample 'long' has a prompt of 497 tokens, "
+            "and --max-tokens 64 after it makes more than --max-len 512") in message
     assert "--overflow truncate writes a shorter response" in message
     nothing = [{"id": "c", "messages": [{"role": "system", "content": "x"}, {"role": "assistant", "content": "y"}]}]
-    assert "has no user turn before its last assistant turns (nothing to answer)" in _prepare_error(tiny_model, tmp_path, nothing, max_tokens=4)
+    assert "has no user turn before its last assistant turns (nothing to answer)" in _prepare_error(
+        tiny_model, tmp_path, nothing, max_tokens=4
+    )
     short = [{"id": "s", "input_ids": [5, 6]}]
     assert "vLLM refuses them" in _prepare_error(tiny_model, tmp_path, short, max_tokens=4, top_p=1.5)
     assert not (tmp_path / "store" / "data.mdb").exists()  # nothing stored by any of them
@@ -154,9 +160,12 @@ def test_overflow_truncate_writes_a_shorter_response(tiny_model, tmp_path):
     from corecap import data
     from corecap.model import load_tokenizer
 
-    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "input_ids": list(range(3, 103))}, {"id": "b", "input_ids": list(range(3, 13))}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "input_ids": list(range(3, 103))},
+                                              {"id": "b", "input_ids": list(range(3, 13))}])
     read = dict(tokenizer=load_tokenizer(tiny_model), vocab_size=VOCAB, max_len=110, max_tokens=20)
-    assert [(s.key, s.max_tokens) for s in data.read_samples(path, overflow="truncate", **read)] == [("a", 10), ("b", 20)]
+    assert [(s.key, s.max_tokens) for s in data.read_samples(path, overflow="truncate", **read)] == [
+        ("a", 10), ("b", 20),
+    ]
     assert [s.key for s in data.read_samples(path, overflow="skip", **read)] == ["b"]
     samples = list(data.read_samples(path, overflow="truncate", **read))
     assert all(s.loss_mask.tolist() == [0] * len(s.token_ids) for s in samples)
@@ -204,7 +213,8 @@ def test_request_seeds_are_stable_across_processes_and_differ_by_key():
     import sys
 
     other = subprocess.run(
-        [sys.executable, "-c", "from corecap.generation import request_seed; print(request_seed(0, 'a'), request_seed(5, 'key-9'))"],
+        [sys.executable, "-c",
+         "from corecap.generation import request_seed; print(request_seed(0, 'a'), request_seed(5, 'key-9'))"],
         capture_output=True, text=True, check=True,
     ).stdout.split()
     assert [int(x) for x in other] == [request_seed(0, "a"), request_seed(5, "key-9")]
@@ -258,11 +268,13 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     import time
 
     rng = np.random.default_rng(SEED + 7)
-    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(5, 60, size=24))]
+    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
+            for i, n in enumerate(rng.integers(5, 60, size=24))]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
-    run = subprocess.Popen(_cli(tiny_model, data, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    run = subprocess.Popen(_cli(tiny_model, data, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)
     deadline = time.monotonic() + LIVENESS
     while _num_committed(killed) < 4 and run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -338,9 +350,11 @@ def test_every_turn_is_rewritten_given_the_earlier_answers(turns_run, hf_model, 
         assert differ is None or gaps[differ] < NEAR_TIE, (key, differ)
     for conv in ("two", "open"):
         first, second = samples[f"{conv}/turn-1"], samples[f"{conv}/turn-2"]
-        answer = tokenizer.decode(first.input_ids[first.header.generation.num_prompt :].tolist(), skip_special_tokens=True)
+        answer = tokenizer.decode(first.input_ids[first.header.generation.num_prompt :].tolist(),
+                                  skip_special_tokens=True)
         text = tokenizer.decode(second.input_ids[: second.header.generation.num_prompt].tolist())
-        assert f"<|assistant|>{answer}<|end|>" in text, (conv, answer, text)  # the model's own answer, not the dataset's
+        # the model's own answer, not the dataset's
+        assert f"<|assistant|>{answer}<|end|>" in text, (conv, answer, text)
         assert "jumps over" not in text and ">states<" not in text
         assert text.endswith("<|assistant|>") and "the quick brown fox" in text
 
@@ -365,16 +379,21 @@ def test_a_resumed_conversation_goes_on_from_its_first_turn_not_stored(tiny_mode
 
     tokenizer = load_tokenizer(tiny_model)
     path = write_jsonl(tmp_path / "d.jsonl", CONVERSATIONS[:1])
-    (conversation,) = data.read_samples(path, tokenizer=tokenizer, vocab_size=VOCAB, max_len=512, max_tokens=8, all_turns=True)
+    (conversation,) = data.read_samples(path, tokenizer=tokenizer, vocab_size=VOCAB, max_len=512, max_tokens=8,
+                                        all_turns=True)
     assert conversation.points == (1, 3)
     renderer = ChatRenderer(tokenizer, path, "messages")
     asked = []
-    turns = Conversations(renderer, tokenizer.decode, 8, 512, "error", {"two/turn-1": "f"}, lambda key: asked.append(key) or "over the dog")
+    turns = Conversations(renderer, tokenizer.decode, 8, 512, "error", {"two/turn-1": "f"},
+                          lambda key: asked.append(key) or "over the dog")
     turns.start(conversation)
     (turn,) = turns.ready
     assert asked == ["two/turn-1"] and (turn.key, turn.index, turn.answers) == ("two/turn-2", 1, ["over the dog"])
-    assert tokenizer.decode(turn.token_ids.tolist()).endswith("<|user|>the quick brown fox<|end|><|assistant|>over the dog<|end|><|user|>hidden states<|end|><|assistant|>")
-    cut = Conversations(renderer, tokenizer.decode, 8, len(turn.token_ids) + 3, "error", {"two/turn-1": "f"}, lambda key: "over the dog")
+    assert tokenizer.decode(turn.token_ids.tolist()).endswith(
+        "<|user|>the quick brown fox<|end|><|assistant|>over the dog<|end|><|user|>hidden states<|end|><|assistant|>"
+    )
+    cut = Conversations(renderer, tokenizer.decode, 8, len(turn.token_ids) + 3, "error", {"two/turn-1": "f"},
+                        lambda key: "over the dog")
     cut.start(conversation)
     assert not cut.ready and cut.num_cut == 1  # its prompt leaves no room for --max-tokens
 

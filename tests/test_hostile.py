@@ -75,8 +75,8 @@ def _states(seed: int, num_tokens: int, dtype) -> torch.Tensor:
 # key → (codec, tokens, loss mask?): every codec, an empty sample, a mask of 0/1 flags; samples
 # stored once (format 4): key → (the sample whose prefix it starts with, prefix length), the
 # second one referring through the first (its header names zstd-b and ref-e)
-LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True), "raw-d": ("raw", 0, False),
-            "ref-e": ("zstd-planes", 8, True), "ref-f": ("raw", 3, False)}
+LOSSLESS = {"raw-a": ("raw", 7, True), "zstd-b": ("zstd-planes", 40, False), "zstd-c": ("zstd-planes", 1, True),
+            "raw-d": ("raw", 0, False), "ref-e": ("zstd-planes", 8, True), "ref-f": ("raw", 3, False)}
 LOSSY = {"f-a": (FP8, 5, False), "f-b": (FP8, 9, True), "f-c": (FP8, 3, False)}
 REFERS = {"ref-e": ("zstd-b", 16), "ref-f": ("ref-e", 20), "f-c": ("f-b", 4)}
 
@@ -98,9 +98,10 @@ def _build(path: str, samples: dict, codec: str, dtype, prefix: str = "", seed: 
             states = torch.cat([reference[prefix + owner]["hidden_states"][:, :shared], states], dim=1)
         layouts[key] = layout(key, segments, shared, len(ids))
         mask = torch.tensor([(j + i) % 2 for j in range(len(ids))], dtype=torch.uint8) if masked else None
-        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec, loss_mask=None if mask is None else mask.numpy(),
-                                     prefix=segments))
-        reference[key] = {"input_ids": ids, "hidden_states": states, **({"loss_mask": mask} if mask is not None else {})}
+        records.append(encode_sample(key, ids.numpy(), states, LAYERS, codec=sample_codec,
+                                     loss_mask=None if mask is None else mask.numpy(), prefix=segments))
+        reference[key] = {"input_ids": ids, "hidden_states": states,
+                          **({"loss_mask": mask} if mask is not None else {})}
     with Store.create_or_open(path, _meta(codec, str(dtype).removeprefix("torch."))) as store:
         store.put_many(records[:2])  # two commits, as a run makes
         store.put_many(records[2:])
@@ -112,7 +113,8 @@ def bases(tmp_path_factory):
     """{name: (store, a clean store of other keys to merge into, reference)} and the reference file."""
     root = tmp_path_factory.mktemp("hostile")
     out, reference = {}, {}
-    for name, samples, codec, dtype in (("lossless", LOSSLESS, "zstd-planes", torch.bfloat16), ("fp8", LOSSY, FP8, torch.float32)):
+    for name, samples, codec, dtype in (("lossless", LOSSLESS, "zstd-planes", torch.bfloat16),
+                                        ("fp8", LOSSY, FP8, torch.float32)):
         ref = _build(str(root / name), samples, codec, dtype)
         into_ref = _build(str(root / f"{name}-into"), samples, codec, dtype, prefix="z-", seed=100)
         out[name] = (str(root / name), str(root / f"{name}-into"), ref, list(into_ref))
@@ -167,7 +169,8 @@ def test_a_pointer_claiming_huge_states_is_one_line_for_get_and_verify(bases, tm
     got = _cli("get", "zstd-b", "--store", store)
     assert got.returncode == 2 and got.stdout == ""
     assert got.stderr.splitlines() == [
-        f"corecap: error: {store}: sample 'zstd-b': pointer (samples database) claims {claim} bytes, its header allows at most "
+        f"corecap: error: {store}: sample 'zstd-b': pointer (samples database) claims {claim} bytes, "
+        "its header allows at most "
         f"{codecs.max_encoded_bytes(3 * 40 * HIDDEN * 2, 2, 'zstd-planes')}"
     ]
     checked = _cli("verify", "--store", store)
@@ -175,7 +178,8 @@ def test_a_pointer_claiming_huge_states_is_one_line_for_get_and_verify(bases, tm
     lines = checked.stdout.splitlines()
     assert lines[0].startswith(f"zstd-b: pointer (samples database) claims {claim} bytes") and len(lines) == 4
     # the samples stored once with zstd-b's prefix cannot be read either, and say why
-    assert lines[1:3] == [f"{key}: its prefix comes from sample 'zstd-b', which has problems" for key in ("ref-e", "ref-f")]
+    assert lines[1:3] == [f"{key}: its prefix comes from sample 'zstd-b', which has problems"
+                          for key in ("ref-e", "ref-f")]
     assert lines[3] == f"{store}: 3 of {len(reference)} samples have problems"  # it went on past the damage
     assert time.monotonic() - started < LIVENESS_S
     assert _cli("get", "raw-a", "--store", store).returncode == 0  # the others read as before
@@ -198,12 +202,18 @@ def test_a_header_claiming_a_billion_tokens_is_one_line(bases, tmp_path):
 
 # --- the fuzz -------------------------------------------------------------------------------------
 
-SPECIAL_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**53, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 10**9]
+SPECIAL_INTS = [0, 1, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**53, 2**63 - 1, 2**63, 2**64 - 1, -(2**63),
+                10**9]
 ints = st.one_of(st.sampled_from(SPECIAL_INTS), st.integers(-(2**63), 2**64 - 1), st.integers(-3, 300))
-leaves = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), st.text(max_size=8), st.binary(max_size=16))
-msgpack_values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+leaves = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), st.text(max_size=8),
+                   st.binary(max_size=16))
+msgpack_values = st.recursive(
+    leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), ints, st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
+    st.one_of(st.none(), st.booleans(), ints, st.integers(-(2**70), 2**70),
+              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8,
 )
 positions = st.integers(0, 1 << 20)  # taken modulo the length of what they damage
@@ -237,10 +247,12 @@ damage = st.one_of(
     st.tuples(st.just("meta-bytes"), byte_damage),
     st.tuples(st.just("meta-record"), st.sampled_from(["delete", "deep", "not-json"])),
     st.tuples(st.just("states-bytes"), sample_index, byte_damage),
-    st.tuples(st.just("states-file"), st.sampled_from(["cut", "grow", "missing", "directory", "fifo", "dev-zero", "empty"]), positions),
+    st.tuples(st.just("states-file"),
+              st.sampled_from(["cut", "grow", "missing", "directory", "fifo", "dev-zero", "empty"]), positions),
     st.tuples(st.just("record-delete"), st.sampled_from([b"headers", b"samples"]), sample_index),
     st.tuples(st.just("record-rename"), sample_index, st.binary(min_size=1, max_size=12)),
-    st.tuples(st.just("record-orphan"), st.sampled_from([b"headers", b"samples"]), st.binary(min_size=1, max_size=12), st.binary(max_size=40)),
+    st.tuples(st.just("record-orphan"), st.sampled_from([b"headers", b"samples"]), st.binary(min_size=1, max_size=12),
+              st.binary(max_size=40)),
 )
 
 
@@ -273,7 +285,8 @@ def _apply(store: str, mutation) -> None:
         dbs = {name: env.open_db(name, create=False) for name in (b"meta", b"headers", b"samples")}
         with env.begin(write=True) as txn:
             keys = sorted(bytes(k) for k in txn.cursor(db=dbs[b"headers"]).iternext(values=False)) or [b"none"]
-            key = keys[mutation[1] % len(keys)] if kind[:6] in ("header", "pointe", "states") or kind == "record-rename" else None
+            key = (keys[mutation[1] % len(keys)]
+                   if kind[:6] in ("header", "pointe", "states") or kind == "record-rename" else None)
             if kind.startswith("header"):
                 value = txn.get(key, db=dbs[b"headers"])
                 if value is not None:
@@ -289,7 +302,10 @@ def _apply(store: str, mutation) -> None:
                 if kind == "end-delete":
                     txn.delete(b"states_end", db=dbs[b"meta"])
                 elif value is not None:
-                    txn.put(b"states_end", _damage_struct(value, END, ("end", None, *mutation[1:]) if kind == "end-field" else ("end", None, mutation[1])), db=dbs[b"meta"])
+                    txn.put(b"states_end",
+                            _damage_struct(value, END, ("end", None, *mutation[1:]) if kind == "end-field"
+                                           else ("end", None, mutation[1])),
+                            db=dbs[b"meta"])
             elif kind.startswith("meta"):
                 _damage_meta(txn, dbs[b"meta"], mutation)
             elif kind == "states-bytes":
@@ -377,7 +393,8 @@ def _damage_meta(txn, meta_db, mutation) -> None:
         if mutation[1] == "delete":
             txn.delete(b"store", db=meta_db)
         else:
-            txn.put(b"store", b"[" * 100_000 + b"]" * 100_000 if mutation[1] == "deep" else b"\xff\xfe not json", db=meta_db)
+            txn.put(b"store", b"[" * 100_000 + b"]" * 100_000 if mutation[1] == "deep" else b"\xff\xfe not json",
+                    db=meta_db)
         return
     if raw is None:
         return
@@ -388,7 +405,8 @@ def _damage_meta(txn, meta_db, mutation) -> None:
         meta = json.loads(raw)
     except (ValueError, RecursionError):  # damaged by an earlier mutation
         return
-    where, name = (meta.get("model"), mutation[1].split(".")[1]) if mutation[1].startswith("model.") else (meta, mutation[1])
+    where, name = ((meta.get("model"), mutation[1].split(".")[1]) if mutation[1].startswith("model.")
+                   else (meta, mutation[1]))
     if not isinstance(meta, dict) or not isinstance(where, dict):
         return
     if kind == "meta-set":
@@ -449,7 +467,10 @@ class Worker:
         if not reply:
             self.proc.kill()
             self.log.seek(0)
-            raise AssertionError(f"the readers {'died (' + str(self.proc.wait()) + ')' if ready else f'took over {LIVENESS_S} s'}: {self.log.read()[-3000:]}")
+            raise AssertionError(
+                f"the readers {'died (' + str(self.proc.wait()) + ')' if ready else f'took over {LIVENESS_S} s'}: "
+                f"{self.log.read()[-3000:]}"
+            )
         return json.loads(reply)
 
     def close(self) -> None:
@@ -482,24 +503,34 @@ def _check_results(store: str, keys: list[str], results: dict, forged: bool = Fa
         for key, outcome in (results[reader].get("ok") or {}).items():
             assert not outcome.startswith("wrong") or forged and outcome in FORGEABLE, f"{reader} {key}: {outcome}"
             if outcome.startswith("error"):
-                assert "\n" not in outcome and store in outcome and "do not fit in memory" not in outcome, f"{reader}: {outcome}"
+                assert "\n" not in outcome and store in outcome and "do not fit in memory" not in outcome, (
+                    f"{reader}: {outcome}"
+                )
     dataset = results["dataset"].get("ok")
     if get is not None and dataset is not None:  # StoreDataset reads what Store.get reads
-        assert {k: v.startswith("right") for k, v in get.items()} == {k: v.startswith("right") for k, v in dataset.items()}
+        assert ({k: v.startswith("right") for k, v in get.items()}
+                == {k: v.startswith("right") for k, v in dataset.items()})
     exported = results["export"].get("ok")
-    assert all(v == "right" or forged and v == "wrong: exported states or ids" for v in (exported or {}).values()), f"export: {exported}"
+    assert all(v == "right" or forged and v == "wrong: exported states or ids" for v in (exported or {}).values()), (
+        f"export: {exported}"
+    )
     verify = results["verify"].get("ok")
     if get is not None and verify is not None and not verify["store_problems"]:
         for key in keys:  # verify reports exactly the samples get cannot read
             if f"no sample with key {key!r}" in get[key]:
                 continue  # gone (deleted or renamed): verify may still see its orphaned states
-            assert get[key].startswith("error") == (key in verify["problems"]), f"{key}: get {get[key]!r}, verify {verify['problems'].get(key)}"
+            assert get[key].startswith("error") == (key in verify["problems"]), (
+                f"{key}: get {get[key]!r}, verify {verify['problems'].get(key)}"
+            )
     for name in ("merge", "merge_into"):
         merged = results[name].get("ok")
         assert not (merged or {}).get("left_behind") and not (merged or {}).get("changed"), f"{name}: {merged}"
         if merged is not None:
-            assert all(v == "right" or "no sample with key" in v or forged and v in FORGEABLE for v in merged["get"].values()), f"{name}: {merged['get']}"
-            assert not merged["verify"]["problems"] and not merged["verify"]["store_problems"], f"{name}: {merged['verify']}"
+            assert all(v == "right" or "no sample with key" in v or forged and v in FORGEABLE
+                       for v in merged["get"].values()), f"{name}: {merged['get']}"
+            assert not merged["verify"]["problems"] and not merged["verify"]["store_problems"], (
+                f"{name}: {merged['verify']}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -513,7 +544,8 @@ def worker(bases, tmp_path_factory):
             shutil.rmtree(fresh, ignore_errors=True)
             shutil.copytree(into, fresh)
             shutil.rmtree(os.path.join(scratch, "merged"), ignore_errors=True)
-            reply = w.ask({"store": path, "keys": list(reference), "scratch": scratch, "into": fresh, "into_keys": into_keys})
+            reply = w.ask({"store": path, "keys": list(reference), "scratch": scratch, "into": fresh,
+                           "into_keys": into_keys})
             _check_results(path, list(stores[name][2]), reply["results"])
             assert all(v == "right" for v in reply["results"]["get"]["ok"].values()), reply
             assert reply["results"]["verify"]["ok"]["problems"] == {}
@@ -538,7 +570,8 @@ def test_every_reader_survives_every_damage(bases, worker, tmp_path_factory, bas
     for mutation in mutations:
         _apply(store, mutation)
     size = _store_bytes(store)
-    reply = worker.ask({"store": store, "keys": list(reference), "scratch": scratch, "into": os.path.join(scratch, "into"), "into_keys": into_keys})
+    reply = worker.ask({"store": store, "keys": list(reference), "scratch": scratch,
+                        "into": os.path.join(scratch, "into"), "into_keys": into_keys})
     _check_results(store, list(reference), reply["results"], forged=any(m[0] == "header-tokens" for m in mutations))
     bound = worker.baseline_rss + 10 * size + RSS_ALLOWANCE
     assert reply["maxrss"] <= bound, f"peak RSS {reply['maxrss']} over {bound} (store of {size} bytes)"
@@ -569,9 +602,12 @@ def _one_line(result, code: int = 2) -> str:
 
 
 @pytest.mark.parametrize("damage, expected", [
-    (lambda txn, dbs: txn.put(b"\xff\xfe-key", txn.get(b"raw-a", db=dbs[b"headers"]), db=dbs[b"headers"]), r"key b'\\xff\\xfe-key' \(headers database\) is not UTF-8"),
-    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]), r"store format version 99, this corecap reads \[2, 3, 4\]"),
-    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 3, "layers": "all"}', db=dbs[b"meta"]), r"the store's metadata is damaged \("),
+    (lambda txn, dbs: txn.put(b"\xff\xfe-key", txn.get(b"raw-a", db=dbs[b"headers"]), db=dbs[b"headers"]),
+     r"key b'\\xff\\xfe-key' \(headers database\) is not UTF-8"),
+    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 99}', db=dbs[b"meta"]),
+     r"store format version 99, this corecap reads \[2, 3, 4\]"),
+    (lambda txn, dbs: txn.put(b"store", b'{"format_version": 3, "layers": "all"}', db=dbs[b"meta"]),
+     r"the store's metadata is damaged \("),
     (lambda txn, dbs: txn.put(b"store", b"[" * 100_000, db=dbs[b"meta"]), r"is not a JSON object"),
     (lambda txn, dbs: txn.delete(b"store", db=dbs[b"meta"]), r"not a corecap store \(no corecap metadata\)"),
 ])
@@ -600,8 +636,8 @@ def test_get_of_keys_that_cannot_be_keys_is_one_line(bases, tmp_path):
         assert "no sample with key" in line and "a key is 1 to 511 bytes" in line
 
 
-@pytest.mark.parametrize("what", ["empty directory", "data.mdb is a directory", "data.mdb is garbage", "data.mdb is empty",
-                                  "meta is not a database", "no headers database"])
+@pytest.mark.parametrize("what", ["empty directory", "data.mdb is a directory", "data.mdb is garbage",
+                                  "data.mdb is empty", "meta is not a database", "no headers database"])
 def test_directories_that_are_not_stores_are_one_line_exit_2(tmp_path, what):
     path = tmp_path / "s"
     path.mkdir()
@@ -657,7 +693,9 @@ def test_a_pointer_past_the_committed_end_is_refused(bases, tmp_path):
     _edit(store, cut_after_raw_a)
     with Store.open(store) as s:
         assert s.get("raw-a").header.num_tokens == 7
-        with pytest.raises(CorecapError, match=r"sample 'zstd-b': pointer \(samples database\) names bytes \d+\.\.\d+ of states-000000.bin, past the committed end \(byte 1344 of states-000000.bin\): no commit wrote them"):
+        with pytest.raises(CorecapError, match=r"sample 'zstd-b': pointer \(samples database\) names bytes \d+\.\.\d+ "
+                                               r"of states-000000.bin, past the committed end "
+                                               r"\(byte 1344 of states-000000.bin\): no commit wrote them"):
             s.get("zstd-b")
     report = verify_store(store)
     assert report.store_problems == [] and set(report.problems) == {"zstd-b", "zstd-c", "raw-d", "ref-e", "ref-f"}
@@ -756,7 +794,8 @@ def test_writer_lock_holding_garbage_names_no_pid(bases, tmp_path):
     store = _copy(bases, tmp_path)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from corecap.store.segments import _take_lock; _take_lock(sys.argv[1]); "
-         "open(sys.argv[1] + '/writer.lock', 'wb').write(bytes(range(256))); print('locked', flush=True); sys.stdin.read()", store],
+         "open(sys.argv[1] + '/writer.lock', 'wb').write(bytes(range(256))); print('locked', flush=True); "
+         "sys.stdin.read()", store],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -822,7 +861,8 @@ def _paths(value, prefix=()):
 
 trace_values = st.recursive(
     st.one_of(st.none(), st.booleans(), ints, st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=6)),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["start", "end", "rank", "steps", "x"]), inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["start", "end", "rank", "steps", "x"]),
+                                                                inner, max_size=3),
     max_leaves=6,
 )
 trace_damage = st.one_of(
@@ -871,10 +911,14 @@ def test_corecap_trace_survives_every_damage(tmp_path, mutations):
 
 def test_trace_json_that_is_not_a_file_or_not_ours_is_one_line(tmp_path):
     for make, expected in ((lambda p: p.mkdir(), "not a regular file"), (lambda p: os.mkfifo(p), "not a regular file"),
-                           (lambda p: p.write_bytes(b"\xff\xfe"), "not valid JSON"), (lambda p: p.write_text("[1, 2]"), "expected a JSON object"),
+                           (lambda p: p.write_bytes(b"\xff\xfe"), "not valid JSON"),
+                           (lambda p: p.write_text("[1, 2]"), "expected a JSON object"),
                            (lambda p: p.write_text("[" * 100_000), "not valid JSON|nested too deep"),
-                           (lambda p: p.write_text(json.dumps({**_trace(), "start": float("nan")})), "missing number 'start'"),
-                           (lambda p: p.write_text(json.dumps({**_trace(), "workers": [{"rank": 0, "steps": 1, "ring_wait_s": "x"}]})), "workers\\[0\\]")):
+                           (lambda p: p.write_text(json.dumps({**_trace(), "start": float("nan")})),
+                            "missing number 'start'"),
+                           (lambda p: p.write_text(json.dumps(
+                               {**_trace(), "workers": [{"rank": 0, "steps": 1, "ring_wait_s": "x"}]})),
+                            "workers\\[0\\]")):
         store = tmp_path / f"s{len(os.listdir(tmp_path))}"
         store.mkdir()
         make(store / "trace.json")
@@ -890,7 +934,8 @@ def test_a_writer_refuses_a_states_end_that_would_cut_committed_states(bases, tm
     store = _copy(bases, tmp_path)
     size = os.path.getsize(segment_path(store, 0))
     for end in (b"", END.pack(0, 10)):
-        _edit(store, lambda txn, dbs: txn.put(b"states_end", end, db=dbs[b"meta"]) if end else txn.delete(b"states_end", db=dbs[b"meta"]))
+        _edit(store, lambda txn, dbs: txn.put(b"states_end", end, db=dbs[b"meta"]) if end
+              else txn.delete(b"states_end", db=dbs[b"meta"]))
         with pytest.raises(CorecapError, match="no states_end in the meta database|refusing to write"):
             with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:
                 s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
@@ -904,7 +949,8 @@ def test_a_writer_refuses_a_states_end_that_would_cut_committed_states(bases, tm
 def test_a_writer_refuses_a_state_file_cut_short(bases, tmp_path):
     store = _copy(bases, tmp_path)
     os.truncate(segment_path(store, 0), 100)
-    with pytest.raises(CorecapError, match=r"states_end \(meta database\) says byte \d+ of states-000000.bin, which has 100: the state file was cut short"):
+    with pytest.raises(CorecapError, match=r"states_end \(meta database\) says byte \d+ of states-000000.bin, "
+                                           r"which has 100: the state file was cut short"):
         with Store.create_or_open(store, _meta("zstd-planes", "bfloat16")) as s:
             s.put_many([encode_sample("new", np.arange(3), _states(9, 3, torch.bfloat16), LAYERS)])
     assert os.path.getsize(segment_path(store, 0)) == 100
@@ -921,6 +967,7 @@ def test_trace_with_extreme_but_valid_numbers_prints_and_draws(tmp_path, edit):
     record = _trace()
     edit(record)
     (tmp_path / "trace.json").write_text(json.dumps(record))
-    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--chrome", str(tmp_path / "c.json"), "--plot", str(tmp_path / "t.png")])
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--chrome", str(tmp_path / "c.json"),
+                                        "--plot", str(tmp_path / "t.png")])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "c.json").read_text())["traceEvents"] and (tmp_path / "t.png").stat().st_size > 0

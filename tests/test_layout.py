@@ -71,8 +71,8 @@ def test_layers_import_downwards():
     → config."""
     order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.probe", "corecap.run", "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
-             "corecap.demo", "corecap.console", "corecap.transport", "corecap.export", "corecap.dataset", "corecap.store",
-             "corecap.trace",
+             "corecap.demo", "corecap.console", "corecap.transport", "corecap.export", "corecap.dataset",
+             "corecap.store", "corecap.trace",
              "corecap.progress", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
@@ -110,7 +110,8 @@ def test_no_environment_switches_in_the_package():
 
 
 def test_files_fit_on_a_few_screens():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in _modules().values() if (n := len(_text(p).splitlines())) > MAX_LINES}
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in _modules().values()
+            if (n := len(_text(p).splitlines())) > MAX_LINES}
     assert not long, f"longer than {MAX_LINES} lines: {long}"
 
 

@@ -135,9 +135,11 @@ def test_the_defaults_are_vllms_offline_ones(tiny_model):
     (["--async-scheduling"], "--async-scheduling: corecap controls this engine argument"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: corecap controls this engine argument"),
     (["--worker-extension-cls", "x.Y"], "--worker-extension-cls: corecap controls this engine argument"),
-    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend: corecap controls this engine argument"),
+    (["--distributed-executor-backend", "ray"],
+     "--distributed-executor-backend: corecap controls this engine argument"),
     (["--no-such-flag", "3"], "--no-such-flag: neither a corecap option nor one of vLLM's engine arguments"),
-    (["--long-prefill-token-threshold", "many"], "engine argument: argument --long-prefill-token-threshold: invalid int value: 'many'"),
+    (["--long-prefill-token-threshold", "many"],
+     "engine argument: argument --long-prefill-token-threshold: invalid int value: 'many'"),
 ])
 def test_refused_and_unknown_arguments_are_one_line_errors(tiny_model, args, message):
     with pytest.raises(CorecapError) as e:
@@ -215,7 +217,8 @@ def test_a_model_id_in_the_local_hf_cache(tiny_model, tmp_path, monkeypatch):
     path = resolve_model_dir("corecap-tests/tiny-llama")
     assert os.path.samefile(path, repo / "snapshots" / commit)
     assert model_identity(path, "auto").config_hash == model_identity(tiny_model, "auto").config_hash
-    with pytest.raises(CorecapError, match=r"--model corecap-tests/absent: not a directory, and not a model in the local Hugging Face cache"):
+    with pytest.raises(CorecapError, match=r"--model corecap-tests/absent: not a directory, "
+                                           r"and not a model in the local Hugging Face cache"):
         resolve_model_dir("corecap-tests/absent")
 
 

@@ -22,7 +22,9 @@ import pytest
 from corecap.errors import CorecapError
 from corecap.store import Store
 from support import machine
-from support.reference import SEED, VOCAB, exactness_rows, hf_hidden_states, record_error, relative_errors, write_jsonl, same_meta
+from support.reference import (
+    SEED, VOCAB, exactness_rows, hf_hidden_states, record_error, relative_errors, write_jsonl, same_meta,
+)
 
 pytestmark = pytest.mark.engine
 TOLERANCE = 1e-4  # vs HF, float32; a correct capture measures ~1e-7 here
@@ -158,7 +160,8 @@ def dp2_runs(exact_run, tmp_path_factory):
 
     def killed_run() -> None:
         try:
-            run(dataclasses.replace(cfg, test_hooks=TestHooks(pause_at_step=8, pause_file=pause)), log=killed_log.append)
+            run(dataclasses.replace(cfg, test_hooks=TestHooks(pause_at_step=8, pause_file=pause)),
+                log=killed_log.append)
         except BaseException as e:
             outcome["error"] = e
 
@@ -243,7 +246,8 @@ def _verify(store: str):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "corecap.cli", "verify", "--store", store], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "corecap.cli", "verify", "--store", store], capture_output=True,
+                          text=True, timeout=300)
 
 
 def re_search(pattern: str, text: str):
@@ -286,8 +290,10 @@ DP_OVER = CORES // 2 + 1  # -dp DP_OVER x -tp 2: one or two ranks more than the 
          rf"^-dp {CORES + 1} x -tp 1 x -pp 1 = {CORES + 1} ranks need {CORES + 1} CPU cores, "
          rf"this machine gives {CORES}$"),
         ({"pp": 3}, r"^-pp 3: vLLM's V1 model runner passes hidden states on from one earlier stage only"),
-        ({"dp": 2, "tp": 2, "nnodes": 2, "master_addr": "127.0.0.1"}, r"^-dp 2 with --nnodes 2: replicas do not span nodes"),
-        ({"tp": 2, "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"}, r"^--node-rank 1: `corecap run` is node 0"),
+        ({"dp": 2, "tp": 2, "nnodes": 2, "master_addr": "127.0.0.1"},
+         r"^-dp 2 with --nnodes 2: replicas do not span nodes"),
+        ({"tp": 2, "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1"},
+         r"^--node-rank 1: `corecap run` is node 0"),
     ],
     ids=["dp-tp2-over-cores", "dp-over-cores", "pp3", "dp-across-nodes", "node-rank-1"],
 )
@@ -297,7 +303,8 @@ def test_impossible_parallel_layouts_are_refused(tiny_model, tmp_path, options, 
 
 def test_a_core_list_that_does_not_match_the_ranks_is_refused(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
-    _refused(tiny_model, tmp_path, r"VLLM_CPU_OMP_THREADS_BIND='0\|1\|0': 3 core lists, expected one per rank \(-dp 2 x", dp=2)
+    _refused(tiny_model, tmp_path,
+             r"VLLM_CPU_OMP_THREADS_BIND='0\|1\|0': 3 core lists, expected one per rank \(-dp 2 x", dp=2)
 
 
 def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny_model, tmp_path, monkeypatch):
@@ -311,17 +318,21 @@ def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny
 
     with environment():
         config = build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64), tiny_model)
-        with pytest.raises(CorecapError, match=r"^-pp 2: vLLM 0\.26\.0 drops the hidden states of every pipeline stage but the last"):
+        with pytest.raises(CorecapError,
+                           match=r"^-pp 2: vLLM 0\.26\.0 drops the hidden states of every pipeline stage but the last"):
             check_pipeline(config, "0.26.0")
         check_pipeline(config, "0.32.0")  # Llama relays them from 0.32 on
         mixtral = tmp_path / "mixtral"
         transformers.MixtralConfig(
             vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=2, max_position_embeddings=512, architectures=["MixtralForCausalLM"],
+            num_key_value_heads=2, num_local_experts=2, max_position_embeddings=512,
+            architectures=["MixtralForCausalLM"],
         ).save_pretrained(mixtral)
-        refusal = r"^MixtralForCausalLM: corecap's auxiliary outputs for MixtralForCausalLM do not cross pipeline stages"
+        refusal = (r"^MixtralForCausalLM: corecap's auxiliary outputs for MixtralForCausalLM "
+                   r"do not cross pipeline stages")
         with pytest.raises(CorecapError, match=refusal):
-            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
+            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"),
+                              str(mixtral))
         # also once a run in this process has had vLLM register corecap's Mixtral class (which
         # resolving its configuration does, process-wide): the suite's order once hid this
         from vllm.model_executor.model_loader.utils import get_model_architecture
@@ -329,11 +340,13 @@ def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny
         single = build_vllm_config(EngineOptions(max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
         assert get_model_architecture(single.model_config)[0].__name__.startswith("Capture__")
         with pytest.raises(CorecapError, match=refusal):
-            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"), str(mixtral))
+            build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64, load_format="dummy"),
+                              str(mixtral))
         from vllm.model_executor.models.llama import LlamaModel
 
         monkeypatch.setattr(LlamaModel, "supports_aux_hidden_states_over_pp", False)
-        with pytest.raises(CorecapError, match=r"^-pp 2: LlamaForCausalLM in vLLM 0\.32\.0 does not pass a pipeline stage's hidden states on"):
+        with pytest.raises(CorecapError, match=r"^-pp 2: LlamaForCausalLM in vLLM 0\.32\.0 "
+                                               r"does not pass a pipeline stage's hidden states on"):
             check_pipeline(config, "0.32.0")
 
 
@@ -351,7 +364,8 @@ class Node:
 
     def command(self, argv: list[str], **env: str) -> list[str]:
         """`argv` inside this node's namespace, with vLLM and gloo told the node's address."""
-        values = {"VLLM_HOST_IP": self.address, "GLOO_SOCKET_IFNAME": self.iface, "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}
+        values = {"VLLM_HOST_IP": self.address, "GLOO_SOCKET_IFNAME": self.iface,
+                  "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env}
         return ["ip", "netns", "exec", self.netns, "env", *(f"{k}={v}" for k, v in values.items()), *argv]
 
 
@@ -466,8 +480,10 @@ def _driver_and_node(two_nodes, tiny_model, store: str, data: str, node_argv=(),
         "--master-port", str(MASTER_PORT), "--node-rank", "1", "--timeout", "120", *node_args,
     ]
     procs = [
-        subprocess.Popen(driver_node.command(run, VLLM_CPU_OMP_THREADS_BIND="0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-        subprocess.Popen(other.command(worker, VLLM_CPU_OMP_THREADS_BIND="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen(driver_node.command(run, VLLM_CPU_OMP_THREADS_BIND="0"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True),
+        subprocess.Popen(other.command(worker, VLLM_CPU_OMP_THREADS_BIND="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True),
     ]
     watch = _Watch(procs)
     outputs = []
@@ -494,7 +510,8 @@ def two_node_run(two_nodes, tiny_model, tmp_path_factory):
     _two_cores()
     tmp = tmp_path_factory.mktemp("two-nodes")
     rng = np.random.default_rng(SEED + 11)
-    rows = [{"id": f"s{i}", "input_ids": rng.integers(0, VOCAB, size=n).tolist()} for i, n in enumerate([1, 300, 90, 17, 45])]
+    rows = [{"id": f"s{i}", "input_ids": rng.integers(0, VOCAB, size=n).tolist()}
+            for i, n in enumerate([1, 300, 90, 17, 45])]
     data = write_jsonl(tmp / "data.jsonl", rows)
     store = str(tmp / "store")
     driver, worker, watch = _driver_and_node(two_nodes, tiny_model, store, data)
@@ -521,7 +538,9 @@ def test_an_engine_across_two_nodes_matches_hf(two_node_run, two_nodes, hf_model
 def test_nothing_listens_outside_the_two_nodes(two_node_run, two_nodes):
     *_, watch = two_node_run
     assert not watch.outside, watch.outside
-    assert len(watch.namespaces) == 2, f"the run's processes were in {len(watch.namespaces)} namespaces, expected the two nodes'"
+    assert len(watch.namespaces) == 2, (
+        f"the run's processes were in {len(watch.namespaces)} namespaces, expected the two nodes'"
+    )
     allowed = {"0.0.0.0", "::", "127.0.0.1", "::1"} | {n.address for n in two_nodes}
     seen = set().union(*watch.namespaces.values())
     assert seen, "no listener seen at all: the check saw nothing (vLLM's gloo always listens)"
@@ -562,8 +581,10 @@ def test_nodes_with_different_corecap_versions_are_refused(two_nodes, tiny_model
     script.write_text(_OTHER_VERSION)
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "input_ids": [5, 6, 7]}])
     store = str(tmp_path / "store")
-    driver, worker, _ = _driver_and_node(two_nodes, tiny_model, store, data, node_argv=[sys.executable, str(script)], timeout=LIVENESS)
-    _both_refused(driver, worker, store, r"node 1 \(10\.213\.0\.2\) runs corecap 0\.0\.0\+other with vLLM [^ ]+, node 0 corecap [^ ]+ with vLLM")
+    driver, worker, _ = _driver_and_node(two_nodes, tiny_model, store, data, node_argv=[sys.executable, str(script)],
+                                         timeout=LIVENESS)
+    _both_refused(driver, worker, store, r"node 1 \(10\.213\.0\.2\) runs corecap 0\.0\.0\+other with vLLM [^ ]+, "
+                                         r"node 0 corecap [^ ]+ with vLLM")
 
 
 @pytest.mark.full
@@ -571,8 +592,10 @@ def test_nodes_with_different_models_are_refused(two_nodes, tiny_model, tmp_path
     from corecap.demo import build_tiny_llama
 
     other = str(tmp_path / "other-model")
-    build_tiny_llama(other, seed=SEED + 1, num_layers=8, vocab_size=VOCAB, max_position_embeddings=512, random_norms=True)
+    build_tiny_llama(other, seed=SEED + 1, num_layers=8, vocab_size=VOCAB, max_position_embeddings=512,
+                     random_norms=True)
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "input_ids": [5, 6, 7]}])
     store = str(tmp_path / "store")
-    driver, worker, _ = _driver_and_node(two_nodes, tiny_model, store, data, node_args=["--model", other], timeout=LIVENESS)
+    driver, worker, _ = _driver_and_node(two_nodes, tiny_model, store, data, node_args=["--model", other],
+                                         timeout=LIVENESS)
     _both_refused(driver, worker, store, rf"node 1: the model at {other} is not node 0's .* weights fingerprint")

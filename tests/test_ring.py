@@ -33,7 +33,8 @@ def _chunk(writer, slot: int, states: torch.Tensor, changes: dict | None = None)
         num_tokens=n, segments=(wire.Segment("r", n),), ring=writer.path, slot=slot, slot_bytes=writer.slot_bytes,
     )
     ids = np.arange(n, dtype=np.int32)
-    header = wire.msgspec.structs.replace(header, crcs=wire.checksums(header.segments, ids, ids, states), **(changes or {}))
+    header = wire.msgspec.structs.replace(header, crcs=wire.checksums(header.segments, ids, ids, states),
+                                          **(changes or {}))
     return wire.encode_chunk(header, ids, ids, torch.empty(0, dtype=torch.uint8))
 
 

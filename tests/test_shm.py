@@ -36,7 +36,7 @@ os.link(os.path.join(directory, "sem.XXXXXX"), os.path.join(directory, "sem.mp-l
 os.unlink(os.path.join(directory, "sem.XXXXXX"))
 child = subprocess.Popen([sys.executable, "-c", WORKER, os.path.join(directory, "psm_worker")], stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "ready"
-"""
+"""  # noqa: E501 (the stand-in run's script above: a line of the literal)
 WORKER = (
     "import mmap, os, sys, time; f = open(sys.argv[1], 'wb'); f.write(b'y' * 4096); f.close(); "
     "m = mmap.mmap(os.open(sys.argv[1], os.O_RDWR), 4096); print('ready', flush=True); time.sleep(600)"
@@ -46,7 +46,8 @@ LEFT = {"psm_driver", "psm_worker", "sem.mp-lock"}  # what a SIGKILLed stand-in 
 
 def _start_run(directory: str, finish: str) -> subprocess.Popen:
     script = f"WORKER = {WORKER!r}\n" + RUN + finish
-    return subprocess.Popen([sys.executable, "-c", script, directory], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", script, directory], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _wait_for(predicate, what: str, timeout: float = 60) -> None:
@@ -126,7 +127,9 @@ def test_a_live_runs_record_and_other_namespaces_records_are_left_alone(tmp_path
 
 
 def test_a_run_that_ends_normally_leaves_no_record(tmp_path):
-    finish = "print('ready', flush=True)\nchild.kill(); child.wait(); own.close(); semaphore.close()\nfor n in ('psm_driver', 'psm_worker', 'sem.mp-lock'): os.unlink(os.path.join(directory, n))\nrecord.close()\n"
+    finish = ("print('ready', flush=True)\nchild.kill(); child.wait(); own.close(); semaphore.close()\n"
+              "for n in ('psm_driver', 'psm_worker', 'sem.mp-lock'): os.unlink(os.path.join(directory, n))\n"
+              "record.close()\n")
     run = _start_run(str(tmp_path), finish)
     assert run.stdout.readline().strip() == "ready"
     assert run.wait(60) == 0

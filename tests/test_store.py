@@ -210,7 +210,8 @@ def test_one_writer_at_a_time(tmp_path):
         store.put_many([_sample("a", 3)[0]])
     # Another process writing the store (LMDB allows one environment per process, hence a child).
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from corecap.store.segments import _take_lock; _take_lock(sys.argv[1]); print('locked', flush=True); sys.stdin.read()", path],
+        [sys.executable, "-c", "import sys; from corecap.store.segments import _take_lock; _take_lock(sys.argv[1]); "
+         "print('locked', flush=True); sys.stdin.read()", path],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:

@@ -63,7 +63,8 @@ class _V2Runner:
         self.step += 1
         n = scheduler_output.total_num_scheduled_tokens
         self.events.append(f"forward of step {self.step}")
-        batch = SimpleNamespace(req_ids=["r"], num_scheduled_tokens=np.array([n]), input_ids=torch.arange(n), positions=torch.arange(n))
+        batch = SimpleNamespace(req_ids=["r"], num_scheduled_tokens=np.array([n]), input_ids=torch.arange(n),
+                                positions=torch.arange(n))
         self.execute_model_state = SimpleNamespace(
             input_batch=batch, hidden_states=torch.full((n, 8), float(self.step)), aux_hidden_states=[torch.zeros(n, 8)]
         )

@@ -204,7 +204,8 @@ def test_plot_bins_many_steps(tmp_path):
 
 def test_load_trace_missing(tmp_path):
     store = str(tmp_path / "nothing.lmdb")
-    with pytest.raises(CorecapError, match=r"nothing.lmdb: no trace.json \(run `corecap run --store .*nothing.lmdb` first\)"):
+    with pytest.raises(CorecapError,
+                       match=r"nothing.lmdb: no trace.json \(run `corecap run --store .*nothing.lmdb` first\)"):
         load_trace(store)
 
 

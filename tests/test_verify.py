@@ -42,7 +42,8 @@ def _ids(seed: int, num_tokens: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 100, size=num_tokens).astype(np.int32)
 
 
-def _make_store(path: str, codec: str = "raw", num_samples: int = 12, format_version: int = FORMAT_VERSION) -> list[str]:
+def _make_store(path: str, codec: str = "raw", num_samples: int = 12,
+                format_version: int = FORMAT_VERSION) -> list[str]:
     keys = [f"s{i:02d}" for i in range(num_samples)]
     with Store.create_or_open(path, _meta(codec, format_version)) as store:
         records = [encode_sample(k, _ids(i, 5 + i), _states(i, 5 + i), LAYERS, codec=codec) for i, k in enumerate(keys)]
@@ -188,7 +189,8 @@ def test_nan_inf_and_all_zero_layer(tmp_path, codec):
     overflow[0] = torch.finfo(torch.bfloat16).max
     cancel[2] = 0.0
     cancel[2, 0, 0], cancel[2, 5, 3] = 1.5, -1.5
-    samples = [("nan", nan), ("inf", inf), ("zero", zero), ("zero-token", zero_token), ("overflow", overflow), ("cancel", cancel)]
+    samples = [("nan", nan), ("inf", inf), ("zero", zero), ("zero-token", zero_token), ("overflow", overflow),
+               ("cancel", cancel)]
     with Store.create_or_open(path, _meta(codec)) as store:
         store.put_many([encode_sample(k, _ids(i, 6), s, LAYERS, codec=codec) for i, (k, s) in enumerate(samples)])
     report = verify_store(path)
@@ -251,11 +253,13 @@ def test_problems_come_in_key_order_whatever_the_threads(tmp_path, codec):
     damaged = keys[3::7]  # decoded ones (flipped bytes) and ones wrong before decoding (no states)
     for key in damaged[::2]:
         _flip_states_byte(path, key)
-    _raw_update(path, lambda txn, headers_db, samples_db: [txn.delete(k.encode(), db=samples_db) for k in damaged[1::2]])
+    _raw_update(path,
+                lambda txn, headers_db, samples_db: [txn.delete(k.encode(), db=samples_db) for k in damaged[1::2]])
     seen = {}
     for threads in (1, 3, 16):
         seen[threads] = []
-        report = verify_store(path, on_problem=lambda key, problems: seen[threads].append((key, problems)), num_threads=threads)
+        report = verify_store(path, on_problem=lambda key, problems: seen[threads].append((key, problems)),
+                              num_threads=threads)
         assert report.num_samples == 40 and sorted(report.problems) == damaged
     assert [k for k, _ in seen[1]] == damaged
     assert seen[1] == seen[3] == seen[16]
@@ -265,11 +269,14 @@ def test_problems_come_in_key_order_whatever_the_threads(tmp_path, codec):
 def test_not_a_store_is_one_line_exit_2(tmp_path):
     result = _invoke(str(tmp_path / "none"))
     assert result.exit_code == 2
-    assert result.stderr.strip().splitlines() == [f"corecap: error: {tmp_path / 'none'}: not a corecap store (no LMDB data.mdb there)"]
+    assert result.stderr.strip().splitlines() == [
+        f"corecap: error: {tmp_path / 'none'}: not a corecap store (no LMDB data.mdb there)"
+    ]
     import lmdb
 
     plain = tmp_path / "plain"
     with lmdb.open(str(plain)) as env, env.begin(write=True) as txn:
         txn.put(b"k", b"v")
     result = _invoke(str(plain))
-    assert result.exit_code == 2 and "not a corecap store" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (result.exit_code == 2 and "not a corecap store" in result.stderr
+            and len(result.stderr.strip().splitlines()) == 1)

@@ -141,7 +141,8 @@ def _engine_args(source: Source):
         _lacks("EngineArgs no longer has", engine_arg_names(), engine_args.fields()),
         None if source.cls("vllm.usage.usage_lib.UsageContext").has("LLM_CLASS")
         else "UsageContext.LLM_CLASS is gone (corecap takes the LLM class's defaults)",
-        _signature_problem("EngineArgs.create_engine_config", _method(engine_args, "create_engine_config"), {"self", "usage_context"}),
+        _signature_problem("EngineArgs.create_engine_config", _method(engine_args, "create_engine_config"),
+                           {"self", "usage_context"}),
     )
 
 
@@ -152,18 +153,21 @@ def _engine_core(source: Source):
         _method(core, name)
     init = _method(core, "__init__")
     return _first(
-        _lacks("EngineCore.__init__ no longer sets", {"scheduler", "model_executor", "request_block_hasher"}, init.self_attributes()),
+        _lacks("EngineCore.__init__ no longer sets", {"scheduler", "model_executor", "request_block_hasher"},
+               init.self_attributes()),
         _signature_problem("EngineCore", init, {"self", "vllm_config", "executor_class", "log_stats"}),
     )
 
 
-@_check("Request(request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time, block_hasher), SamplingParams")
+@_check("Request(request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time, block_hasher), "
+        "SamplingParams")
 def _request(source: Source):
     missing = _lacks("SamplingParams has no field", {"max_tokens", "temperature", "detokenize"},
                      source.cls("vllm.sampling_params.SamplingParams").fields())
     if missing:
         return f"SamplingParams(max_tokens=1, temperature=0.0, detokenize=False) fails: {missing}"
-    passed = {"self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time", "block_hasher"}
+    passed = {"self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time",
+              "block_hasher"}
     return _signature_problem("Request", _method(source.cls("vllm.v1.request.Request"), "__init__"), passed)
 
 
@@ -173,13 +177,15 @@ def _scheduler(source: Source):
     _method(scheduler, "has_requests")
     return _first(
         _signature_problem("Scheduler.schedule", _method(scheduler, "schedule"), {"self"}),
-        _signature_problem("Scheduler.get_grammar_bitmask", _method(scheduler, "get_grammar_bitmask"), {"self", "scheduler_output"}),
+        _signature_problem("Scheduler.get_grammar_bitmask", _method(scheduler, "get_grammar_bitmask"),
+                           {"self", "scheduler_output"}),
         _signature_problem("Scheduler.update_from_output", _method(scheduler, "update_from_output"),
                            {"self", "scheduler_output", "model_runner_output"}),
         _lacks("SchedulerOutput has no field", {"num_scheduled_tokens", "total_num_scheduled_tokens"},
                source.cls("vllm.v1.core.sched.output.SchedulerOutput").fields()),
         _lacks("EngineCoreOutputs has no field", {"outputs"}, source.cls("vllm.v1.engine.EngineCoreOutputs").fields()),
-        _lacks("EngineCoreOutput has no field", {"request_id", "finish_reason"}, source.cls("vllm.v1.engine.EngineCoreOutput").fields()),
+        _lacks("EngineCoreOutput has no field", {"request_id", "finish_reason"},
+               source.cls("vllm.v1.engine.EngineCoreOutput").fields()),
     )
 
 
@@ -188,7 +194,8 @@ def _scheduler(source: Source):
 _EXECUTOR = "vllm.v1.executor.multiproc_executor"
 
 
-@_check("two-phase step: execute_model(non_block), sample_tokens(grammar_output, non_block); get_output() before the reply")
+@_check("two-phase step: execute_model(non_block), sample_tokens(grammar_output, non_block); "
+        "get_output() before the reply")
 def _two_phase(source: Source):
     executor = source.cls(f"{_EXECUTOR}.MultiprocExecutor")
     execute = _method(executor, "execute_model")
@@ -217,12 +224,14 @@ def _executor(source: Source):
     if "is_failed" not in _method(executor, "__init__").self_attributes() | init_executor.self_attributes():
         return "MultiprocExecutor no longer sets is_failed (how corecap tells a dead worker)"
     _method(executor, "shutdown")
-    problem = _signature_problem("MultiprocExecutor.collective_rpc", _method(executor, "collective_rpc"), {"self", "method", "args"})
+    problem = _signature_problem("MultiprocExecutor.collective_rpc", _method(executor, "collective_rpc"),
+                                 {"self", "method", "args"})
     pool = executor.method("_start_workers_concurrently")
     if problem or (pool is None and "ThreadPoolExecutor" not in text):
         return problem
     if pool is None or "ThreadPoolExecutor(" not in pool.text():  # threads made before the unshare
-        return "MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: they may escape the private network"
+        return ("MultiprocExecutor starts the workers from a thread pool it did not make in _init_executor: "
+                "they may escape the private network")
     return Note("GPU workers may start from a thread pool made in _init_executor (vLLM 0.33+): its threads, "
                 "and so the workers, inherit the driver thread's network namespace")
 
@@ -247,7 +256,8 @@ def platform_worker(source: Source, where: str) -> str:
     for value in source.assignments(module, "worker_cls"):
         if value != "auto":
             return value
-    raise SourceMissing(f"{module} no longer sets parallel_config.worker_cls (corecap cannot tell which worker vLLM builds)")
+    raise SourceMissing(f"{module} no longer sets parallel_config.worker_cls "
+                        "(corecap cannot tell which worker vLLM builds)")
 
 
 def worker_problem(source: Source, qualname: str) -> str | None:
@@ -341,7 +351,8 @@ def registered_class(source: Source, architecture: str) -> str | None:
         for entry in source.dict_entries(_REGISTRY, name):
             if isinstance(entry, str):  # `**_TEXT_GENERATION_MODELS`: later entries win, as in Python
                 visit(entry)
-            elif entry[0] == architecture and hasattr(entry[1], "elts") and all(hasattr(e, "value") for e in entry[1].elts[:2]):
+            elif (entry[0] == architecture and hasattr(entry[1], "elts")
+                  and all(hasattr(e, "value") for e in entry[1].elts[:2])):
                 found = "vllm.model_executor.models.{}.{}".format(*(e.value for e in entry[1].elts[:2]))
 
     visit("_VLLM_MODELS")
@@ -355,9 +366,11 @@ def _model(source: Source, architecture: str | None):
     later = "decided by vLLM's resolver at the start of a run (`corecap doctor --deep` asks it now)"
     qualname = registered_class(source, architecture) if architecture else None
     if qualname is None:
-        what = f"{architecture} is not in vLLM's model registry" if architecture else "the model's architecture is not known yet"
+        what = (f"{architecture} is not in vLLM's model registry" if architecture
+                else "the model's architecture is not known yet")
         return Note(f"{what}: its class (the Transformers backend, or a refusal) is {later}")
     cls = source.cls(qualname)
     if "SupportsEagle3" in {c.name for c in cls.mro()} | cls.outside_bases() or cls.has("supports_eagle3"):
         return Note(CapturePlan(cls.name, "eagle3").line())
-    return Note(f"{cls.name} has no EAGLE-3 auxiliary outputs (not SupportsEagle3): corecap's own, or a one-line refusal, is {later}")
+    return Note(f"{cls.name} has no EAGLE-3 auxiliary outputs (not SupportsEagle3): "
+                f"corecap's own, or a one-line refusal, is {later}")

@@ -327,7 +327,8 @@ class Engine:
             exec_future = self.executor.execute_model(scheduler_output, non_block=True)
             output_future = exec_future  # nothing to sample: the runner answers execute_model itself
             if scheduler_output.total_num_scheduled_tokens:
-                output_future = self.executor.sample_tokens(scheduler.get_grammar_bitmask(scheduler_output), non_block=True)
+                output_future = self.executor.sample_tokens(scheduler.get_grammar_bitmask(scheduler_output),
+                                                            non_block=True)
             self.in_flight.append(_Batch(scheduler_output, exec_future, output_future))
             t_submit += time.time() - t
             if not scheduler_output.total_num_scheduled_tokens:

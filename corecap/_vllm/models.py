@@ -62,7 +62,8 @@ def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds
 def _body(source: str) -> str:
     """A function's statements, as an AST dump without docstring or annotations."""
     fn = ast.parse(textwrap.dedent(source)).body[0]
-    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+    body = (fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+            else fn.body)
     args = [a.arg for a in fn.args.args] + ([f"**{fn.args.kwarg.arg}"] if fn.args.kwarg else [])
     return f"{args} " + " ".join(ast.dump(s) for s in body)
 
@@ -168,7 +169,8 @@ def _build(name: str):
     else:
         decoder_qualname = f"{PREFIX}{module_name}__{decoder_name}"
         decoder = type(decoder_qualname, (decoder_base, EagleModelMixin), {
-            "forward": _own_forward(f"{decoder_qualname}.forward"), "__module__": __name__, "__qualname__": decoder_qualname,
+            "forward": _own_forward(f"{decoder_qualname}.forward"), "__module__": __name__,
+            "__qualname__": decoder_qualname,
         })
         globals()[decoder_qualname] = decoder
 

@@ -134,7 +134,8 @@ class Leader:
     """The driver's side: waits for every other node's handshake (before the engine starts),
     then watches the nodes during the run and tells them to exit at the end."""
 
-    def __init__(self, nnodes: int, address: str, port: int, plan: Plan, versions: tuple[str, str], timeout: float, log):
+    def __init__(self, nnodes: int, address: str, port: int, plan: Plan, versions: tuple[str, str], timeout: float,
+                 log):
         self.nodes: dict[int, socket.socket] = {}
         self.problem_text: str | None = None
         self._on_death: Callable[[str], None] | None = None
@@ -148,7 +149,9 @@ class Leader:
                     conn, peer = listener.accept()
                 except socket.timeout:
                     missing = sorted(set(range(1, nnodes)) - set(self.nodes))
-                    raise CorecapError(f"--nnodes {nnodes}: node(s) {missing} did not join within {timeout:.0f}s") from None
+                    raise CorecapError(
+                        f"--nnodes {nnodes}: node(s) {missing} did not join within {timeout:.0f}s"
+                    ) from None
                 self._welcome(conn, peer, nnodes, plan, versions)
         except BaseException:
             self.close()
@@ -165,11 +168,13 @@ class Leader:
         problem = None
         if hello.corecap_version != versions[0] or hello.vllm_version != versions[1]:
             problem = (
-                f"node {hello.node_rank} ({peer[0]}) runs corecap {hello.corecap_version} with vLLM {hello.vllm_version}, "
+                f"node {hello.node_rank} ({peer[0]}) runs corecap {hello.corecap_version} "
+                f"with vLLM {hello.vllm_version}, "
                 f"node 0 corecap {versions[0]} with vLLM {versions[1]}: install the same on every node"
             )
         elif not 0 < hello.node_rank < nnodes or hello.node_rank in self.nodes:
-            problem = f"a node ({peer[0]}) says --node-rank {hello.node_rank}: expected one of 1..{nnodes - 1}, each once"
+            problem = (f"a node ({peer[0]}) says --node-rank {hello.node_rank}: "
+                       f"expected one of 1..{nnodes - 1}, each once")
         if problem:
             _send(conn, Refused(problem))
             conn.close()
@@ -178,7 +183,8 @@ class Leader:
         answer = _recv(conn, None)
         if not isinstance(answer, Ready):
             conn.close()
-            raise CorecapError(answer.message if isinstance(answer, Refused) else f"node {hello.node_rank} left during its handshake")
+            raise CorecapError(answer.message if isinstance(answer, Refused)
+                               else f"node {hello.node_rank} left during its handshake")
         self.nodes[hello.node_rank] = conn
 
     def watch(self, on_death: Callable[[str], None]) -> None:
@@ -194,7 +200,8 @@ class Leader:
             msg = Died(f"node {rank}: {e}")
         if self.nodes.get(rank) is None:
             return  # closed by us
-        why = msg.message if isinstance(msg, Died) else f"node {rank}'s `corecap worker` is gone (its connection closed)"
+        why = (msg.message if isinstance(msg, Died)
+               else f"node {rank}'s `corecap worker` is gone (its connection closed)")
         if self.problem_text is None:
             self.problem_text = why
             if self._on_death is not None:
@@ -232,14 +239,16 @@ def follow(address: str, port: int, node_rank: int, model: str | None, timeout: 
         if not isinstance(plan, Plan):
             raise CorecapError(plan.message if isinstance(plan, Refused) else "the driver closed the connection")
         try:
-            fields = {k: tuple(map(tuple, v)) if k == "extra" else tuple(v) if k == "extra_args" else v for k, v in plan.options.items()}
+            fields = {k: tuple(map(tuple, v)) if k == "extra" else tuple(v) if k == "extra_args" else v
+                      for k, v in plan.options.items()}
             options = EngineOptions(**{**fields, "extra": (*fields.get("extra", ()), ("node_rank", node_rank))})
             model_dir = resolve_model_dir(model or plan.model)
             identity = model_identity(model_dir, options.load_format)
             if (identity.config_hash, identity.weights_fingerprint) != (plan.config_hash, plan.weights_fingerprint):
                 raise CorecapError(
-                    f"node {node_rank}: the model at {model_dir} is not node 0's {plan.model} (config hash {identity.config_hash} "
-                    f"vs {plan.config_hash}, weights fingerprint {identity.weights_fingerprint} vs {plan.weights_fingerprint})"
+                    f"node {node_rank}: the model at {model_dir} is not node 0's {plan.model} "
+                    f"(config hash {identity.config_hash} vs {plan.config_hash}, "
+                    f"weights fingerprint {identity.weights_fingerprint} vs {plan.weights_fingerprint})"
                 )
             vllm_config = build_vllm_config(options, model_dir, tuple(plan.layers))
             (devices,) = placement(vllm_config, 1)
@@ -248,7 +257,8 @@ def follow(address: str, port: int, node_rank: int, model: str | None, timeout: 
             _send(conn, Refused(str(e)))
             raise
         _send(conn, Ready())
-        log(f"node {node_rank}: joined the engine of {address}:{port}; starting {vllm_config.parallel_config.local_world_size} worker(s)")
+        log(f"node {node_rank}: joined the engine of {address}:{port}; "
+            f"starting {vllm_config.parallel_config.local_world_size} worker(s)")
         _run_workers(conn, vllm_config, devices, node_rank, log)
 
 
@@ -262,7 +272,8 @@ def _connect(address: str, port: int, timeout: float, log) -> socket.socket:
             return conn
         except OSError as e:
             if time.monotonic() > deadline:
-                raise CorecapError(f"--master-addr {address}: no corecap driver on port {port} within {timeout:.0f}s ({e.strerror or e})") from None
+                raise CorecapError(f"--master-addr {address}: no corecap driver on port {port} "
+                                   f"within {timeout:.0f}s ({e.strerror or e})") from None
             time.sleep(1)
 
 
@@ -292,7 +303,8 @@ def _run_workers(conn: socket.socket, vllm_config, devices: dict, node_rank: int
                 msg = _recv(conn, 5)
                 reason = "the driver said exit" if isinstance(msg, Exit) else "the driver is gone"
             elif "error" in built:
-                raise CorecapError(f"node {node_rank}: vLLM's workers failed to start: {str(built['error']).splitlines()[0][:300]}")
+                raise CorecapError(f"node {node_rank}: vLLM's workers failed to start: "
+                                   f"{str(built['error']).splitlines()[0][:300]}")
             elif "executor" in built:
                 dead = [w for w in built["executor"].workers if not w.proc.is_alive()]
                 if dead:

@@ -87,7 +87,8 @@ def parse_extra_args(argv: tuple[str, ...]) -> dict:
     except (argparse.ArgumentError, ValueError, TypeError) as e:
         raise CorecapError(f"engine argument: {e}") from None
     if unknown:
-        raise CorecapError(f"{unknown[0]}: neither a corecap option nor one of vLLM's engine arguments (see `corecap run --help`)")
+        raise CorecapError(f"{unknown[0]}: neither a corecap option nor one of vLLM's engine arguments "
+                           "(see `corecap run --help`)")
     return {k: v for k, v in vars(given).items() if vars(defaults).get(k) != v}
 
 
@@ -141,7 +142,8 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         enforce_eager=options.enforce_eager,
         model_impl=options.model_impl,
         seed=options.seed,
-        enable_prefix_caching=options.enable_prefix_caching is not False,  # None: on, unless _prefix_caching_off_by_default
+        # None: on, unless _prefix_caching_off_by_default
+        enable_prefix_caching=options.enable_prefix_caching is not False,
         **({"gpu_memory_utilization": memory} if memory else {}),
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
@@ -210,7 +212,8 @@ def _create(args, model: str):
     except CorecapError:
         raise
     except Exception as e:  # pydantic's ValidationError, ValueError, ...: one line, vLLM's words
-        too_long = re.search(r"max_model_len \((\d+)\) is greater than the derived max_model_len \(([^=]+)=([\d.]+)", str(e))
+        too_long = re.search(r"max_model_len \((\d+)\) is greater than the derived max_model_len \(([^=]+)=([\d.]+)",
+                             str(e))
         if too_long:
             asked, key, limit = too_long.groups()
             raise CorecapError(
@@ -316,7 +319,8 @@ def _cpu_mla_moe_without_inductor(vllm_config) -> None:
     own CPU CI setting) is exact, so such models compile with the "eager" backend here. This
     costs Inductor's fusions only, on a platform where vLLM's DeepSeek path is a reference."""
     model_config, compilation = vllm_config.model_config, vllm_config.compilation_config
-    if cpu_platform() and model_config.use_mla and model_config.is_moe and not model_config.enforce_eager and compilation.backend == "inductor":
+    if (cpu_platform() and model_config.use_mla and model_config.is_moe and not model_config.enforce_eager
+            and compilation.backend == "inductor"):
         compilation.backend = "eager"
 
 
@@ -364,9 +368,11 @@ def effective_settings(vllm_config) -> str:
     return (
         f"engine: {sched.max_num_batched_tokens} tokens per step, {sched.max_num_seqs} sequences in flight, "
         f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
-        f"dtype {str(model.dtype).removeprefix('torch.')}, TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
+        f"dtype {str(model.dtype).removeprefix('torch.')}, "
+        f"TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
         f"{compiled}, "
-        + next((n for n in notes if n.startswith("prefix caching")), f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}")
+        + next((n for n in notes if n.startswith("prefix caching")),
+               f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}")
         + "".join(f", {n}" for n in notes if not n.startswith("prefix caching"))
         + (f", quantization {model.quantization}" if model.quantization else "")
         + f"; {capture}"

@@ -46,8 +46,9 @@ def placement(vllm_config, num_replicas: int) -> list[dict[str, str]]:
     need = num_replicas * local
     if nnodes > 1 and num_replicas > 1:
         raise CorecapError(
-            f"-dp {num_replicas} with --nnodes {nnodes}: replicas do not span nodes; run one `corecap run -dp N --shard K/M` "
-            "per node, each into its own store, then `corecap merge` (docs/multinode.md)"
+            f"-dp {num_replicas} with --nnodes {nnodes}: replicas do not span nodes; "
+            "run one `corecap run -dp N --shard K/M` per node, each into its own store, then `corecap merge` "
+            "(docs/multinode.md)"
         )
     if cpu_platform():
         given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -63,18 +64,22 @@ def placement(vllm_config, num_replicas: int) -> list[dict[str, str]]:
         else:
             cores = len(os.sched_getaffinity(0))
             if cores < need:
-                raise CorecapError(f"{_ranks_words(num_replicas, tp, pp, nnodes)} need {need} CPU cores, this machine gives {cores}")
+                raise CorecapError(f"{_ranks_words(num_replicas, tp, pp, nnodes)} need {need} CPU cores, "
+                                   f"this machine gives {cores}")
             if need == 1:
                 return [{}]
             entries = split_cores(need)
-        return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(entries[k * local : (k + 1) * local])} for k in range(num_replicas)]
+        return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(entries[k * local : (k + 1) * local])}
+                for k in range(num_replicas)]
     from vllm.platforms import current_platform
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(current_platform.device_count())]
+    devices = ([d for d in visible.split(",") if d.strip()] if visible
+               else [str(i) for i in range(current_platform.device_count())])
     if len(devices) < need:
         where = f"CUDA_VISIBLE_DEVICES={visible}" if visible else "this machine"
-        raise CorecapError(f"{_ranks_words(num_replicas, tp, pp, nnodes)} need {need} GPUs, {where} gives {len(devices)}")
+        raise CorecapError(f"{_ranks_words(num_replicas, tp, pp, nnodes)} need {need} GPUs, "
+                           f"{where} gives {len(devices)}")
     if num_replicas == 1:
         return [{}]
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[k * local : (k + 1) * local])} for k in range(num_replicas)]
@@ -166,5 +171,6 @@ def _relays_aux_states(model_config) -> tuple[str, bool]:
 
     cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures, model_config=model_config)
     module = sys.modules[cls.__module__]
-    decoders = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__ and issubclass(c, EagleModelMixin)]
+    decoders = [c for _, c in inspect.getmembers(module, inspect.isclass)
+                if c.__module__ == module.__name__ and issubclass(c, EagleModelMixin)]
     return architecture, any(getattr(c, "supports_aux_hidden_states_over_pp", False) for c in decoders)

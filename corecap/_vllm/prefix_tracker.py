@@ -46,7 +46,8 @@ class PrefixTracker:
         self.block_size = hash_block_size
         self.max_blocks = max_blocks or scheduler.kv_cache_manager.block_pool.num_gpu_blocks
         self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash → productions since the sink last dropped it
-        self.actions: list[tuple] = []  # for the sink, in order: ("hits", req_id, n), ("drop", hash, count), ("hash", req_id, i, hash)
+        # for the sink, in order: ("hits", req_id, n), ("drop", hash, count), ("hash", req_id, i, hash)
+        self.actions: list[tuple] = []
         self.num_told: dict[str, int] = {}  # generating request → the block hashes the sink knows of it
         self.num_hit_tokens = 0
         self.num_evicted = 0
@@ -72,7 +73,8 @@ class PrefixTracker:
             hashes = requests[new.req_id].block_hashes[:num_blocks]
             gone = [h for h in hashes if h not in self.counts]
             if gone:  # the invariant this module keeps; a hit here would be a sample with holes
-                raise CorecapError(f"prefix cache: request {new.req_id} hit {len(gone)} blocks whose producer corecap does not know")
+                raise CorecapError(f"prefix cache: request {new.req_id} hit {len(gone)} blocks "
+                                   "whose producer corecap does not know")
             for h in hashes:
                 self.counts.move_to_end(h)
             self.actions.append(("hits", new.req_id, num_blocks))

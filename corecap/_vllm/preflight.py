@@ -56,7 +56,8 @@ def plan_capture(vllm_config, layers: tuple[Layer, ...] | None) -> CapturePlan:
     try:
         cls, arch = get_model_architecture(model_config)
     except Exception as e:  # vLLM's words, one line
-        raise CorecapError(f"vLLM cannot resolve the model class of {model_config.model}: {str(e).strip().splitlines()[0]}") from None
+        raise CorecapError(f"vLLM cannot resolve the model class of {model_config.model}: "
+                           f"{str(e).strip().splitlines()[0]}") from None
     if models.is_override(cls):  # an earlier run in this process registered corecap's class: judge vLLM's
         cls = cls.__mro__[1]
     name = cls.__name__

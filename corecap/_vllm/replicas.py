@@ -36,7 +36,8 @@ class Replicas:
             for k, env in enumerate(devices):
                 with replica_environment(env):  # its workers spawn inside, and read it
                     # A config of its own: vLLM's engine writes into it (KV cache sizes, ...).
-                    config = first_config if k == 0 and first_config is not None else build_vllm_config(options, model, capture.layers)
+                    config = (first_config if k == 0 and first_config is not None
+                              else build_vllm_config(options, model, capture.layers))
                     try:
                         self.engines.append(Engine(config, model, dataclasses.replace(capture, replica=k)))
                     except CorecapError as e:
@@ -82,7 +83,8 @@ class Replicas:
         if not trackers:
             return None
         hits, evicted = sum(t.num_hit_tokens for t in trackers), sum(t.num_evicted for t in trackers)
-        return f"prefix cache: {hits} prompt tokens taken from it; {evicted} blocks evicted from vLLM beyond the blocks corecap tracks (--prefix-blocks)"
+        return (f"prefix cache: {hits} prompt tokens taken from it; {evicted} blocks evicted from vLLM "
+                "beyond the blocks corecap tracks (--prefix-blocks)")
 
     def step(self) -> StepTiming:
         """One step of the next replica (round robin) that has unfinished samples."""
@@ -124,7 +126,8 @@ class Replicas:
         return "; ".join(f"replica {k}: {status(e)}" for k, e in enumerate(self.engines))
 
     def worker_stats(self) -> list[dict]:
-        return [{**s, "replica": k} if self.num_replicas > 1 else s for k, e in enumerate(self.engines) for s in e.worker_stats()]
+        return [{**s, "replica": k} if self.num_replicas > 1 else s
+                for k, e in enumerate(self.engines) for s in e.worker_stats()]
 
     def shutdown(self) -> None:
         """Every engine, whatever the others do (a dead replica's shutdown may fail)."""

@@ -56,7 +56,9 @@ def eos_token_ids(vllm_config, tokenizer) -> frozenset[int]:
 
 def describe(options: SamplingOptions, settings: dict, source: dict, eos: frozenset[int]) -> str:
     """The generation part of the run's first line."""
-    values = ", ".join(f"{k} {v}" + (" (generation_config.json)" if source[k] != "given" else "") for k, v in settings.items())
+    values = ", ".join(f"{k} {v}" + (" (generation_config.json)" if source[k] != "given" else "")
+                       for k, v in settings.items())
     stops = f", stop {list(options.stop)}" if options.stop else ""
     ends = "EOS ignored" if options.ignore_eos else f"EOS ids {sorted(eos)}"
-    return f"generation: max tokens {options.max_tokens}, {values or 'vLLM default sampling'}{stops}, {ends}, seed per sample key"
+    return (f"generation: max tokens {options.max_tokens}, {values or 'vLLM default sampling'}{stops}, {ends}, "
+            "seed per sample key")

@@ -83,7 +83,8 @@ class Sender:
             self.copy_stream.wait_event(ready)  # recorded by `_capture` after the states were stacked
             with torch.cuda.stream(self.copy_stream):
                 host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, pos)]
-                host.append(torch.empty(states.shape, dtype=states.dtype, pin_memory=True) if target is None else target)
+                host.append(torch.empty(states.shape, dtype=states.dtype, pin_memory=True) if target is None
+                            else target)
                 for h, t in zip(host, (ids, pos, states)):
                     h.copy_(t, non_blocking=True)
                     t.record_stream(self.copy_stream)

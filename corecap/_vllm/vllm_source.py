@@ -83,7 +83,8 @@ class Source:
         """A module-level dict literal `NAME = {...}` (a registry): (key, value node) for each
         `"key": value`, and the name of each `**OTHER` spread into it, in order."""
         for node in _top_level(self.module(module)[1].body):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
             if any(isinstance(t, ast.Name) and t.id == name for t in targets) and isinstance(node.value, ast.Dict):
                 return [
                     v.id if k is None else (k.value, v) for k, v in zip(node.value.keys, node.value.values)
@@ -159,7 +160,8 @@ def _top_level(body: list) -> list:
         if isinstance(node, ast.If):
             out += _top_level(node.body) + _top_level(node.orelse)
         elif isinstance(node, ast.Try):
-            out += _top_level(node.body) + _top_level(node.orelse) + [n for h in node.handlers for n in _top_level(h.body)]
+            out += (_top_level(node.body) + _top_level(node.orelse)
+                    + [n for h in node.handlers for n in _top_level(h.body)])
     return out
 
 
@@ -209,7 +211,8 @@ class ClassView:
 
     def own(self, name: str) -> Method | None:
         """Its own method `name`: the last definition, as Python binds it (after `@overload`s)."""
-        found = [n for n in _top_level(self.node.body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+        found = [n for n in _top_level(self.node.body)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
         return Method(self, found[-1]) if found else None
 
     def method(self, name: str) -> Method | None:
@@ -218,7 +221,8 @@ class ClassView:
 
     def methods(self) -> list[Method]:
         """Its own methods (nested ones included in each's code)."""
-        return [Method(self, n) for n in _top_level(self.node.body) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return [Method(self, n) for n in _top_level(self.node.body)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     def self_attributes(self) -> set[str]:
         """Names X of every `self.X = ...` in its own methods."""
@@ -229,7 +233,8 @@ class ClassView:
         body and its bases' (ClassVar excluded)."""
         return {
             n.target.id for c in self.mro() for n in _top_level(c.node.body)
-            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "ClassVar" not in ast.unparse(n.annotation)
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            and "ClassVar" not in ast.unparse(n.annotation)
         }
 
     def has(self, name: str) -> bool:
@@ -272,7 +277,8 @@ class Method:
         """Names X of every `self.X = ...` in the method."""
         return {
             n.attr for n in ast.walk(self.node)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and isinstance(n.ctx, ast.Store)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+            and isinstance(n.ctx, ast.Store)
         }
 
     def names(self) -> set[str]:
@@ -283,7 +289,8 @@ class Method:
 
     def calls(self, attr: str) -> list[ast.Call]:
         """Its calls of `X.attr(...)`."""
-        return [n for n in ast.walk(self.node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr]
+        return [n for n in ast.walk(self.node)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr]
 
     def text(self) -> str:
         return _segment(self.owner.source.module(self.owner.module)[0], self.node)

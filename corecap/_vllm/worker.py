@@ -51,8 +51,10 @@ class CaptureExtension:
         runner = self.model_runner
         config = self.vllm_config
         itemsize = torch.empty(0, dtype=config.model_config.dtype).element_size()
-        slot_bytes = config.scheduler_config.max_num_batched_tokens * len(spec["layers"]) * config.model_config.get_hidden_size() * itemsize
-        spec = {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0, "ipc_path": sink_address(config, spec)}
+        slot_bytes = (config.scheduler_config.max_num_batched_tokens * len(spec["layers"])
+                      * config.model_config.get_hidden_size() * itemsize)
+        spec = {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0,
+                "ipc_path": sink_address(config, spec)}
         try:
             tap = _Tap(runner, spec, rank=self.rank)
             pipeline_stage(runner, tap)
@@ -61,8 +63,9 @@ class CaptureExtension:
             raise RuntimeError(f"worker rank {self.rank}: installing the capture failed: {_one_line(e)}") from e
         self.corecap_tap = tap
         sender = tap.sender
-        return {"pid": os.getpid(), "rank": self.rank, "node_rank": getattr(config.parallel_config, "node_rank", 0), "runner": type(runner).__name__,
-                "ring": None if sender is None else sender.ring_status, "sources": tap.sources.describe()}
+        return {"pid": os.getpid(), "rank": self.rank, "node_rank": getattr(config.parallel_config, "node_rank", 0),
+                "runner": type(runner).__name__, "ring": None if sender is None else sender.ring_status,
+                "sources": tap.sources.describe()}
 
     def corecap_arm(self) -> None:
         """Start capturing: the engine's own warm-up steps (fake requests) come before this."""
@@ -110,7 +113,8 @@ class _Tap:
         self.aux_layers = self.sources.aux_layers
         if self.aux_layers:
             if not hasattr(model, "set_aux_hidden_state_layers"):  # the driver's preflight rules this out
-                raise RuntimeError(f"{type(model).__name__} has no EAGLE-3 auxiliary outputs (set_aux_hidden_state_layers)")
+                raise RuntimeError(f"{type(model).__name__} has no EAGLE-3 auxiliary outputs "
+                                   "(set_aux_hidden_state_layers)")
             model.set_aux_hidden_state_layers(self.aux_layers)
         # Both runner generations then unpack (hidden, aux) themselves, in real, dummy and
         # CUDA-graph capture runs alike (as they do for an EAGLE-3 drafter).
@@ -124,7 +128,8 @@ class _Tap:
         self.captured = False  # in the current execute_model
         self.sender_rank = spec.get("sender_rank", 0)
         self.passive = False  # a pipeline stage before the last: its states travel on inside vLLM
-        self.sender = Sender(spec["ipc_path"], rank, spec["slot_bytes"], spec.get("ring", True)) if rank == self.sender_rank else None
+        self.sender = (Sender(spec["ipc_path"], rank, spec["slot_bytes"], spec.get("ring", True))
+                       if rank == self.sender_rank else None)
         self._patch(runner)
 
     def _patch(self, runner) -> None:
@@ -190,7 +195,8 @@ class _Tap:
             self.flush()
             self.captured = False
             result = execute_model(scheduler_output, *args, **kwargs)
-            if self.armed and scheduler_output.total_num_scheduled_tokens and not self.captured and not kwargs.get("dummy_run"):
+            if (self.armed and scheduler_output.total_num_scheduled_tokens and not self.captured
+                    and not kwargs.get("dummy_run")):
                 self._missed(scheduler_output.total_num_scheduled_tokens)
             if result is not None:
                 self.flush()
@@ -280,7 +286,8 @@ class _Tap:
         # Fresh buffers on the compute stream: the model's outputs may be static (CUDA graph)
         # buffers that the next step overwrites. fp8: quantised here, on the device (fp8rows.py).
         dtype = selected[0].dtype
-        states = quantize_fp8_rows(selected, num_tokens) if self.fp8 else torch.stack([t[:num_tokens] for t in selected])
+        states = (quantize_fp8_rows(selected, num_tokens) if self.fp8
+                  else torch.stack([t[:num_tokens] for t in selected]))
         ids = input_ids[:num_tokens].to(torch.int32, copy=True)
         pos = positions[:num_tokens].to(torch.int32, copy=True)
         ready = None

@@ -18,7 +18,9 @@ import time
 import click
 
 from corecap import __version__
-from corecap.cli.options import _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with
+from corecap.cli.options import (
+    _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with,
+)
 from corecap.errors import CorecapError
 
 
@@ -71,7 +73,8 @@ def capture(cfg, log, terminal=None):
 
 @main.command(context_settings=_PASS_THROUGH)
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--verbose", "-v", is_flag=True, help="Show vLLM's own log on the terminal too (it is always in STORE/corecap.log).")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Show vLLM's own log on the terminal too (it is always in STORE/corecap.log).")
 @_with(_ENGINE_OPTIONS)
 @_with(_CAPTURE_OPTIONS)
 @_with(_GENERATION_OPTIONS)
@@ -111,8 +114,10 @@ def run(ctx, store, verbose, **options) -> None:
 @click.option("--master-port", type=click.IntRange(1, 65533), default=29501, show_default=True,
               help="As node 0's --master-port; corecap's own channel is the port after it.")
 @click.option("--node-rank", type=_Min1, required=True, help="This node's rank, 1 to --nnodes minus 1.")
-@click.option("--model", type=str, default=None, help="This node's copy of the model (default: node 0's path); must be the same model.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True, help="Seconds to wait for node 0.")
+@click.option("--model", type=str, default=None,
+              help="This node's copy of the model (default: node 0's path); must be the same model.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600, show_default=True,
+              help="Seconds to wait for node 0.")
 @_one_line_errors
 def worker(master_addr, master_port, node_rank, model, timeout) -> None:
     """Run this node's share of an engine that spans nodes (node 0 runs `corecap run --nnodes N
@@ -172,7 +177,8 @@ def get(key, store, out) -> None:
 @main.command(name="ls")
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True)
 @click.option("--long", "-l", "long", is_flag=True,
-              help="Per key, tab-separated: its tokens and, for a generated sample, its prompt's and response's lengths and finish reason.")
+              help="Per key, tab-separated: its tokens and, for a generated sample, its prompt's and response's "
+              "lengths and finish reason.")
 @_one_line_errors
 def ls(store, long) -> None:
     """List the keys in a store, one per line."""
@@ -187,7 +193,8 @@ def ls(store, long) -> None:
         for key, header in headers(s, utf8_keys=True):
             generation = header.generation
             click.echo(f"{key}\t{header.num_tokens} tokens"
-                       + ("" if generation is None else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))
+                       + ("" if generation is None
+                          else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))
 
 
 @main.command()
@@ -211,14 +218,16 @@ def info(store) -> None:
 
 @main.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--threads", type=_Min1, default=None, help="Threads that decode and check samples (default: the cores, at most 8).")
+@click.option("--threads", type=_Min1, default=None,
+              help="Threads that decode and check samples (default: the cores, at most 8).")
 @_one_line_errors
 def verify(store, threads) -> None:
     """Check every stored sample (complete, consistent, checksums, finite, no zero layers).
     Exit 0: all good; 1: problems (listed); 2: not a store."""
     from corecap.store.verify import verify_store
 
-    report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"), num_threads=threads)
+    report = verify_store(store, on_problem=lambda key, problems: click.echo(f"{key}: {'; '.join(problems)}"),
+                          num_threads=threads)
     for problem in report.store_problems:
         click.echo(f"{report.store}: {problem}")
     click.echo(report.line())
@@ -237,9 +246,12 @@ def merge(out, inputs) -> None:
 
 
 @main.command()
-@click.option("--model", type=str, default=None, help="Model directory whose class to check too (default: a config-only Llama; no weights read).")
-@click.option("--deep", is_flag=True, help="Import vLLM too (7-25 s) and make the checks that need it: the aux-state semantics, "
-              "the engine configuration vLLM builds, the model class its resolver picks (every `corecap run` makes them).")
+@click.option("--model", type=str, default=None,
+              help="Model directory whose class to check too (default: a config-only Llama; no weights read).")
+@click.option("--deep", is_flag=True,
+              help="Import vLLM too (7-25 s) and make the checks that need it: the aux-state semantics, "
+              "the engine configuration vLLM builds, the model class its resolver picks "
+              "(every `corecap run` makes them).")
 @_one_line_errors
 def doctor(model, deep) -> None:
     """Check the installed vLLM against what corecap relies on in its internals, in about a second,
@@ -258,18 +270,25 @@ def doctor(model, deep) -> None:
 @main.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
 @click.option("--format", "fmt", type=click.Choice(["speculators", "specforge", "jsonl"]), required=True,
-              help="speculators 0.9.0 (needs the 'prenorm' layer), SpecForge 0.2.0 (needs layer N and three aux layers), "
-              "or jsonl: the samples as text, one JSON object per line (text decoded with the model's tokenizer, token ids, "
-              "loss masks; a generated sample's prompt and response apart, finish reason, sampling settings), no hidden states.")
+              help="speculators 0.9.0 (needs the 'prenorm' layer), SpecForge 0.2.0 (needs layer N and three aux "
+              "layers), or jsonl: the samples as text, one JSON object per line (text decoded with the model's "
+              "tokenizer, token ids, loss masks; a generated sample's prompt and response apart, finish reason, "
+              "sampling settings), no hidden states.")
 @click.option("--out", type=str, required=True,
               help="Output directory, a file for jsonl (must not exist; written as OUT.partial, then renamed).")
-@click.option("--aux-layers", type=str, default=None, help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto", show_default=True,
-              help="Hidden states' dtype (auto: bfloat16 for SpecForge, which trains on nothing else; the stored dtype for speculators).")
-@click.option("--keys", "keys_file", type=str, default=None, help="Export only these keys (a file, one per line), in its order.")
-@click.option("--workers", type=_Min1, default=None, help="Threads that decode and write samples (default: the cores, at most 8).")
+@click.option("--aux-layers", type=str, default=None,
+              help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+              show_default=True,
+              help="Hidden states' dtype (auto: bfloat16 for SpecForge, which trains on nothing else; "
+              "the stored dtype for speculators).")
+@click.option("--keys", "keys_file", type=str, default=None,
+              help="Export only these keys (a file, one per line), in its order.")
+@click.option("--workers", type=_Min1, default=None,
+              help="Threads that decode and write samples (default: the cores, at most 8).")
 @click.option("--tokenizer", type=str, default=None,
-              help="jsonl: the tokenizer's directory to decode with (default: the store's model directory, from `corecap info`).")
+              help="jsonl: the tokenizer's directory to decode with "
+              "(default: the store's model directory, from `corecap info`).")
 @click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
 @_one_line_errors
 def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, progress) -> None:
@@ -281,7 +300,8 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
         states_only = [name for name, given in (("--aux-layers", aux_layers is not None), ("--dtype", dtype != "auto"),
                                                 ("--workers", workers is not None)) if given]
         if states_only:
-            raise CorecapError(f"{states_only[0]} applies to the hidden states, and --format jsonl writes none (it is the text)")
+            raise CorecapError(f"{states_only[0]} applies to the hidden states, "
+                               "and --format jsonl writes none (it is the text)")
     elif tokenizer is not None:
         raise CorecapError(f"--tokenizer applies to --format jsonl only (--format {fmt} writes token ids, no text)")
     keys = read_keys(keys_file) if keys_file else None
@@ -290,7 +310,8 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
 
         summary = export_jsonl(store, out, _jsonl_tokenizer(store, tokenizer), keys=keys, progress=progress, log=_log)
     else:
-        summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers, progress=progress, log=_log)
+        summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers,
+                               progress=progress, log=_log)
     click.echo(summary.line())
     for note in summary.notes():
         click.echo(note)
@@ -334,7 +355,8 @@ def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
     from corecap.trace.analysis import summarize
     from corecap.trace.timeline import load_trace
 
-    given = [p for p in ctx.command.params if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+    given = [p for p in ctx.command.params
+             if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
     if steps is None:
         if given or ctx.args:
             first = "/".join(o for o in given[0].opts if o.startswith("--")) if given else ctx.args[0]

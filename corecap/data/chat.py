@@ -27,7 +27,8 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
     role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
     roles = SHAREGPT_ROLES if sharegpt else {r: r for r in MESSAGE_ROLES}
     if not isinstance(turns, list):
-        raise RowError(where, f"field {name!r} must be a list of objects, got {type(turns).__name__}", "malformed conversation")
+        raise RowError(where, f"field {name!r} must be a list of objects, got {type(turns).__name__}",
+                       "malformed conversation")
     if not turns:
         raise RowError(where, f"field {name!r} is empty (no turns)", "empty conversation")
     messages = []
@@ -41,7 +42,8 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
         role, content = turn[role_field], turn[content_field]
         if not isinstance(role, str) or role not in roles:
             expected = ", ".join(map(repr, roles))
-            raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})", "unknown role")
+            raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})",
+                           "unknown role")
         if not isinstance(content, str):
             raise RowError(
                 where, f"{at}.{content_field} must be a string, got {type(content).__name__}", "non-string content"
@@ -51,7 +53,9 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
         raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
     if generate:
         if not any(m["role"] == "user" for m in prompt_turns(messages)):
-            raise RowError(where, f"field {name!r} has no user turn before its last assistant turns (nothing to answer)", "nothing to answer")
+            raise RowError(where,
+                           f"field {name!r} has no user turn before its last assistant turns (nothing to answer)",
+                           "nothing to answer")
     elif not any(m["role"] == "assistant" for m in messages):
         raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
     return messages
@@ -119,7 +123,8 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})  # the template's own switches (e.g. enable_thinking)
         template = tokenizer.chat_template
-        self.marked = _GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template)) is not None
+        self.marked = (_GENERATION_TAG.search(template if isinstance(template, str) else json.dumps(template))
+                       is not None)
 
     def _text(self, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
         try:
@@ -127,7 +132,8 @@ class ChatRenderer:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
             )
         except Exception as e:  # jinja2 and the template's own raise_exception raise many types
-            raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+            raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})",
+                           "chat template failed") from None
 
     def prompt(self, messages: list[dict], where: str, before: list[dict] | None = None) -> np.ndarray:
         """The token ids the model answers: the template over `before` (default: `prompt_turns`),
@@ -143,7 +149,8 @@ class ChatRenderer:
                     add_generation_prompt=False, **self.template_kwargs,
                 )
             except Exception as e:  # as in _text
-                raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})", "chat template failed") from None
+                raise RowError(where, f"the chat template failed ({type(e).__name__}: {e})",
+                               "chat template failed") from None
             return np.asarray(out["input_ids"], dtype=np.int64), np.asarray(out["assistant_masks"], dtype=np.uint8)
         full = self._text(messages, where, False)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

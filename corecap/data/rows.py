@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 from corecap.errors import CorecapError
 
-INPUT_FIELDS = ("input_ids", "text", "messages", "conversations")  # a row has one; Parquet reads only these, id, loss_mask
+# a row has one; Parquet reads only these, id, loss_mask
+INPUT_FIELDS = ("input_ids", "text", "messages", "conversations")
 UNITS = {"jsonl": "line", "json": "element", "parquet": "row"}
 _CHUNK = 1 << 20  # JSON array reader: characters read at a time
 

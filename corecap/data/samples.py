@@ -139,7 +139,8 @@ def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
     return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
-def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, generate: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
+            generate: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """The row's token ids and loss mask; `generate`: the prompt the model answers, whose
     tokens are not trained on (the response's are). With every turn rewritten, a conversation's
     turns and answer points go to `chat["turns"]` (read by the caller)."""
@@ -150,7 +151,8 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, gener
             "no input field",
         )
     if len(present) > 1:
-        raise RowError(where, f"fields {' and '.join(map(repr, present))} both given, expected exactly one", "several input fields")
+        raise RowError(where, f"fields {' and '.join(map(repr, present))} both given, expected exactly one",
+                       "several input fields")
     name = present[0]
     if "loss_mask" in obj and name != "input_ids":
         raise RowError(where, f"field 'loss_mask' goes with 'input_ids', not with {name!r}", "bad loss_mask")
@@ -196,7 +198,8 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict, gener
 # The whole file
 
 
-def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None, all_turns=False):
+def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None,
+              all_turns=False):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
     Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
     Raise at the first problem the policies refuse. `max_tokens` > 0: each sample is a prompt
@@ -266,18 +269,20 @@ def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, o
     too_long = (f"sample {sample.key!r} has a prompt of {len(sample.token_ids)} tokens, and --max-tokens "
                 f"{sample.max_tokens} after it makes more than --max-len {max_len}")
     if overflow == "error":
-        raise CorecapError(f"{sample.where}: {too_long} (--overflow truncate writes a shorter response, skip leaves it out)")
+        raise CorecapError(f"{sample.where}: {too_long} "
+                           "(--overflow truncate writes a shorter response, skip leaves it out)")
     if overflow == "skip":
         return "skipped", RowError(sample.where, too_long, "longer than --max-len")
     if room < 1:
-        return "skipped", RowError(sample.where, f"{too_long}, and leaves no room for a response", "no room for a response")
+        return "skipped", RowError(sample.where, f"{too_long}, and leaves no room for a response",
+                                   "no room for a response")
     return "truncated", dataclasses.replace(sample, max_tokens=room)
 
 
 def read_samples(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
-    invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
-    all_turns: bool = False,
+    invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0,
+    template_kwargs: dict | None = None, all_turns: bool = False,
 ) -> Iterator[Sample]:
     """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
     the first problem the policies refuse. `overflow` says what happens to a sample longer than
@@ -285,8 +290,8 @@ def read_samples(
     under overflow="skip", else error). `max_tokens` > 0: prompts the model answers (`_prompt_outcome`)."""
     invalid = _check_policies(overflow, invalid, shard)
     for kind, value in _outcomes(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
-        max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
+        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
     ):
         if kind in ("sample", "truncated"):
             yield value
@@ -309,8 +314,8 @@ def validate(
     num_tokens = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid, shard=shard,
-        max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
+        path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
+        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
     ):
         counts[kind] += 1
         if kind == "unit":

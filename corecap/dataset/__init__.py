@@ -52,7 +52,8 @@ class StoreDataset(torch.utils.data.Dataset):
     """Samples of the store at `store`, with the stored layers `layers` (default: all, in the
     stored order), by index or by key."""
 
-    def __init__(self, store: str | os.PathLike, layers: list[Layer] | str | None = None, *, reuse_shared_memory: bool = True):
+    def __init__(self, store: str | os.PathLike, layers: list[Layer] | str | None = None, *,
+                 reuse_shared_memory: bool = True):
         self.path = os.fspath(store)
         self.reuse_shared_memory = reuse_shared_memory
         with Store.open(self.path) as s:
@@ -62,7 +63,8 @@ class StoreDataset(torch.utils.data.Dataset):
         if layers is None:
             self.layers = stored
         else:
-            chosen = parse_layers(layers) if isinstance(layers, str) else tuple(PRENORM if k == PRENORM else int(k) for k in layers)
+            chosen = (parse_layers(layers) if isinstance(layers, str)
+                      else tuple(PRENORM if k == PRENORM else int(k) for k in layers))
             missing = [k for k in chosen if k not in stored]
             if missing or not chosen:
                 raise CorecapError(f"{self.path}: layers {list(chosen)}: the store has {list(stored)}")
@@ -81,19 +83,22 @@ class StoreDataset(torch.utils.data.Dataset):
             if not -len(self.keys) <= index < len(self.keys):
                 raise IndexError(f"index {index} is out of range for {len(self.keys)} samples")
             key = self.keys[index]
-        alloc = pool.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None else None
+        alloc = (pool.pool().tensor if self.reuse_shared_memory and torch.utils.data.get_worker_info() is not None
+                 else None)
         with Store.open(self.path) as store:
             sample = store.get(key, alloc if self._positions is None else None)
         states = sample.hidden_states
         if self._positions is not None:
             chosen = (len(self._positions), *states.shape[1:])
-            states = torch.index_select(states, 0, torch.tensor(self._positions), out=alloc(chosen, states.dtype)) if alloc else states[self._positions]
+            states = (torch.index_select(states, 0, torch.tensor(self._positions), out=alloc(chosen, states.dtype))
+                      if alloc else states[self._positions])
         mask = sample.loss_mask
         num_tokens = len(sample.input_ids)
         item = {
             "key": key,
             "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
-            "loss_mask": torch.ones(num_tokens, dtype=torch.int64) if mask is None else torch.from_numpy(mask.astype(np.int64)),
+            "loss_mask": (torch.ones(num_tokens, dtype=torch.int64) if mask is None
+                          else torch.from_numpy(mask.astype(np.int64))),
             "hidden_states": states,
         }
         generation = sample.header.generation

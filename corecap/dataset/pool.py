@@ -80,7 +80,8 @@ class _Slot:
         return self.idle() and self.map[self.capacity] == _FREE
 
     def hand_out(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> SharedStates:
-        t = torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes).view(dtype).view(shape).as_subclass(SharedStates)
+        t = (torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+             .as_subclass(SharedStates))
         t._corecap_slot = (self, t.untyped_storage().data_ptr(), nbytes)
         self.handed = StorageWeakRef(t.untyped_storage())
         return t
@@ -149,7 +150,8 @@ def _reduce(t: SharedStates):
     it (sent before): then torch's own copy."""
     slot, address, nbytes = getattr(t, "_corecap_slot", (None, 0, 0))
     plain = t.as_subclass(torch.Tensor)
-    if (slot is None or slot.map.closed or slot.map[slot.capacity] != _FREE or plain.untyped_storage().data_ptr() != address
+    if (slot is None or slot.map.closed or slot.map[slot.capacity] != _FREE
+            or plain.untyped_storage().data_ptr() != address
             or plain.storage_offset() or plain.nbytes != nbytes or not plain.is_contiguous() or plain.requires_grad):
         return reduce_tensor(plain)
     slot.map[slot.capacity] = _SENT

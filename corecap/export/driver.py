@@ -80,12 +80,15 @@ class ExportSummary:
     def notes(self) -> list[str]:
         out = list(self.plan.notes)
         if self.num_no_mask:
-            out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: exported with all ones (every token trained on)")
+            out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: "
+                       "exported with all ones (every token trained on)")
         if self.num_nonfinite:
-            out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture (--nonfinite store) left out")
+            out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture "
+                       "(--nonfinite store) left out")
         name, ids = next(iter(self.plan.draft_config().items()))
         if self.plan.fmt == "specforge":
-            out.append(f"SpecForge draft config: \"{name}\": {ids} (SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
+            out.append(f"SpecForge draft config: \"{name}\": {ids} "
+                       f"(SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
         else:
             out.append(f"speculators: --target-layer-ids {' '.join(map(str, ids))} (vLLM's ids, equal to HF's indices)")
         return out
@@ -113,9 +116,11 @@ def export_store(
                     for note in plan.notes:
                         if note.startswith("warning: "):
                             log(f"corecap: {note}")
-                    log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): aux layers {list(plan.aux_layers)} "
-                        f"+ {plan.final_layer}, {plan.dtype}" + (" (resuming an interrupted export)" if resumed else ""))
-                    summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers, Progress(num_rows, progress))
+                    log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): "
+                        f"aux layers {list(plan.aux_layers)} + {plan.final_layer}, {plan.dtype}"
+                        + (" (resuming an interrupted export)" if resumed else ""))
+                    summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers,
+                                     Progress(num_rows, progress))
                     _finish(partial, out, options, summary)
                 finally:
                     os.close(lock)
@@ -153,7 +158,8 @@ def _options(store: Store, plan: ExportPlan, num_rows: int, digest: str) -> dict
     return {
         "export_version": EXPORT_VERSION, "format": plan.fmt, "store": os.path.abspath(store.path),
         "config_hash": meta.model.config_hash, "weights_fingerprint": meta.model.weights_fingerprint,
-        "num_layers": meta.model.num_layers, "store_layers": list(meta.layers), "store_dtype": meta.dtype, "codec": meta.codec,
+        "num_layers": meta.model.num_layers, "store_layers": list(meta.layers), "store_dtype": meta.dtype,
+        "codec": meta.codec,
         "aux_layers": list(plan.aux_layers), "final_layer": plan.final_layer, "dtype": plan.dtype,
         "num_rows": num_rows, "keys_digest": digest,
     }
@@ -164,7 +170,8 @@ def _open_partial(partial: str, options: dict, log) -> tuple[int, bool]:
     import fcntl
 
     if os.path.lexists(partial) and not os.path.isdir(partial):
-        raise CorecapError(f"{partial}: exists and is not a directory (corecap export writes OUT there first); remove it")
+        raise CorecapError(f"{partial}: exists and is not a directory (corecap export writes OUT there first); "
+                           "remove it")
     os.makedirs(partial, exist_ok=True)
     fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -179,7 +186,8 @@ def _open_partial(partial: str, options: dict, log) -> tuple[int, bool]:
         earlier = None
     resumed = earlier == options
     if not resumed and os.listdir(partial):
-        log(f"corecap: note: {partial}: an interrupted export of other samples or options was left there: starting over")
+        log(f"corecap: note: {partial}: an interrupted export of other samples or options was left there: "
+            "starting over")
     for entry in os.scandir(partial):
         if not resumed:
             shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
@@ -217,7 +225,8 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         counts["nbytes"] += nbytes
         progress.update(1, num_tokens, nbytes)
 
-    walk = (key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
+    walk = ((key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
+            if keys is None else iter(keys))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
     syncs = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export-sync")  # waits for the disk
     manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")
@@ -226,7 +235,9 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
             header_value = txn.get(key.encode(), db=store.headers_db)
             value = txn.get(key.encode(), db=store.samples_db)
             if header_value is None or value is None:
-                raise CorecapError(f"{store.path}: sample {key!r} has {'no header' if header_value is None else 'no states'} (a damaged store: corecap verify)")
+                raise CorecapError(f"{store.path}: sample {key!r} has "
+                                   f"{'no header' if header_value is None else 'no states'} "
+                                   "(a damaged store: corecap verify)")
             header = prefixed(store.path, checked_header, key, header_value, store.meta)  # before any of it is used
             if header.nonfinite:
                 counts["nonfinite"] += 1
@@ -238,11 +249,13 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
             else:
                 mask = np.frombuffer(header.loss_mask, dtype=np.uint8)
                 if len(mask) != len(ids):
-                    raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries for {len(ids)} tokens")
+                    raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries "
+                                       f"for {len(ids)} tokens")
             row = layout.num_rows
             layout.add_row(ids, mask)
             relative = layout.path(row)
-            manifest.write(json.dumps({"row": row, "key": key, "num_tokens": header.num_tokens, "file": relative}) + "\n")
+            manifest.write(json.dumps({"row": row, "key": key, "num_tokens": header.num_tokens, "file": relative})
+                           + "\n")
             counts["tokens"] += header.num_tokens
             path = os.path.join(partial, relative)
             if resumed and os.path.exists(path):
@@ -251,7 +264,8 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 continue
             states = store.states(key, header, value, end)
             parts = refs.read_owners(store, txn, key, header, end) if header.prefix else ()
-            future = pool.submit(_export_one, layout, syncs, path, store, key, header, (states, parts), ids, mask, plan.positions, dtype)
+            future = pool.submit(_export_one, layout, syncs, path, store, key, header, (states, parts), ids, mask,
+                                 plan.positions, dtype)
             pending.append((header.num_tokens, future))
             while len(pending) >= 2 * workers:
                 collect_oldest()
@@ -298,7 +312,8 @@ def _finish(partial: str, out: str, options: dict, summary: ExportSummary) -> No
         "corecap_version": __version__,
         "num_samples": summary.num_samples,
         "num_tokens": summary.num_tokens,
-        "layers": [describe_layer(k, k in plan.aux_layers, options["num_layers"]) for k in plan.aux_layers + (plan.final_layer,)],
+        "layers": [describe_layer(k, k in plan.aux_layers, options["num_layers"])
+                   for k in plan.aux_layers + (plan.final_layer,)],
         "draft_config": plan.draft_config(),
         "dtype": plan.dtype,
         "notes": summary.notes(),

@@ -54,18 +54,20 @@ class JsonlSummary:
 
     def line(self) -> str:
         generated = f", {self.num_generated} with the model's response" if self.num_generated else ""
-        return (f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens{generated}) as JSONL text, no hidden states; "
-                f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s")
+        return (f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens{generated}) as JSONL text, "
+                f"no hidden states; wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s")
 
     def notes(self) -> list[str]:
         if not self.num_unknown:
             return []
         return [f"{self.num_unknown} of {self.num_samples} samples hold token ids the tokenizer has no token for "
-                "(ids past its vocabulary, e.g. the model's padding rows): their text leaves them out, their ids keep them"]
+                "(ids past its vocabulary, e.g. the model's padding rows): their text leaves them out, "
+                "their ids keep them"]
 
 
 def export_jsonl(
-    store_path: str, out: str, tokenizer, *, keys: list[str] | None = None, progress: bool | None = False, log=lambda line: None,
+    store_path: str, out: str, tokenizer, *, keys: list[str] | None = None, progress: bool | None = False,
+    log=lambda line: None,
 ) -> JsonlSummary:
     """Write the store at `store_path` to the file `out` as JSONL (see the module docstring),
     decoding with `tokenizer` (a HF tokenizer: `decode(ids)` and `len()`)."""
@@ -79,7 +81,8 @@ def export_jsonl(
                 num_rows, _ = select_keys(txn, store, keys)
                 f = _open_partial(partial, log)
                 try:
-                    log(f"exporting {num_rows} samples of {store.path} to {shown} (jsonl: text and token ids, no hidden states)")
+                    log(f"exporting {num_rows} samples of {store.path} to {shown} "
+                        "(jsonl: text and token ids, no hidden states)")
                     summary = _write(txn, store, f, shown, keys, num_rows, tokenizer, Progress(num_rows, progress))
                     if os.path.lexists(out):
                         raise CorecapError(f"{shown}: appeared while exporting; the export is complete in {partial}")
@@ -97,7 +100,8 @@ def _open_partial(partial: str, log):
     import fcntl
 
     if os.path.lexists(partial) and not os.path.isfile(partial):
-        raise CorecapError(f"{partial}: exists and is not a file (corecap export --format jsonl writes OUT there first); remove it")
+        raise CorecapError(f"{partial}: exists and is not a file "
+                           "(corecap export --format jsonl writes OUT there first); remove it")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -114,12 +118,15 @@ def _write(txn, store: Store, f, out: str, keys, num_rows: int, tokenizer, progr
     start = time.monotonic()
     num_tokens = num_generated = num_unknown = 0
     vocab = len(tokenizer)
-    walk = (key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False)) if keys is None else iter(keys)
+    walk = ((key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
+            if keys is None else iter(keys))
     try:
         for key in walk:
             header_value = txn.get(key.encode(), db=store.headers_db)
             if header_value is None or txn.get(key.encode(), db=store.samples_db) is None:
-                raise CorecapError(f"{store.path}: sample {key!r} has {'no header' if header_value is None else 'no states'} (a damaged store: corecap verify)")
+                raise CorecapError(f"{store.path}: sample {key!r} has "
+                                   f"{'no header' if header_value is None else 'no states'} "
+                                   "(a damaged store: corecap verify)")
             header = prefixed(store.path, checked_header, key, header_value, store.meta)
             ids = np.frombuffer(header.input_ids, dtype="<i4")
             if len(ids) and int(ids.max()) >= vocab:
@@ -133,16 +140,19 @@ def _write(txn, store: Store, f, out: str, keys, num_rows: int, tokenizer, progr
         os.fsync(f.fileno())
     finally:
         progress.close()
-    return JsonlSummary(out, num_rows, num_tokens, num_generated, num_unknown, os.fstat(f.fileno()).st_size, time.monotonic() - start)
+    return JsonlSummary(out, num_rows, num_tokens, num_generated, num_unknown, os.fstat(f.fileno()).st_size,
+                        time.monotonic() - start)
 
 
 def sample_line(key: str, header: SampleHeader, ids: np.ndarray, tokenizer) -> dict:
     """One sample's JSONL object (the module docstring)."""
     mask = None if header.loss_mask is None else np.frombuffer(header.loss_mask, dtype=np.uint8).tolist()
-    flags = {"nonfinite": True} if header.nonfinite else {}  # its states hold NaN/Inf (--nonfinite store); its text is fine
+    # its states hold NaN/Inf (--nonfinite store); its text is fine
+    flags = {"nonfinite": True} if header.nonfinite else {}
     g = header.generation
     if g is None:
-        return {"id": key, "text": tokenizer.decode(ids.tolist()), **flags, "input_ids": ids.tolist(), "loss_mask": mask}
+        return {"id": key, "text": tokenizer.decode(ids.tolist()), **flags, "input_ids": ids.tolist(),
+                "loss_mask": mask}
     prompt, response = ids[: g.num_prompt].tolist(), ids[g.num_prompt :].tolist()
     return {
         "id": key, "prompt": tokenizer.decode(prompt), "response": tokenizer.decode(response),

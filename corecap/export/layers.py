@@ -18,7 +18,8 @@ def run_flag(layers) -> str:
 def describe_layer(layer: Layer, aux: bool, num_layers: int) -> dict:
     """One exported layer in every convention (docs/export.md, "Layer indices")."""
     if layer == PRENORM:
-        return {"layer": PRENORM, "role": "final", "meaning": f"output of decoder layer {num_layers} before the final norm",
+        return {"layer": PRENORM, "role": "final",
+                "meaning": f"output of decoder layer {num_layers} before the final norm",
                 "vllm_id": num_layers, "specforge_id": None}
     if not aux:
         return {"layer": layer, "role": "final", "meaning": f"HF hidden_states[{layer}]: after the final norm",

@@ -47,11 +47,13 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     else:
         aux = parse_layers(aux_layers)
         if len(set(aux)) != len(aux) or PRENORM in aux:
-            raise CorecapError(f"--aux-layers {aux_layers!r}: expected distinct HF indices (the final state is added by the format)")
+            raise CorecapError(f"--aux-layers {aux_layers!r}: expected distinct HF indices "
+                               "(the final state is added by the format)")
         missing = [k for k in aux if k not in stored]
         if missing:
             raise CorecapError(
-                f"--aux-layers {aux_layers!r}: the store has no layer {missing[0]} (it has {list(stored)}): capture it with "
+                f"--aux-layers {aux_layers!r}: the store has no layer {missing[0]} (it has {list(stored)}): "
+                "capture it with "
                 f"`{run_flag(list(stored) + list(missing))}`"
             )
         aux = tuple(sorted(aux))
@@ -65,6 +67,7 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     if DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
         notes.append(f"warning: hidden states rounded from the stored {meta.dtype} to {dtype}")
     if meta.codec == FP8:
-        notes.append(f"warning: the store holds lossy fp8 states ({FP8}): exported dequantized, not the captured values")
+        notes.append(f"warning: the store holds lossy fp8 states ({FP8}): "
+                     "exported dequantized, not the captured values")
     positions = tuple(stored.index(k) for k in aux + (final,))
     return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))

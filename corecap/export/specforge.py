@@ -87,8 +87,9 @@ class SpecForge:
         if num_layers not in stored:
             ints = [k for k in stored if k != PRENORM]
             raise CorecapError(
-                f"{path}: --format specforge needs layer {num_layers} (the final hidden state after the norm, SpecForge's "
-                f"hidden_state); the store has layers {list(stored)}: capture it with `{run_flag(ints + [num_layers])}`"
+                f"{path}: --format specforge needs layer {num_layers} "
+                "(the final hidden state after the norm, SpecForge's hidden_state); "
+                f"the store has layers {list(stored)}: capture it with `{run_flag(ints + [num_layers])}`"
             )
         return num_layers
 
@@ -96,16 +97,19 @@ class SpecForge:
     def check_aux(aux: tuple[int, ...], meta: StoreMeta, path: str) -> None:
         num_layers, stored = meta.model.num_layers, tuple(meta.layers)
         if len(aux) != 3:
-            given = f"{path}: --format specforge trains on exactly 3 aux layers, the store gives {len(aux)} ({list(aux)}, besides {num_layers} and {PRENORM})"
+            given = (f"{path}: --format specforge trains on exactly 3 aux layers, the store gives {len(aux)} "
+                     f"({list(aux)}, besides {num_layers} and {PRENORM})")
             if len(aux) > 3:
                 pick = _three(aux, num_layers)
-                raise CorecapError(f"{given}: choose three with --aux-layers, e.g. --aux-layers {','.join(map(str, pick))}")
+                raise CorecapError(f"{given}: choose three with --aux-layers, "
+                                   f"e.g. --aux-layers {','.join(map(str, pick))}")
             keep = [PRENORM] if PRENORM in stored else []
-            raise CorecapError(f"{given}: capture three with `{run_flag(_three(aux, num_layers) + [num_layers] + keep)}`")
+            raise CorecapError(f"{given}: capture three with "
+                               f"`{run_flag(_three(aux, num_layers) + [num_layers] + keep)}`")
         if not all(1 <= k < num_layers for k in aux):
             raise CorecapError(
-                f"{path}: SpecForge names aux layers by HF index - 1 (0..{num_layers - 2}), so HF layers {list(aux)} cannot all "
-                f"be named: choose --aux-layers among 1..{num_layers - 1}"
+                f"{path}: SpecForge names aux layers by HF index - 1 (0..{num_layers - 2}), "
+                f"so HF layers {list(aux)} cannot all be named: choose --aux-layers among 1..{num_layers - 1}"
             )
 
     @staticmethod
@@ -116,7 +120,8 @@ class SpecForge:
     @staticmethod
     def dtype_note(dtype: str) -> str | None:
         if dtype != "bfloat16":
-            return f"hidden states exported in {dtype}: SpecForge's trainer needs bfloat16 (its target head fails on {dtype})"
+            return (f"hidden states exported in {dtype}: SpecForge's trainer needs bfloat16 "
+                    f"(its target head fails on {dtype})")
         return None
 
     @staticmethod

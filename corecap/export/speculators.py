@@ -149,8 +149,9 @@ class Speculators:
         if not aux:
             num_layers, stored = meta.model.num_layers, tuple(meta.layers)
             raise CorecapError(
-                f"{path}: --format speculators needs at least one aux layer besides {PRENORM}; the store has {list(stored)}: "
-                f"capture some with `{run_flag([2, num_layers // 2, num_layers - 3, PRENORM])}`"
+                f"{path}: --format speculators needs at least one aux layer besides {PRENORM}; "
+                f"the store has {list(stored)}: capture some with "
+                f"`{run_flag([2, num_layers // 2, num_layers - 3, PRENORM])}`"
             )
 
     @staticmethod
@@ -171,4 +172,5 @@ class Speculators:
 def _table_schema():
     import pyarrow as pa
 
-    return pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
+    return pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                      ("seq_len", pa.int64())])

@@ -46,7 +46,8 @@ class _Pending:
     producer: Producer | None = None  # this sample as others' source (prefix caching on)
     num_hits: int = 0  # leading blocks vLLM took from its prefix cache
     sources: dict[int, Producer] = field(default_factory=dict)  # hit block → the sample that produced it
-    held: dict[int, torch.Tensor] = field(default_factory=dict)  # hit block → its producer's states (a view), not yet copied
+    # hit block → its producer's states (a view), not yet copied
+    held: dict[int, torch.Tensor] = field(default_factory=dict)
     # A response the model writes: positions [len(token_ids), capacity) are its, received before
     # the driver says which tokens it holds (`Collector.generated`); their ids as received.
     capacity: int = 0
@@ -189,10 +190,13 @@ class Collector:
         prompt = len(p.token_ids)
         end = prompt + len(token_ids)
         if end > p.capacity:
-            raise CorecapError(f"sample {p.key!r}: a response of {len(token_ids)} tokens, more than the {p.capacity - prompt} expected")
+            raise CorecapError(f"sample {p.key!r}: a response of {len(token_ids)} tokens, "
+                               f"more than the {p.capacity - prompt} expected")
         seen = p.covered[prompt:end]
-        if not np.array_equal(p.received[prompt:end][seen], np.asarray(token_ids, np.int32)[seen]) or p.covered[end:].any():
-            raise CorecapError(f"sample {p.key!r}: the states received for its response are of other tokens than the response's")
+        if (not np.array_equal(p.received[prompt:end][seen], np.asarray(token_ids, np.int32)[seen])
+                or p.covered[end:].any()):
+            raise CorecapError(f"sample {p.key!r}: the states received for its response are of other tokens "
+                               "than the response's")
         p.token_ids = np.concatenate([p.token_ids, np.asarray(token_ids, np.int32)])
         mask = np.zeros(prompt, np.uint8) if p.loss_mask is None else p.loss_mask
         p.loss_mask = np.concatenate([mask, np.ones(len(token_ids), np.uint8)])
@@ -206,7 +210,8 @@ class Collector:
         its positions are here, whichever of the two comes first."""
         p = self.pending.get(req_id)
         if p is None or p.block_hashes is None or index != len(p.block_hashes):
-            raise CorecapError(f"prefix cache: the hash of block {index} of request {req_id!r}, which the sink cannot place")
+            raise CorecapError(f"prefix cache: the hash of block {index} of request {req_id!r}, "
+                               "which the sink cannot place")
         p.block_hashes.append(block_hash)
         bs = self.block_size
         if p.covered[index * bs : (index + 1) * bs].all():
@@ -217,7 +222,8 @@ class Collector:
         """vLLM took the first `num_blocks` blocks of this request from its prefix cache."""
         p = self.pending.get(req_id)
         if p is None or not p.block_hashes or num_blocks > len(p.block_hashes):
-            raise CorecapError(f"prefix cache: {num_blocks} cached blocks for request {req_id!r}, which the sink cannot place")
+            raise CorecapError(f"prefix cache: {num_blocks} cached blocks for request {req_id!r}, "
+                               "which the sink cannot place")
         p.num_hits = num_blocks
         for i in range(num_blocks):
             found = self.cache.get(p.block_hashes[i])
@@ -348,14 +354,16 @@ class Collector:
                 p.token_ids[start] != token_ids[lo] if n == 1
                 else not np.array_equal(msg.token_ids[lo : lo + known - start], p.token_ids[start:known])
             ):
-                raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's at positions {start}..")
+                raise CorecapError(f"sample {p.key!r}: received token ids differ from the sample's "
+                                   f"at positions {start}..")
             if not p.final and end > len(p.token_ids):
                 if n == 1:
                     p.received[start] = token_ids[lo]
                 else:
                     p.received[known:end] = msg.token_ids[lo + known - start : hi]
             if p.rows is None:
-                p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)  # fp8: rows of H + 4 bytes
+                # fp8: rows of H + 4 bytes
+                p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)
             placed.append((p.rows, start, j, lo, n))
             p.cover(start, n)
             runs.append((seg.req_id, p, start, n))
@@ -366,7 +374,8 @@ class Collector:
                 for i in completed_blocks(start, start + n, self.block_size, len(p.block_hashes or ())):
                     served += self._produce(p, i)
         self._complete([r[0] for r in runs] + served)
-        self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv, time.time()))
+        self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv,
+                                        time.time()))
 
 
 def _copy_runs(task: tuple) -> None:

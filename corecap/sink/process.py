@@ -83,8 +83,10 @@ class Sink:
         self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address, block_size)
-        self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink", daemon=True)
+        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
+                        block_size)
+        self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
+                                                                 daemon=True)
         self.proc.start()
         self.result: Status | None = None
         self._watching = threading.Event()
@@ -116,7 +118,8 @@ class Sink:
         return f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
 
     def expect(
-        self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None, max_new: int = 0,
+        self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
+        max_new: int = 0,
     ) -> None:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
         self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new))
@@ -239,7 +242,8 @@ class _Loop:
             try:
                 self.data.bind(spec.tcp_address)
             except zmq.ZMQError as e:
-                raise CorecapError(f"the sink cannot listen on {spec.tcp_address} for the other node's states ({e})") from None
+                raise CorecapError(f"the sink cannot listen on {spec.tcp_address} "
+                                   f"for the other node's states ({e})") from None
         self.ctx = ctx
         self.free: dict[str, zmq.Socket] = {}  # ring → where its slots go back once reassembled
         self.rings = ring.RingReader()
@@ -249,7 +253,8 @@ class _Loop:
         # The store's one-writer lock now, before the engine starts (and every run's start checks
         # it, Store.create_or_open): a second run on this store is refused before it loads a model.
         store.append([])
-        self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads, buffer_bytes=spec.buffer_bytes)
+        self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
+                             buffer_bytes=spec.buffer_bytes)
         buffers = BufferPool(spec.buffer_bytes // 2)
         self.collector = Collector(
             store.meta.layers, lambda p: self.writer.put(
@@ -287,7 +292,8 @@ class _Loop:
         msg = self.decoder.decode(raw)
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
-            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes, msg.max_new)
+            self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes,
+                                  msg.max_new)
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):

@@ -119,7 +119,8 @@ class Writer:
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         start = time.time()
-        record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask, prefix, generation)
+        record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask,
+                                      prefix, generation)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
         return record
 
@@ -128,18 +129,22 @@ class Writer:
         refused = None
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
-                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix, dtype=dtype, generation=generation)
+                return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix,
+                                     dtype=dtype, generation=generation)
             except NonFiniteStates as e:
                 refused = e  # reported below, as for the other codecs
-        rows = states.dtype == torch.uint8  # fp8 rows come here only when refused: a NaN or an Inf made a row's scale one
+        # fp8 rows come here only when refused: a NaN or an Inf made a row's scale one
+        rows = states.dtype == torch.uint8
         finite = not rows and all_finite(states)
         if not finite:
             bad = ([self.layers[i] for i in refused.layer_indices] if rows
                    else [k for k, layer in zip(self.layers, states) if not bool(torch.isfinite(layer).all())])
             if self.nonfinite == "stop":
-                raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} (use --nonfinite store to keep and flag)")
+                raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} "
+                                     "(use --nonfinite store to keep and flag)")
             self.flagged.append(key)
-        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask, nonfinite=not finite, prefix=prefix, dtype=dtype, generation=generation)
+        return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask,
+                             nonfinite=not finite, prefix=prefix, dtype=dtype, generation=generation)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -184,7 +189,8 @@ class Writer:
     def _commit_loop(self) -> None:
         try:
             while (item := self.written.get()) is not _DONE:
-                appended, tokens, raw, referred, held, releases = item  # committed even after a later failure: it is whole
+                # committed even after a later failure: it is whole
+                appended, tokens, raw, referred, held, releases = item
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))

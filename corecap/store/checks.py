@@ -30,10 +30,12 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
     if header.codec not in KNOWN_CODECS:
         shape.append(f"header has codec={header.codec!r}, expected one of {list(KNOWN_CODECS)}")
     elif not codecs_may_mix(header.codec, meta.codec):
-        shape.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} (lossy and exact states mixed)")
+        shape.append(f"header has codec={header.codec!r}, the store's metadata {meta.codec!r} "
+                     "(lossy and exact states mixed)")
     ids_ok = header.num_tokens >= 0 and len(header.input_ids) == 4 * header.num_tokens
     if not ids_ok:
-        shape.append(f"header has num_tokens={header.num_tokens} and {len(header.input_ids)} bytes of input_ids, expected 4 per token")
+        shape.append(f"header has num_tokens={header.num_tokens} and {len(header.input_ids)} bytes of input_ids, "
+                     "expected 4 per token")
     else:
         shape += prefix_problems(key, header)
     if ids_ok and not shape and header.payload_bytes != stored_size(header):
@@ -55,7 +57,8 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
     if header.generation is not None and header.generation.problem(header.num_tokens):
         other.append(header.generation.problem(header.num_tokens))
     if header.header_crc is not None and header_crc(header) != header.header_crc:
-        other.append(f"header checksum mismatch (header_crc {header.header_crc}, its fields' crc32 {header_crc(header)})")
+        other.append(f"header checksum mismatch (header_crc {header.header_crc}, "
+                     f"its fields' crc32 {header_crc(header)})")
     return shape + other, not shape
 
 
@@ -70,7 +73,8 @@ def prefix_problems(key: str, header: SampleHeader) -> list[str]:
         raw = s.key.encode(errors="surrogateescape")
         if s.start != at or s.end <= s.start or not 0 < len(raw) <= MAX_KEY_BYTES or s.key == key:
             return [f"header's prefix segment {s.key[:40]!r} [{s.start}, {s.end}) does not continue at position {at} "
-                    f"(expected segments contiguous from 0, non-empty, naming other keys of 1 to {MAX_KEY_BYTES} bytes)"]
+                    "(expected segments contiguous from 0, non-empty, naming other keys of 1 to "
+                    f"{MAX_KEY_BYTES} bytes)"]
         at = s.end
     if not header.prefix or at > header.num_tokens:
         return [f"header's prefix covers positions [0, {at}), expected 1 to {header.num_tokens} (its num_tokens)"]
@@ -89,7 +93,8 @@ def checked_header(key: str, value, meta: StoreMeta) -> SampleHeader:
 def stored_size(header: SampleHeader) -> int:
     """L*(T - n)*H*itemsize(dtype): the decoded size of the states the header's own payload holds
     (n = 0 unless it refers to other samples for its prefix)."""
-    return len(header.layers) * (header.num_tokens - header.num_prefix) * header.hidden_size * DTYPES[header.dtype].itemsize
+    return (len(header.layers) * (header.num_tokens - header.num_prefix) * header.hidden_size
+            * DTYPES[header.dtype].itemsize)
 
 
 def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int]:
@@ -98,7 +103,8 @@ def stored_bytes(header: SampleHeader, key: str | None = None) -> tuple[int, int
     the header's id)."""
     key = header.id if key is None else key
     dtype = DTYPES.get(header.dtype)
-    if dtype is None or header.num_tokens < 0 or header.hidden_size <= 0 or len(header.input_ids) != 4 * header.num_tokens:
+    if (dtype is None or header.num_tokens < 0 or header.hidden_size <= 0
+            or len(header.input_ids) != 4 * header.num_tokens):
         raise CorecapError(
             f"sample {key!r}: inconsistent header (dtype {header.dtype!r}, {header.num_tokens} tokens, "
             f"hidden size {header.hidden_size}, {len(header.input_ids)} id bytes)"

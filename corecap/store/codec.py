@@ -272,7 +272,8 @@ def _slices(payload: memoryview, method: int, k: int, plane_bytes: int, where: s
     """Plane k in consecutive slices of _JOIN_BYTES (the last shorter); a zstd frame (declaring
     `plane_bytes`: `check_planes`) decompressed into one buffer of this thread's for plane k."""
     if method == _STORED:
-        yield from (np.frombuffer(payload[i : i + _JOIN_BYTES], dtype=np.uint8) for i in range(0, plane_bytes, _JOIN_BYTES))
+        yield from (np.frombuffer(payload[i : i + _JOIN_BYTES], dtype=np.uint8)
+                    for i in range(0, plane_bytes, _JOIN_BYTES))
         return
     buf, dctx = getattr(_local, f"plane{k}", (None, None))
     if buf is None:  # a decompressor per plane: one runs one stream at a time
@@ -285,10 +286,12 @@ def _slices(payload: memoryview, method: int, k: int, plane_bytes: int, where: s
             while done < view.nbytes:
                 got = reader.readinto(view[done:])
                 if not got:
-                    raise CodecError(f"codec 'zstd-planes': plane {k}: frame ends at byte {start + done} of {plane_bytes} {where}")
+                    raise CodecError(f"codec 'zstd-planes': plane {k}: frame ends at byte {start + done} "
+                                     f"of {plane_bytes} {where}")
                 done += got
             yield buf[:done]
         if reader.readinto(memoryview(buf)[:1]):
-            raise CodecError(f"codec 'zstd-planes': plane {k}: frame holds more than its declared {plane_bytes} bytes {where}")
+            raise CodecError(f"codec 'zstd-planes': plane {k}: frame holds more than its declared "
+                             f"{plane_bytes} bytes {where}")
     except zstandard.ZstdError as e:
         raise CodecError(f"codec 'zstd-planes': plane {k}: {e} {where}") from None

@@ -29,9 +29,12 @@ def decode_states(key: str, header: SampleHeader, payload, out: torch.Tensor | N
             return Sample(header, ids, fp8.dequantize_fp8(payload, shape, dtype, out))
         if header.codec == "raw" and out is None:
             if memoryview(payload).nbytes != expected:
-                raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, expected {expected}")
-            raw = payload if not memoryview(payload).readonly else bytearray(payload)  # the reader's own buffer, or a copy
-            crc, states = codecs.crc32(raw), torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+                raise CorecapError(f"sample {key!r}: payload is {memoryview(payload).nbytes} bytes, "
+                                   f"expected {expected}")
+            # the reader's own buffer, or a copy
+            raw = payload if not memoryview(payload).readonly else bytearray(payload)
+            crc, states = codecs.crc32(raw), (torch.frombuffer(raw, dtype=torch.uint8) if len(raw)
+                                              else torch.empty(0, dtype=torch.uint8))
         else:
             states = torch.from_numpy(np.empty(expected, np.uint8)) if out is None else out.view(-1).view(torch.uint8)
             crc = codecs.decode_into(payload, header.dtype, expected, header.codec, states.numpy())

@@ -65,7 +65,8 @@ class StoreMeta(msgspec.Struct, frozen=True):
             if mine != theirs:
                 raise CorecapError(f"{path}: store has {name}={theirs!r}, this run has {mine!r}")
         if not codecs_may_mix(self.codec, other.codec):
-            raise CorecapError(f"{path}: store has codec={other.codec!r}, this run has {self.codec!r} (lossy and exact states must not mix)")
+            raise CorecapError(f"{path}: store has codec={other.codec!r}, this run has {self.codec!r} "
+                               "(lossy and exact states must not mix)")
         for name in ("config_hash", "weights_fingerprint"):
             mine, theirs = getattr(self.model, name), getattr(other.model, name)
             if mine != theirs:
@@ -95,9 +96,11 @@ def decode_meta(raw, path: str) -> StoreMeta:
         raise CorecapError(f"{path}: the store's metadata is damaged ({e})") from None
     bad_layers = [x for x in meta.layers if not (x == PRENORM or isinstance(x, int) and x >= 0)]
     if bad_layers or not meta.layers or len(set(meta.layers)) != len(meta.layers):
-        raise CorecapError(f"{path}: the store's metadata is damaged (layers {list(meta.layers)}: expected distinct indices >= 0 or {PRENORM!r})")
+        raise CorecapError(f"{path}: the store's metadata is damaged (layers {list(meta.layers)}: "
+                           f"expected distinct indices >= 0 or {PRENORM!r})")
     if meta.hidden_size <= 0 or meta.dtype not in DTYPES or meta.codec not in KNOWN_CODECS:
-        raise CorecapError(f"{path}: the store's metadata is damaged (hidden_size {meta.hidden_size}, dtype {meta.dtype!r}, codec {meta.codec!r}: "
+        raise CorecapError(f"{path}: the store's metadata is damaged "
+                           f"(hidden_size {meta.hidden_size}, dtype {meta.dtype!r}, codec {meta.codec!r}: "
                            f"expected hidden_size > 0, dtype one of {list(DTYPES)}, codec one of {list(KNOWN_CODECS)})")
     return meta
 

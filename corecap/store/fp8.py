@@ -33,7 +33,8 @@ class NonFiniteStates(ValueError):
         """`rows_per_layer`: how many rows of each layer hold a NaN or an Inf (some do)."""
         self.layer_indices = [i for i, n in enumerate(rows_per_layer) if n]  # those layers, by index
         i = self.layer_indices[0]
-        super().__init__(f"fp8: layer index {i} has {int(rows_per_layer[i])} rows with NaN or Inf; fp8 needs finite states")
+        super().__init__(f"fp8: layer index {i} has {int(rows_per_layer[i])} rows with NaN or Inf; "
+                         "fp8 needs finite states")
 
 
 # Each dtype's bit patterns as integers, with the sign bit masked off and the pattern of +Inf:
@@ -97,7 +98,8 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
     return payload
 
 
-def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_fp8(payload, shape: tuple[int, int, int], dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of `quantize_fp8`, up to the documented rounding error, in `dtype` (into `out`)."""
     num_layers, num_tokens, hidden = shape
     mv = memoryview(payload).cast("B")

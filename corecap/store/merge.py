@@ -60,7 +60,8 @@ class MergeSummary:
 
     def line(self) -> str:
         return (
-            f"{self.store}: {self.num_samples} samples after merging {self.num_inputs} store{'s' if self.num_inputs != 1 else ''}: copied "
+            f"{self.store}: {self.num_samples} samples after merging "
+            f"{self.num_inputs} store{'s' if self.num_inputs != 1 else ''}: copied "
             f"{self.num_copied} ({self.nbytes / 1e6:.1f} MB), {self.num_duplicates} identical duplicates kept once"
         )
 
@@ -160,7 +161,8 @@ class _References:
         if not header.prefix:
             return bytes(header_value)
         prefix = self.prefix(index, header.prefix)
-        return bytes(header_value) if prefix == header.prefix else encode_header(msgspec.structs.replace(header, prefix=prefix))
+        return (bytes(header_value) if prefix == header.prefix
+                else encode_header(msgspec.structs.replace(header, prefix=prefix)))
 
 
 def _entries(src: Store, index: int, references: _References):
@@ -200,7 +202,8 @@ def _load_from(load, key: str, source: int, sources: dict) -> Record:
 
 def _remove_new_store(path: str, made_dir: bool) -> None:
     """Remove the store a refused merge created (only its own files)."""
-    for name in ["data.mdb", "lock.mdb", LOCK_FILE] + [os.path.basename(segment_path(path, n)) for n in segment_numbers(path)]:
+    for name in (["data.mdb", "lock.mdb", LOCK_FILE]
+                 + [os.path.basename(segment_path(path, n)) for n in segment_numbers(path)]):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
     if made_dir:
@@ -234,7 +237,8 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
         else:
             num_duplicates, winners = _check_keys(inputs)
             # format 4 only once a reference is committed (Store._refer)
-            meta = msgspec.structs.replace(inputs[0].meta, format_version=min(inputs[0].meta.format_version, FORMAT_VERSION))
+            meta = msgspec.structs.replace(inputs[0].meta,
+                                           format_version=min(inputs[0].meta.format_version, FORMAT_VERSION))
         first = 1 if out_exists else 0  # inputs[i]'s index in the winners
         references = _References(winners)
         made_dir = not os.path.isdir(out_path)

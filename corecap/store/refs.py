@@ -41,7 +41,8 @@ def layout(key: str, prefix, num_prefix: int, num_tokens: int) -> tuple[Segment,
 
 def within(segments, start: int, end: int) -> tuple[Segment, ...]:
     """The segments clipped to positions [start, end), empty ones left out."""
-    return tuple(Segment(s.key, max(s.start, start), min(s.end, end)) for s in segments if s.start < end and s.end > start)
+    return tuple(Segment(s.key, max(s.start, start), min(s.end, end))
+                 for s in segments if s.start < end and s.end > start)
 
 
 def owners(header: SampleHeader) -> dict[str, list[Segment]]:
@@ -76,7 +77,8 @@ def reference_problems(store, txn, key: str, header: SampleHeader) -> tuple[list
         n, their_ids = theirs.num_prefix, np.frombuffer(theirs.input_ids, "<i4")
         for s in segments:
             if s.start < n or s.end > theirs.num_tokens:
-                problems.append(f"{where}, which stores positions [{n}, {theirs.num_tokens}) itself, not [{s.start}, {s.end})")
+                problems.append(f"{where}, which stores positions [{n}, {theirs.num_tokens}) itself, "
+                                f"not [{s.start}, {s.end})")
                 break
             if not np.array_equal(their_ids[s.start : s.end], ids[s.start : s.end]):
                 problems.append(f"{where}, whose token ids at [{s.start}, {s.end}) differ from this sample's")
@@ -101,7 +103,8 @@ def assemble(key: str, own: Sample, parts, out: torch.Tensor | None = None) -> S
     header = own.header
     n, dtype = header.num_prefix, DTYPES[header.dtype]
     try:
-        states = torch.empty((len(header.layers), header.num_tokens, header.hidden_size), dtype=dtype) if out is None else out
+        states = (torch.empty((len(header.layers), header.num_tokens, header.hidden_size), dtype=dtype)
+                  if out is None else out)
     except RuntimeError:
         raise CorecapError(f"sample {key!r}: its states do not fit in memory") from None
     states[:, n:] = own.hidden_states
@@ -109,7 +112,8 @@ def assemble(key: str, own: Sample, parts, out: torch.Tensor | None = None) -> S
         try:
             their_states = decode_states(theirs.id, theirs, stored).hidden_states
         except CorecapError as e:
-            raise CorecapError(f"sample {key!r}: positions [{segments[0].start}, {segments[-1].end}) come from {e}") from None
+            raise CorecapError(f"sample {key!r}: positions [{segments[0].start}, {segments[-1].end}) "
+                               f"come from {e}") from None
         for s in segments:
             states[:, s.start : s.end] = their_states[:, s.start - theirs.num_prefix : s.end - theirs.num_prefix]
         del their_states

@@ -72,7 +72,8 @@ class SegmentWriter:
             os.ftruncate(fd, offset)
         except OSError as e:
             os.close(fd)
-            raise CorecapError(f"{segment_path(self.directory, segment)}: cannot cut it to byte {offset} ({e.strerror})") from None
+            raise CorecapError(f"{segment_path(self.directory, segment)}: cannot cut it to byte {offset} "
+                               f"({e.strerror})") from None
         with self.fd_lock:
             old, self.fd = self.fd, fd
             self.segment, self.offset = segment, offset
@@ -202,7 +203,8 @@ class SegmentReader:
         fd = self._fd(segment)
         size = os.fstat(fd).st_size
         if offset + length > size:
-            raise CorecapError(f"pointer (samples database) names bytes {offset}..{offset + length} of {name}, which has {size} (the file was cut short)")
+            raise CorecapError(f"pointer (samples database) names bytes {offset}..{offset + length} of {name}, "
+                               f"which has {size} (the file was cut short)")
         try:
             out = np.empty(length, dtype=np.uint8)  # not zero-filled: preadv writes every byte (checked below)
         except MemoryError:
@@ -215,7 +217,8 @@ class SegmentReader:
             except OSError as e:
                 raise CorecapError(f"cannot read {name} at byte {offset + done} ({e.strerror})") from None
             if n == 0:
-                raise CorecapError(f"states end at byte {offset + done} of {name}, expected {length} bytes from {offset} (the file was cut short)")
+                raise CorecapError(f"states end at byte {offset + done} of {name}, "
+                                   f"expected {length} bytes from {offset} (the file was cut short)")
             done += n
         return out
 

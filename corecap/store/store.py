@@ -86,7 +86,8 @@ class Store:
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
         except lmdb.Error as e:
             if "already open in this process" in str(e):  # py-lmdb's guard: LMDB's locks are per process
-                raise CorecapError(f"{path}: the store is already open in this process (LMDB allows one open at a time)") from None
+                raise CorecapError(f"{path}: the store is already open in this process "
+                                   "(LMDB allows one open at a time)") from None
             raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
         try:
             with lmdb_errors(path, "its metadata"):
@@ -101,7 +102,8 @@ class Store:
         path = os.fspath(path)
         if os.path.exists(path) and not os.path.isdir(path):
             raise CorecapError(f"{path}: not a corecap store (it is a file, expected a directory)")
-        if os.path.isdir(path) and set(os.listdir(path)) - _OWN_FILES and not os.path.exists(os.path.join(path, "data.mdb")):
+        if (os.path.isdir(path) and set(os.listdir(path)) - _OWN_FILES
+                and not os.path.exists(os.path.join(path, "data.mdb"))):
             raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
         os.makedirs(path, exist_ok=True)
         try:
@@ -184,7 +186,8 @@ class Store:
     def decode(self, key: str, header: SampleHeader, states, parts=(), alloc=None) -> Sample:
         """The sample from its stored states and, when it refers to others, their stored parts
         (`refs.read_owners`, read in the same transaction), into `alloc`'s tensor (`get`)."""
-        out = None if alloc is None else alloc((len(header.layers), header.num_tokens, header.hidden_size), DTYPES[header.dtype])
+        out = (None if alloc is None
+               else alloc((len(header.layers), header.num_tokens, header.hidden_size), DTYPES[header.dtype]))
         if header.prefix:
             sample = prefixed(self.path, decode_states, key, header, states)
             return prefixed(self.path, refs.assemble, key, sample, parts, out)
@@ -196,10 +199,12 @@ class Store:
         raw = txn.get(b"states_end", db=self.meta_db)
         if raw is None:
             if txn.stat(self.samples_db)["entries"]:
-                raise CorecapError(f"{self.path}: no states_end in the meta database, although the store holds samples (damaged)")
+                raise CorecapError(f"{self.path}: no states_end in the meta database, "
+                                   "although the store holds samples (damaged)")
             return None
         if len(raw) != segments.END.size:
-            raise CorecapError(f"{self.path}: states_end (meta database) is {len(raw)} bytes, expected {segments.END.size}")
+            raise CorecapError(f"{self.path}: states_end (meta database) is {len(raw)} bytes, "
+                               f"expected {segments.END.size}")
         return segments.END.unpack(raw)
 
     def states(self, key: str, header: SampleHeader, value, end: tuple[int, int] | None):
@@ -229,7 +234,8 @@ class Store:
         if end != (0, 0) and sizes.get(end[0], 0) < end[1]:
             raise CorecapError(
                 f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, which has "
-                f"{sizes.get(end[0], 0)}: the state file was cut short; refusing to write (`corecap verify` lists the samples it lost)"
+                f"{sizes.get(end[0], 0)}: the state file was cut short; refusing to write "
+                "(`corecap verify` lists the samples it lost)"
             )
         for key, value in txn.cursor(db=self.samples_db):
             if len(value) != segments.POINTER.size:
@@ -237,8 +243,9 @@ class Store:
             segment, offset, length = segments.POINTER.unpack(value)
             if (segment, offset + length) > end and offset + length <= sizes.get(segment, -1):
                 raise CorecapError(
-                    f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, but sample "
-                    f"{bytes(key).decode(errors='backslashreplace')!r} lies at bytes {offset}..{offset + length} of states-{segment:06d}.bin: refusing to write "
+                    f"{self.path}: states_end (meta database) says byte {end[1]} of states-{end[0]:06d}.bin, "
+                    f"but sample {bytes(key).decode(errors='backslashreplace')!r} "
+                    f"lies at bytes {offset}..{offset + length} of states-{segment:06d}.bin: refusing to write "
                     "(cutting the state files back to states_end would destroy committed states)"
                 )
 

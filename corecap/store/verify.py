@@ -57,7 +57,8 @@ class VerifyReport:
 
     def line(self) -> str:
         if self.ok:
-            referring = f", {self.num_referring} of them stored once: their prefix refers to other samples" if self.num_referring else ""
+            referring = (f", {self.num_referring} of them stored once: their prefix refers to other samples"
+                         if self.num_referring else "")
             return f"{self.store}: {self.num_samples} samples OK ({self.num_tokens} tokens{referring})"
         line = f"{self.store}: {len(self.problems)} of {self.num_samples} samples have problems"
         return line + (f"; the store itself has {len(self.store_problems)}" if self.store_problems else "")
@@ -109,7 +110,8 @@ def verify_store(
                     while len(pending) > 2 * num_threads:
                         collect_oldest()
         except lmdb.Error as e:
-            report.store_problems.append(f"{lmdb_message(e)}; the samples after the first {report.num_samples} were not checked")
+            report.store_problems.append(f"{lmdb_message(e)}; "
+                                         f"the samples after the first {report.num_samples} were not checked")
         while pending:
             collect_oldest()
     # A reference to a sample whose own states or header are damaged is damaged (a read of it
@@ -146,7 +148,8 @@ def _walk(txn, store: Store) -> Iterator[tuple[bytes, object, object]]:
             has_payload = payloads.next()
 
 
-def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, report: VerifyReport, txn, referrers, reference_problems):
+def _read(raw_key: bytes, key: str, header_value, value, store: Store, end, report: VerifyReport, txn, referrers,
+          reference_problems):
     """In the walking thread: the sample's problems when it is wrong without decoding its states,
     else (its problems so far, header, states bytes) for `_check_decoded`. A reference is checked
     against the samples it names (headers only: their states are checked where they are)."""
@@ -243,8 +246,10 @@ def contents(store: Store) -> dict:
             num_generated += 1
             num_generated_tokens += header.generation.num_generated
             reasons[header.generation.finish_reason] = reasons.get(header.generation.finish_reason, 0) + 1
-    state_bytes = sum(os.path.getsize(segments.segment_path(store.path, n)) for n in segments.segment_numbers(store.path))
-    return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred, "num_referring_samples": num_referring,
+    state_bytes = sum(os.path.getsize(segments.segment_path(store.path, n))
+                      for n in segments.segment_numbers(store.path))
+    return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred,
+            "num_referring_samples": num_referring,
             "num_generated_samples": num_generated, "num_generated_tokens": num_generated_tokens,
             "finish_reasons": dict(sorted(reasons.items())), "state_file_bytes": state_bytes}
 

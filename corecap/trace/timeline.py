@@ -35,7 +35,8 @@ _FIELDS = {
 _MAX_NUMBER = 2**53
 
 
-def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(), workers=()) -> None:
+def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(),
+                workers=()) -> None:
     """The run's timeline, next to the data: <store>/trace.json, written whole or not at all."""
     record = {
         "version": TRACE_VERSION,
@@ -105,7 +106,8 @@ def check_trace(trace, where: str) -> None:
     for i, stats in enumerate(workers):
         if not isinstance(stats, dict) or not all(isinstance(stats.get(f), int) for f in ("rank", "steps")):
             raise CorecapError(f"{where}: workers[{i}] lacks integer 'rank' and 'steps'")
-        numbers = ["ring_wait_s"] * ("ring_wait_s" in stats) + ["cuda_alloc_retries", "cuda_peak_gb"] * ("cuda_alloc_retries" in stats)
+        numbers = (["ring_wait_s"] * ("ring_wait_s" in stats)
+                   + ["cuda_alloc_retries", "cuda_peak_gb"] * ("cuda_alloc_retries" in stats))
         if not all(_is_number(stats.get(f)) for f in numbers):
             raise CorecapError(f"{where}: workers[{i}] has {', '.join(numbers)}, not all numbers")
     for key, fields in _FIELDS.items():

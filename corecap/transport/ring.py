@@ -135,7 +135,8 @@ class RingReader:
                 pass
             self.maps[path] = m
         if slot < 0 or slot_bytes <= 0 or nbytes > slot_bytes or (slot + 1) * slot_bytes > len(m):
-            raise ValueError(f"slot {slot} of {slot_bytes} bytes holding {nbytes} bytes does not fit ring {path!r} ({len(m)} bytes)")
+            raise ValueError(f"slot {slot} of {slot_bytes} bytes holding {nbytes} bytes does not fit ring {path!r} "
+                             f"({len(m)} bytes)")
         return memoryview(m)[slot * slot_bytes : slot * slot_bytes + nbytes]
 
     def close(self) -> None:

@@ -6,9 +6,10 @@ claims shows up as a number (and cannot take the machine down).
 
 REFERENCE.pt holds, per original key, the input ids, states and loss mask the stores were made
 from. Each input line {"store": PATH, "keys": [its original keys], "scratch": DIR, "into": a copy of
-a clean store to merge into, "into_keys": [its keys]} gets one output line: per reader in READERS, {"ok": what it read} or {"error": the CorecapError's message} or
-{"crash": a traceback}, and the process's peak RSS so far. A reader compares what it read with
-the reference itself ("right" or "wrong: ...") and returns plain JSON; the test asserts the rest.
+a clean store to merge into, "into_keys": [its keys]} gets one output line: per reader in READERS,
+{"ok": what it read} or {"error": the CorecapError's message} or {"crash": a traceback}, and the
+process's peak RSS so far. A reader compares what it read with the reference itself ("right" or
+"wrong: ...") and returns plain JSON; the test asserts the rest.
 To fuzz another reader, add a function to READERS.
 """
 
@@ -36,7 +37,8 @@ def _compare(sample, ref) -> str:
     if not np.array_equal(sample.input_ids, ids.numpy()):
         return "wrong: input_ids"
     hs = sample.hidden_states
-    if hs.dtype != states.dtype or hs.shape != states.shape or not torch.equal(hs.view(torch.uint8), states.view(torch.uint8)):
+    if (hs.dtype != states.dtype or hs.shape != states.shape
+            or not torch.equal(hs.view(torch.uint8), states.view(torch.uint8))):
         return f"wrong: hidden_states {hs.dtype} {list(hs.shape)}"
     got = sample.loss_mask
     if (got is None) != (mask is None) or got is not None and not np.array_equal(got, mask.numpy()):
@@ -100,9 +102,11 @@ def read_merge_into(path: str, line: dict, reference: dict):
     except CorecapError:
         after = _files(into)
         if after != before:
-            return {"changed": [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]}
+            return {"changed": [name for name in sorted(set(before) | set(after))
+                                if before.get(name) != after.get(name)]}
         raise
-    return {"get": _get_all(into, reference, line["keys"] + line["into_keys"]), "verify": read_verify(into, line, reference)}
+    return {"get": _get_all(into, reference, line["keys"] + line["into_keys"]),
+            "verify": read_verify(into, line, reference)}
 
 
 def _files(path: str) -> dict:
@@ -134,8 +138,8 @@ def read_dataset(path: str, line: dict, reference: dict):
             continue
         mask = item["loss_mask"].numpy().astype(np.uint8)
         ref_mask = reference[key].get("loss_mask")
-        sample = SimpleNamespace(input_ids=item["input_ids"].numpy().astype(np.int32), hidden_states=item["hidden_states"],
-                                 loss_mask=mask if ref_mask is not None else None)
+        sample = SimpleNamespace(input_ids=item["input_ids"].numpy().astype(np.int32),
+                                 hidden_states=item["hidden_states"], loss_mask=mask if ref_mask is not None else None)
         out[key] = _compare(sample, reference[key]) if ref_mask is not None or mask.all() else "wrong: loss_mask"
     return out
 
@@ -157,7 +161,8 @@ def read_export(path: str, line: dict, reference: dict):
             tensors = load_file(os.path.join(out, row["file"]))
             ref = reference[row["key"]]
             right = torch.equal(tensors["token_ids"], ref["input_ids"].to(torch.int64)) and torch.equal(
-                tensors["hidden_states"].view(torch.uint8), ref["hidden_states"].transpose(0, 1).contiguous().view(torch.uint8))
+                tensors["hidden_states"].view(torch.uint8),
+                ref["hidden_states"].transpose(0, 1).contiguous().view(torch.uint8))
             got[row["key"]] = "right" if right else "wrong: exported states or ids"
     return got
 
@@ -198,7 +203,8 @@ def main() -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         status = open("/proc/self/status").read()
         vm_peak = int(status.split("VmPeak:")[1].split()[0]) * 1024  # address space: LMDB maps 1 GiB per store open
-        print(json.dumps({"results": results, "maxrss": usage.ru_maxrss * 1024, "vm_peak": vm_peak}, default=str), flush=True)
+        print(json.dumps({"results": results, "maxrss": usage.ru_maxrss * 1024, "vm_peak": vm_peak}, default=str),
+              flush=True)
 
 
 if __name__ == "__main__":

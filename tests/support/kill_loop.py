@@ -285,7 +285,8 @@ class Outcome:
     store_error: str = ""  # the store could not be opened at all (e.g. killed while creating it)
     leaked_shm: int = 0  # /dev/shm files it left (for the next run to remove)
     leaked_shm_bytes: int = 0
-    stale_shm: list[str] = field(default_factory=list)  # files earlier runs left, still there after this one got under way
+    # files earlier runs left, still there after this one got under way
+    stale_shm: list[str] = field(default_factory=list)
     unrecorded_shm: int = 0  # of leaked_shm, made within RECORD_WINDOW before the kill: not yet recorded
     landed: str = ""  # where the kill landed: "load" (nothing committed yet) or "capture"
 
@@ -299,16 +300,20 @@ class Outcome:
         )
 
     def line(self) -> str:
-        what = f"killed in {self.phase} at {self.at:5.1f}s" if self.killed else f"exited {self.returncode} at {self.at:5.1f}s"
-        if self.killed and self.landed and self.landed != {"step": "capture", "commit": "capture"}.get(self.phase, self.phase):
+        what = (f"killed in {self.phase} at {self.at:5.1f}s" if self.killed
+                else f"exited {self.returncode} at {self.at:5.1f}s")
+        if (self.killed and self.landed
+                and self.landed != {"step": "capture", "commit": "capture"}.get(self.phase, self.phase)):
             what += f" (landed in {self.landed})"
         if self.phase and not self.killed:
             what += f" (before its {self.phase} kill)"
         return (
             f"{self.name}: {what}; committed {self.committed_before} -> {self.committed_after}; "
             f"verify problems {self.verify_problems}; leftover processes {len(self.leftover_processes)}"
-            + (f"; left {self.leaked_shm} shm files ({self.leaked_shm_bytes / 2**20:.0f} MiB)" if self.leaked_shm else "")
-            + (f" ({self.unrecorded_shm} made within {RECORD_WINDOW}s of the kill, too late to be recorded)" if self.unrecorded_shm else "")
+            + (f"; left {self.leaked_shm} shm files ({self.leaked_shm_bytes / 2**20:.0f} MiB)"
+               if self.leaked_shm else "")
+            + (f" ({self.unrecorded_shm} made within {RECORD_WINDOW}s of the kill, too late to be recorded)"
+               if self.unrecorded_shm else "")
             + (f"; did not remove what earlier runs left: {self.stale_shm}" if self.stale_shm else "")
             + (f"; store unreadable: {self.store_error}" if self.store_error else "")
         )
@@ -334,7 +339,8 @@ def timed_run(cmd: RunCommand, name: str, timeout: float) -> tuple[Outcome, Timi
     return outcome, Timing(load=first, capture=max(last - first, 0.0), total=total)
 
 
-def kill_once(cmd: RunCommand, name: str, phase: str, rng: random.Random, timing: Timing, window: float, timeout: float) -> Outcome:
+def kill_once(cmd: RunCommand, name: str, phase: str, rng: random.Random, timing: Timing, window: float,
+              timeout: float) -> Outcome:
     """Start a run and SIGKILL its whole process group at a random moment in `phase`."""
     before = num_committed(cmd.store)
     run = Run(cmd, name)
@@ -541,16 +547,19 @@ def run_command(workdir: str, model: str, data: str, store: str, *, layers: str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", default=None, help="working directory (default: a new temporary one, removed unless --keep)")
+    ap.add_argument("--work", default=None,
+                    help="working directory (default: a new temporary one, removed unless --keep)")
     ap.add_argument("--keep", action="store_true", help="keep the working directory (stores, logs)")
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--layers", default="0,2,4,8")
     ap.add_argument("--max-batched-tokens", type=int, default=32)
-    ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster starts; the default runs compile)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no torch.compile (faster starts; the default runs compile)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -569,11 +578,13 @@ def main() -> int:
     print(f"work directory {workdir}; {args.kills} kills, seed {args.seed}", flush=True)
 
     reference, timing = timed_run(reference_cmd, "reference", args.timeout)
-    print(f"{reference.line()}\ntiming: load {timing.load:.1f}s, capture {timing.capture:.1f}s, total {timing.total:.1f}s", flush=True)
+    print(f"{reference.line()}\ntiming: load {timing.load:.1f}s, capture {timing.capture:.1f}s, "
+          f"total {timing.total:.1f}s", flush=True)
     if reference.failed or reference.returncode != 0:
         print(reference.stderr_tail or "the reference run failed", file=sys.stderr)
         return 1
-    loop = kill_loop(cmd, args.kills, args.seed, timing, reference_cmd.store, args.timeout, log=lambda m: print(m, flush=True))
+    loop = kill_loop(cmd, args.kills, args.seed, timing, reference_cmd.store, args.timeout,
+                     log=lambda m: print(m, flush=True))
     outcomes = loop.outcomes
     final, _ = timed_run(cmd, "final", args.timeout)
     print(final.line(), flush=True)
@@ -590,7 +601,8 @@ def main() -> int:
         f"to be recorded (removed by this harness)",
         flush=True,
     )
-    ok = comparison is not None and comparison.ok and not final.failed and not loop.failed and loop.num_killed == args.kills
+    ok = (comparison is not None and comparison.ok and not final.failed and not loop.failed
+          and loop.num_killed == args.kills)
     print(
         f"{'OK' if ok else 'FAILED'}: {len(killed)} of {len(outcomes)} runs killed in {len(loop.rounds) + 1} rounds "
         f"({', '.join(f'{n} in {p}' for p, n in by_phase.items())}; {late} of the load kills landed in the capture); "

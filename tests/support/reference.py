@@ -73,7 +73,8 @@ def exactness_rows(rng: np.random.Generator) -> list:
         "",  # blank lines are skipped but counted
         {"input_ids": rng.integers(0, VOCAB, size=64).tolist()},  # no id: key is the line number
     ]
-    rows += [{"id": f"rand-{i}", "input_ids": rng.integers(0, VOCAB, size=int(n)).tolist()} for i, n in enumerate(rng.integers(2, 130, size=10))]
+    rows += [{"id": f"rand-{i}", "input_ids": rng.integers(0, VOCAB, size=int(n)).tolist()}
+             for i, n in enumerate(rng.integers(2, 130, size=10))]
     return rows
 
 

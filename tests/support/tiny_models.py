@@ -135,7 +135,9 @@ def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> No
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     last_layer = model.model.layers[-1]
     seen = {}
-    last_layer.register_forward_hook(lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output))
+    last_layer.register_forward_hook(
+        lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output)
+    )
     refs = {}
     with open(data) as f:
         rows = [json.loads(line) for line in f if line.strip()]

@@ -42,11 +42,12 @@ def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.floa
     values it gets instead (to build deliberately wrong stores)."""
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
-    identity = ModelIdentity(verifier, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN, VERIFIER_VOCAB)
+    identity = ModelIdentity(verifier, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN,
+                             VERIFIER_VOCAB)
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=tuple(layers), layer_meaning=LAYER_MEANING,
-        dtype=str(dtype).removeprefix("torch."), hidden_size=VERIFIER_HIDDEN, corecap_version="test", vllm_version="none",
-        codec=codec,
+        dtype=str(dtype).removeprefix("torch."), hidden_size=VERIFIER_HIDDEN, corecap_version="test",
+        vllm_version="none", codec=codec,
     )
     replace = replace or {}
     records = []

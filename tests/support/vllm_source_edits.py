@@ -26,7 +26,8 @@ def member(qualname: str, name: str, new: str | None = None):
 
     def edit(text: str) -> str:
         cls, lines = _class(ast.parse(text), cls_name), text.splitlines(keepends=True)
-        found = [n for n in cls.body if getattr(n, "name", None) == name or getattr(getattr(n, "target", None), "id", None) == name]
+        found = [n for n in cls.body
+                 if getattr(n, "name", None) == name or getattr(getattr(n, "target", None), "id", None) == name]
         added = textwrap.indent(textwrap.dedent(new), " " * cls.body[-1].col_offset) + "\n" if new else ""
         if not found:
             return "".join(lines[: cls.end_lineno] + [added] + lines[cls.end_lineno :])
@@ -54,7 +55,8 @@ def parameter(qualname: str, method: str, name: str, add: bool = False):
             arg = next(a for a in args if a.arg == name)
             positional = fn.args.posonlyargs + fn.args.args
             defaults = list(zip(positional[len(positional) - len(fn.args.defaults):], fn.args.defaults))
-            default = dict((a.arg, d) for a, d in defaults + list(zip(fn.args.kwonlyargs, fn.args.kw_defaults))).get(name)
+            default = dict((a.arg, d)
+                           for a, d in defaults + list(zip(fn.args.kwonlyargs, fn.args.kw_defaults))).get(name)
             end = max(arg.end_lineno, default.end_lineno if default is not None else 0)
             del lines[arg.lineno - 1 : end]
         return "".join(lines)
