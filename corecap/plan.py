@@ -1,0 +1,139 @@
+"""What a run knows before its engine starts (`Plan`), and `prepare`, which finds it out: the
+model's identity, the layers, vLLM's configuration (no weights), the sampling settings, the whole
+dataset checked against the store, the sink's memory bound. Everything here can fail before any
+weight loads (corecap/run.py then starts the engine and steps it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+from corecap import __version__, data, demo
+from corecap.config import RunConfig, resolve_layers
+from corecap.errors import CorecapError
+from corecap.generation import Conversations, StopRule, buffer_bytes
+from corecap.model import load_tokenizer, model_identity, resolve_model_dir
+from corecap.resume import ResumeCheck, committed_fingerprints
+from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run knows before its engine starts."""
+
+    cfg: RunConfig
+    model_dir: str
+    data_path: str
+    read: dict  # data.read_samples' options
+    committed: dict  # key → input fingerprint, already in the store
+    dataset: data.DatasetSummary
+    todo: int
+    vllm_config: object
+    layers: tuple
+    identity: object  # store.ModelIdentity
+    devices: list  # per replica: the environment its workers start with (_vllm.placement)
+    sampling: dict | None = None  # --max-tokens: the sampling settings in effect (vLLM's names)
+    stop_rule: StopRule | None = None  # --max-tokens: when a response ends
+    total: int = 0  # the input's samples (a rewritten conversation: one a turn)
+    buffer_bytes: int = 0  # the sink's memory bound (generation.buffer_bytes)
+
+
+def prepare(cfg: RunConfig, log) -> Plan:
+    """Everything that can fail before the engine starts: the model's identity, the layers, the
+    engine configuration (no weights), the whole dataset, the store's metadata."""
+    from corecap._vllm import (Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes,
+                               placement, vllm_version)
+
+    model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
+    data_path = cfg.data or demo.demo_data_path()
+    identity = model_identity(model_dir, cfg.engine.load_format)
+    layers = resolve_layers(cfg.layers, identity.num_layers)
+    # vLLM's contract (its source first), the preflight
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)
+    version = vllm_version()  # vLLM is imported by now, not before its source was checked
+    check_pipeline(vllm_config, version)
+    devices = placement(vllm_config, cfg.engine.data_parallel_size)
+    nodes.cluster(vllm_config)  # node 0 only
+    tokenizer = load_tokenizer(model_dir)
+    settings, stop_rule, generation_line = _generation(cfg, vllm_config, tokenizer)
+    sink_bytes = buffer_bytes(cfg.buffer_bytes, cfg.sampling.generate, psutil.virtual_memory().available)
+    if cfg.sampling.generate:  # it bounds the responses in flight, and so the decode batch
+        generation_line += f", sink buffers {sink_bytes / 2**20:,.0f} MiB (--buffer-gb)"
+    log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else "") + generation_line)
+    max_len = max_prompt_len(vllm_config)
+    read = dict(
+        tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=max_len,
+        overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
+        max_tokens=cfg.sampling.max_tokens, template_kwargs=dict(cfg.chat_template_kwargs),
+        all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all",
+    )
+    # Keys already committed, read before validating so that the same pass checks their inputs;
+    # the store itself is created (and its metadata checked) only once the input is known good.
+    committed = committed_fingerprints(cfg.store)
+    resume = ResumeCheck(committed)
+    dataset = data.validate(data_path, **read, on_sample=resume)
+    for message in dataset.skip_examples:
+        log(f"skipped: {message}")
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
+        dtype=Engine.dtype_of(vllm_config), hidden_size=identity.hidden_size,
+        corecap_version=__version__, vllm_version=version, codec=cfg.codec,
+    )
+    Store.create_or_open(cfg.store, meta).close()
+    log(
+        f"{data_path}: {dataset.outcomes()}; {dataset.num_tokens} tokens; "
+        f"{resume.total - resume.todo} already in {cfg.store}; layers {list(layers)}"
+    )
+    return Plan(
+        cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices,
+        settings, stop_rule, resume.total, sink_bytes,
+    )
+
+
+def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, StopRule | None, str]:
+    """With --max-tokens: the sampling settings in effect (checked by vLLM), when a response
+    ends, and the run's first line's part that says both."""
+    from corecap._vllm import sampling
+
+    options = cfg.sampling
+    if not options.generate:
+        return None, None, ""
+    settings, source = sampling.effective_sampling(options, vllm_config)
+    sampling.check_sampling(settings, options)
+    eos = frozenset() if options.ignore_eos else sampling.eos_token_ids(vllm_config, tokenizer)
+    if options.stop and tokenizer is None:
+        raise CorecapError("--stop needs the model's tokenizer to read the responses, and the model directory has none")
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    return settings, StopRule(eos, options.stop, decode), "; " + sampling.describe(options, settings, source, eos)
+
+
+def conversations(plan: Plan) -> Conversations:
+    """--rewrite-turns all: where each conversation's later answers come from."""
+    from corecap.data.chat import ChatRenderer
+
+    tokenizer, cfg = plan.read["tokenizer"], plan.cfg
+    renderer = (ChatRenderer(tokenizer, plan.data_path, "messages", plan.read["template_kwargs"])
+                if plan.read["all_turns"] else None)
+
+    def stored_answer(key: str) -> str:
+        with Store.open(cfg.store) as store:
+            sample = store.get(key)
+        return tokenizer.decode(sample.input_ids[sample.header.generation.num_prompt :].tolist(),
+                                skip_special_tokens=True)
+
+    return Conversations(
+        renderer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), cfg.sampling.max_tokens,
+        plan.read["max_len"], cfg.overflow, plan.committed, stored_answer,
+    )
+
+
+def token_bytes(plan: Plan) -> int:
+    """A token's bytes in the sink's buffers: a row of each layer (fp8: its codes and scale)."""
+    from corecap._vllm import Engine
+    from corecap.store.codec import DTYPES
+    from corecap.store.fp8rows import ROW_EXTRA
+
+    hidden = plan.identity.hidden_size
+    row = hidden + ROW_EXTRA if plan.cfg.codec == FP8 else hidden * DTYPES[Engine.dtype_of(plan.vllm_config)].itemsize
+    return len(plan.layers) * row
