@@ -2,14 +2,16 @@
 
     corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
     corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
+    corecap export --store out.lmdb --format modelopt --out train-mo        # NVIDIA ModelOpt 0.47.0
 
 (The samples as text, without states, `--format jsonl`, are corecap/export/jsonl.py's.)
 
-The layouts are in corecap/export/speculators.py, corecap/export/specforge.py (the formats
-by name: corecap/export/formats.py) and docs/export.md. Everything is checked before
-anything is written: a store that lacks what the format needs (speculators: the `prenorm` layer;
-SpecForge: layer N and exactly three aux layers) or an unknown key is refused in one line that
-names what is missing and the `corecap run --layers` that would capture it.
+The layouts are in corecap/export/speculators.py, specforge.py, modelopt.py (the formats by
+name: corecap/export/formats.py) and docs/export.md. Everything is checked before anything is
+written: a store that lacks what the format needs (speculators: the `prenorm` layer; SpecForge:
+layer N and exactly three aux layers; ModelOpt: layer N or `prenorm`, and an aux layer) or an
+unknown key is refused in one line that names what is missing and the `corecap run --layers`
+that would capture it.
 
 One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
 blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
@@ -83,11 +85,7 @@ class ExportSummary:
             out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: exported with all ones (every token trained on)")
         if self.num_nonfinite:
             out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture (--nonfinite store) left out")
-        name, ids = next(iter(self.plan.draft_config().items()))
-        if self.plan.fmt == "specforge":
-            out.append(f"SpecForge draft config: \"{name}\": {ids} (SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
-        else:
-            out.append(f"speculators: --target-layer-ids {' '.join(map(str, ids))} (vLLM's ids, equal to HF's indices)")
+        out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
         return out
 
 
@@ -203,7 +201,7 @@ def _write_json(path: str, obj) -> None:
 
 
 def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
-    layout = LAYOUTS[plan.fmt](partial)
+    layout = LAYOUTS[plan.fmt](partial, plan)
     end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
     dtype = DTYPES[plan.dtype]

@@ -34,7 +34,7 @@ class Speculators:
 
     name = "speculators"
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, plan=None):
         self.root = root
         self.num_rows = 0
         self._batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -166,6 +166,10 @@ class Speculators:
     def draft_config(aux_layers: tuple[int, ...]) -> dict:
         """The layer ids its draft config names (docs/export.md, "Layer indices")."""
         return {"target_layer_ids": list(aux_layers)}  # vLLM's ids are HF's indices
+
+    @staticmethod
+    def draft_note(aux_layers: tuple[int, ...]) -> str:
+        return f"speculators: --target-layer-ids {' '.join(map(str, aux_layers))} (vLLM's ids, equal to HF's indices)"
 
 
 def _table_schema():
