@@ -46,7 +46,7 @@ from corecap.errors import CorecapError
 from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
 from corecap.export.formats import LAYOUTS
 from corecap.export.layers import describe_layer
-from corecap.export.plan import ExportPlan, plan_export
+from corecap.export.plan import ExportPlan, plan_export, plan_finals
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.codec import DTYPES
@@ -67,6 +67,7 @@ class ExportSummary:
     num_kept: int  # sample files an interrupted export had already written
     num_no_mask: int  # samples without a loss mask, exported with all ones
     num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
+    num_ineligible: int  # samples the format's trainer would refuse (its layout's `keeps`), left out
     nbytes: int  # bytes of the sample files written by this run
     seconds: float
 
@@ -85,6 +86,9 @@ class ExportSummary:
             out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: exported with all ones (every token trained on)")
         if self.num_nonfinite:
             out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture (--nonfinite store) left out")
+        if self.num_ineligible:
+            why = LAYOUTS[self.plan.fmt].ineligible
+            out.append(f"{self.num_ineligible} sample{'s' * (self.num_ineligible != 1)} left out: {why}")
         out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
         return out
 
@@ -111,8 +115,10 @@ def export_store(
                     for note in plan.notes:
                         if note.startswith("warning: "):
                             log(f"corecap: {note}")
-                    log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): aux layers {list(plan.aux_layers)} "
-                        f"+ {plan.final_layer}, {plan.dtype}" + (" (resuming an interrupted export)" if resumed else ""))
+                    final = "".join(f" + {k}" for k in plan_finals(plan.final_layer))
+                    log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): "
+                        f"aux layers {list(plan.aux_layers)}{final}, {plan.dtype}"
+                        + (" (resuming an interrupted export)" if resumed else ""))
                     summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers, Progress(num_rows, progress))
                     _finish(partial, out, options, summary)
                 finally:
@@ -206,7 +212,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     layout.begin()
     dtype = DTYPES[plan.dtype]
     start = time.monotonic()
-    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "nbytes": 0}
+    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
 
     def collect_oldest() -> None:
@@ -231,12 +237,15 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 continue
             ids = np.frombuffer(header.input_ids, dtype="<i4")
             if header.loss_mask is None:
-                counts["no_mask"] += 1
                 mask = np.ones(len(ids), dtype=np.uint8)
             else:
                 mask = np.frombuffer(header.loss_mask, dtype=np.uint8)
                 if len(mask) != len(ids):
                     raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries for {len(ids)} tokens")
+            if not layout.keeps(mask):  # one the trainer's own reader would refuse mid-training
+                counts["ineligible"] += 1
+                continue
+            counts["no_mask"] += header.loss_mask is None
             row = layout.num_rows
             layout.add_row(ids, mask)
             relative = layout.path(row)
@@ -273,6 +282,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         fsync_dir(directory)
     return ExportSummary(
         out, plan, layout.num_rows, counts["tokens"], counts["kept"], counts["no_mask"], counts["nonfinite"],
+        counts["ineligible"],
         counts["nbytes"], time.monotonic() - start,
     )
 
@@ -296,7 +306,10 @@ def _finish(partial: str, out: str, options: dict, summary: ExportSummary) -> No
         "corecap_version": __version__,
         "num_samples": summary.num_samples,
         "num_tokens": summary.num_tokens,
-        "layers": [describe_layer(k, k in plan.aux_layers, options["num_layers"]) for k in plan.aux_layers + (plan.final_layer,)],
+        "layers": [
+            describe_layer(k, k in plan.aux_layers, options["num_layers"])
+            for k in plan.aux_layers + plan_finals(plan.final_layer)
+        ],
         "draft_config": plan.draft_config(),
         "dtype": plan.dtype,
         "notes": summary.notes(),

@@ -69,6 +69,12 @@ class ModelOpt:
         }
         torch.save(record, tmp)
 
+    ineligible = ""  # every sample is kept
+
+    @staticmethod
+    def keeps(mask: np.ndarray) -> bool:
+        return True
+
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         self.num_rows += 1
 

@@ -68,6 +68,12 @@ class SpecForge:
         }
         torch.save(record, tmp)
 
+    ineligible = ""  # every sample is kept
+
+    @staticmethod
+    def keeps(mask: np.ndarray) -> bool:
+        return True
+
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         directory = os.path.dirname(self.path(self.num_rows))
         if directory not in self._made:

@@ -70,6 +70,12 @@ class Speculators:
             hs[:, j].copy_(states[p])
         save_file({"hidden_states": hs, "token_ids": torch.from_numpy(ids.astype(np.int64))}, tmp)
 
+    ineligible = ""  # every sample is kept
+
+    @staticmethod
+    def keeps(mask: np.ndarray) -> bool:
+        return True
+
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """The row's entry in the table, in row order (rows are added by one thread)."""
         self._batch.append((ids, mask))
