@@ -269,19 +269,24 @@ def doctor(model, deep) -> None:
 
 @main.command()
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
-@click.option("--format", "fmt", type=click.Choice(["speculators", "specforge", "jsonl"]), required=True,
+@click.option("--format", "fmt", required=True,
+              type=click.Choice(
+                  ["speculators", "specforge", "specforge-dflash", "specforge-dspark", "modelopt", "jsonl"]),
               help="speculators 0.9.0 (needs the 'prenorm' layer), SpecForge 0.2.0 (needs layer N and three aux "
-              "layers), or jsonl: the samples as text, one JSON object per line (text decoded with the model's "
-              "tokenizer, token ids, loss masks; a generated sample's prompt and response apart, finish reason, "
-              "sampling settings), no hidden states.")
+              "layers), "
+              "SpecForge's DFlash/Domino (target layers) and DSpark (target layers and layer N) files, "
+              "ModelOpt 0.47.0 (needs layer N, or prenorm, and aux layers), "
+              "or jsonl: the samples as text, one JSON object per line (text decoded with the model's tokenizer, "
+              "token ids, loss masks; a generated sample's prompt and response apart, finish reason, sampling "
+              "settings), no hidden states.")
 @click.option("--out", type=str, required=True,
               help="Output directory, a file for jsonl (must not exist; written as OUT.partial, then renamed).")
 @click.option("--aux-layers", type=str, default=None,
               help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True,
-              help="Hidden states' dtype (auto: bfloat16 for SpecForge, which trains on nothing else; "
-              "the stored dtype for speculators).")
+              help="Hidden states' dtype (auto: bfloat16 for SpecForge's formats, which train on it; "
+              "the stored dtype for speculators and ModelOpt).")
 @click.option("--keys", "keys_file", type=str, default=None,
               help="Export only these keys (a file, one per line), in its order.")
 @click.option("--workers", type=_Min1, default=None,

@@ -2,14 +2,16 @@
 
     corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
     corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
+    corecap export --store out.lmdb --format modelopt --out train-mo        # NVIDIA ModelOpt 0.47.0
 
 (The samples as text, without states, `--format jsonl`, are corecap/export/jsonl.py's.)
 
-The layouts are in corecap/export/speculators.py, corecap/export/specforge.py (the formats
-by name: corecap/export/formats.py) and docs/export.md. Everything is checked before
-anything is written: a store that lacks what the format needs (speculators: the `prenorm` layer;
-SpecForge: layer N and exactly three aux layers) or an unknown key is refused in one line that
-names what is missing and the `corecap run --layers` that would capture it.
+The layouts are in corecap/export/speculators.py, specforge.py, modelopt.py (the formats by
+name: corecap/export/formats.py) and docs/export.md. Everything is checked before anything is
+written: a store that lacks what the format needs (speculators: the `prenorm` layer; SpecForge:
+layer N and exactly three aux layers; ModelOpt: layer N or `prenorm`, and an aux layer) or an
+unknown key is refused in one line that names what is missing and the `corecap run --layers`
+that would capture it.
 
 One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
 blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
@@ -44,7 +46,7 @@ from corecap.errors import CorecapError
 from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
 from corecap.export.formats import LAYOUTS
 from corecap.export.layers import describe_layer
-from corecap.export.plan import ExportPlan, plan_export
+from corecap.export.plan import ExportPlan, plan_export, plan_finals
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.codec import DTYPES
@@ -65,6 +67,7 @@ class ExportSummary:
     num_kept: int  # sample files an interrupted export had already written
     num_no_mask: int  # samples without a loss mask, exported with all ones
     num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
+    num_ineligible: int  # samples the format's trainer would refuse (its layout's `keeps`), left out
     nbytes: int  # bytes of the sample files written by this run
     seconds: float
 
@@ -85,12 +88,10 @@ class ExportSummary:
         if self.num_nonfinite:
             out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture "
                        "(--nonfinite store) left out")
-        name, ids = next(iter(self.plan.draft_config().items()))
-        if self.plan.fmt == "specforge":
-            out.append(f"SpecForge draft config: \"{name}\": {ids} "
-                       f"(SGLang counts one lower than HF: HF layers {list(self.plan.aux_layers)})")
-        else:
-            out.append(f"speculators: --target-layer-ids {' '.join(map(str, ids))} (vLLM's ids, equal to HF's indices)")
+        if self.num_ineligible:
+            why = LAYOUTS[self.plan.fmt].ineligible
+            out.append(f"{self.num_ineligible} sample{'s' * (self.num_ineligible != 1)} left out: {why}")
+        out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
         return out
 
 
@@ -116,8 +117,9 @@ def export_store(
                     for note in plan.notes:
                         if note.startswith("warning: "):
                             log(f"corecap: {note}")
+                    final = "".join(f" + {k}" for k in plan_finals(plan.final_layer))
                     log(f"exporting {num_rows} samples of {store.path} to {shown} ({fmt}): "
-                        f"aux layers {list(plan.aux_layers)} + {plan.final_layer}, {plan.dtype}"
+                        f"aux layers {list(plan.aux_layers)}{final}, {plan.dtype}"
                         + (" (resuming an interrupted export)" if resumed else ""))
                     summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers,
                                      Progress(num_rows, progress))
@@ -211,12 +213,12 @@ def _write_json(path: str, obj) -> None:
 
 
 def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
-    layout = LAYOUTS[plan.fmt](partial)
+    layout = LAYOUTS[plan.fmt](partial, plan)
     end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
     dtype = DTYPES[plan.dtype]
     start = time.monotonic()
-    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "nbytes": 0}
+    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
 
     def collect_oldest() -> None:
@@ -244,13 +246,16 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 continue
             ids = np.frombuffer(header.input_ids, dtype="<i4")
             if header.loss_mask is None:
-                counts["no_mask"] += 1
                 mask = np.ones(len(ids), dtype=np.uint8)
             else:
                 mask = np.frombuffer(header.loss_mask, dtype=np.uint8)
                 if len(mask) != len(ids):
                     raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries "
                                        f"for {len(ids)} tokens")
+            if not layout.keeps(mask):  # one the trainer's own reader would refuse mid-training
+                counts["ineligible"] += 1
+                continue
+            counts["no_mask"] += header.loss_mask is None
             row = layout.num_rows
             layout.add_row(ids, mask)
             relative = layout.path(row)
@@ -289,6 +294,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         fsync_dir(directory)
     return ExportSummary(
         out, plan, layout.num_rows, counts["tokens"], counts["kept"], counts["no_mask"], counts["nonfinite"],
+        counts["ineligible"],
         counts["nbytes"], time.monotonic() - start,
     )
 
@@ -312,8 +318,10 @@ def _finish(partial: str, out: str, options: dict, summary: ExportSummary) -> No
         "corecap_version": __version__,
         "num_samples": summary.num_samples,
         "num_tokens": summary.num_tokens,
-        "layers": [describe_layer(k, k in plan.aux_layers, options["num_layers"])
-                   for k in plan.aux_layers + (plan.final_layer,)],
+        "layers": [
+            describe_layer(k, k in plan.aux_layers, options["num_layers"])
+            for k in plan.aux_layers + plan_finals(plan.final_layer)
+        ],
         "draft_config": plan.draft_config(),
         "dtype": plan.dtype,
         "notes": summary.notes(),

@@ -5,8 +5,13 @@ them) and one line here.
 
 from __future__ import annotations
 
+from corecap.export.dflash import SpecForgeDFlash, SpecForgeDSpark
+from corecap.export.modelopt import ModelOpt
 from corecap.export.specforge import SpecForge
 from corecap.export.speculators import Speculators
 
-LAYOUTS = {"speculators": Speculators, "specforge": SpecForge}
+LAYOUTS = {
+    "speculators": Speculators, "specforge": SpecForge, "modelopt": ModelOpt,
+    "specforge-dflash": SpecForgeDFlash, "specforge-dspark": SpecForgeDSpark,
+}
 FORMATS = tuple(LAYOUTS)

@@ -22,8 +22,8 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 class ExportPlan:
     fmt: str
     aux_layers: tuple[int, ...]
-    final_layer: Layer  # speculators: PRENORM; SpecForge: N
-    positions: tuple[int, ...]  # indices into the stored layers: the aux layers, then the final one
+    final_layer: Layer | None  # speculators: PRENORM; SpecForge: N; DFlash: none
+    positions: tuple[int, ...]  # indices into the stored layers: the aux layers, then the final one if any
     dtype: str
     notes: tuple[str, ...]  # what the user should know (dtype, lossy fp8)
 
@@ -69,5 +69,10 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     if meta.codec == FP8:
         notes.append(f"warning: the store holds lossy fp8 states ({FP8}): "
                      "exported dequantized, not the captured values")
-    positions = tuple(stored.index(k) for k in aux + (final,))
+    positions = tuple(stored.index(k) for k in aux + plan_finals(final))
     return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))
+
+
+def plan_finals(final: Layer | None) -> tuple[Layer, ...]:
+    """The final state's layer as a tuple: empty for a format that takes none (DFlash)."""
+    return () if final is None else (final,)

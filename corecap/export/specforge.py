@@ -32,7 +32,7 @@ class SpecForge:
 
     name = "specforge"
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, plan=None):
         self.root = root
         self.num_rows = 0
         self._made: set[str] = set()
@@ -67,6 +67,12 @@ class SpecForge:
             "hidden_state": hidden_state,
         }
         torch.save(record, tmp)
+
+    ineligible = ""  # every sample is kept
+
+    @staticmethod
+    def keeps(mask: np.ndarray) -> bool:
+        return True
 
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         directory = os.path.dirname(self.path(self.num_rows))
@@ -129,6 +135,14 @@ class SpecForge:
         """The layer ids its draft config names (docs/export.md, "Layer indices")."""
         # SGLang's id j is captured before layer j + 1: HF index - 1
         return {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in aux_layers]}
+
+    @staticmethod
+    def draft_note(aux_layers: tuple[int, ...]) -> str:
+        ids = [k - 1 for k in aux_layers]
+        return (
+            f"SpecForge draft config: \"eagle_aux_hidden_state_layer_ids\": {ids} "
+            f"(SGLang counts one lower than HF: HF layers {list(aux_layers)})"
+        )
 
 
 def _three(have, num_layers: int) -> list[int]:

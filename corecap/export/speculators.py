@@ -34,7 +34,7 @@ class Speculators:
 
     name = "speculators"
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, plan=None):
         self.root = root
         self.num_rows = 0
         self._batch: list[tuple[np.ndarray, np.ndarray]] = []
@@ -69,6 +69,12 @@ class Speculators:
         for j, p in enumerate(positions):
             hs[:, j].copy_(states[p])
         save_file({"hidden_states": hs, "token_ids": torch.from_numpy(ids.astype(np.int64))}, tmp)
+
+    ineligible = ""  # every sample is kept
+
+    @staticmethod
+    def keeps(mask: np.ndarray) -> bool:
+        return True
 
     def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """The row's entry in the table, in row order (rows are added by one thread)."""
@@ -167,6 +173,10 @@ class Speculators:
     def draft_config(aux_layers: tuple[int, ...]) -> dict:
         """The layer ids its draft config names (docs/export.md, "Layer indices")."""
         return {"target_layer_ids": list(aux_layers)}  # vLLM's ids are HF's indices
+
+    @staticmethod
+    def draft_note(aux_layers: tuple[int, ...]) -> str:
+        return f"speculators: --target-layer-ids {' '.join(map(str, aux_layers))} (vLLM's ids, equal to HF's indices)"
 
 
 def _table_schema():
