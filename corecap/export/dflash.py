@@ -23,7 +23,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
-from corecap.export.layers import run_flag
+from corecap.export.layers import check_one_lower, run_flag
 from corecap.export.specforge import SpecForge
 from corecap.store.format import StoreMeta
 
@@ -70,12 +70,7 @@ class SpecForgeDFlash(SpecForge):
                 f"has {list(stored)}: capture some with "
                 f"`{run_flag([2, num_layers // 2, num_layers - 3] + list(stored))}`"
             )
-        if not all(1 <= k < num_layers for k in aux):
-            raise CorecapError(
-                f"{path}: SpecForge names target layers by HF index - 1 (0..{num_layers - 2}), "
-                f"so HF layers {list(aux)} "
-                f"cannot all be named: choose --aux-layers among 1..{num_layers - 1}"
-            )
+        check_one_lower(aux, num_layers, path, "SpecForge names target layers")
 
     @staticmethod
     def auto_dtype(meta: StoreMeta) -> tuple[str, str]:

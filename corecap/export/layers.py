@@ -9,10 +9,22 @@ SpecForge's hidden_state is HF's hidden_states[N] (after it).
 from __future__ import annotations
 
 from corecap.config import PRENORM, Layer, layer_order
+from corecap.errors import CorecapError
 
 
 def run_flag(layers) -> str:
     return "corecap run --layers " + ",".join(str(k) for k in sorted(set(layers), key=layer_order))
+
+
+def check_one_lower(aux: tuple[int, ...], num_layers: int, path: str, named: str) -> None:
+    """Refuse aux layers that a trainer naming decoder outputs from 0 (HF index - 1: SpecForge,
+    ModelOpt) cannot name: HF's 0 (the embeddings) and N. `named`: how the message says it, e.g.
+    "SpecForge names aux layers"."""
+    if not all(1 <= k < num_layers for k in aux):
+        raise CorecapError(
+            f"{path}: {named} by HF index - 1 (0..{num_layers - 2}), so HF layers {list(aux)} "
+            f"cannot all be named: choose --aux-layers among 1..{num_layers - 1}"
+        )
 
 
 def describe_layer(layer: Layer, aux: bool, num_layers: int) -> dict:

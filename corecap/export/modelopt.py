@@ -22,7 +22,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
-from corecap.export.layers import run_flag
+from corecap.export.layers import check_one_lower, run_flag
 from corecap.store.format import StoreMeta
 
 
@@ -108,11 +108,7 @@ class ModelOpt:
                 f"aux_hidden_states); the store has {list(stored)}: capture three with "
                 f"`{run_flag([2, num_layers // 2, num_layers - 3] + (keep or [num_layers]))}`"
             )
-        if not all(1 <= k < num_layers for k in aux):
-            raise CorecapError(
-                f"{path}: ModelOpt names aux layers by decoder layer from 0 (HF index - 1, 0..{num_layers - 2}), so HF "
-                f"layers {list(aux)} cannot all be named: choose --aux-layers among 1..{num_layers - 1}"
-            )
+        check_one_lower(aux, num_layers, path, "ModelOpt names aux layers (decoder layers from 0)")
 
     @staticmethod
     def auto_dtype(meta: StoreMeta) -> tuple[str, str]:

@@ -21,7 +21,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
-from corecap.export.layers import run_flag
+from corecap.export.layers import check_one_lower, run_flag
 from corecap.store.format import StoreMeta
 
 FILE_GROUP = 2000  # SpecForge files per directory, as SpecForge's own prepare_hidden_states groups them
@@ -112,11 +112,7 @@ class SpecForge:
             keep = [PRENORM] if PRENORM in stored else []
             raise CorecapError(f"{given}: capture three with "
                                f"`{run_flag(_three(aux, num_layers) + [num_layers] + keep)}`")
-        if not all(1 <= k < num_layers for k in aux):
-            raise CorecapError(
-                f"{path}: SpecForge names aux layers by HF index - 1 (0..{num_layers - 2}), "
-                f"so HF layers {list(aux)} cannot all be named: choose --aux-layers among 1..{num_layers - 1}"
-            )
+        check_one_lower(aux, num_layers, path, "SpecForge names aux layers")
 
     @staticmethod
     def auto_dtype(meta: StoreMeta) -> tuple[str, str]:
