@@ -21,7 +21,7 @@ import pytest
 
 from corecap.errors import CorecapError
 from corecap.store import Store
-from support import machine
+from support import machine, tiny_models
 from support.reference import (
     SEED, VOCAB, exactness_rows, hf_hidden_states, record_error, relative_errors, write_jsonl, same_meta,
 )
@@ -299,6 +299,23 @@ DP_OVER = CORES // 2 + 1  # -dp DP_OVER x -tp 2: one or two ranks more than the 
 )
 def test_impossible_parallel_layouts_are_refused(tiny_model, tmp_path, options, message):
     _refused(tiny_model, tmp_path, message, **options)
+
+
+def test_expert_parallelism_across_replicas_is_refused_and_within_one_engine_said(tmp_path):
+    """corecap's -dp N is N engines of their own: with --enable-expert-parallel each would hold every
+    expert and vLLM would say nothing (issue 37), so it is refused before any weights load; within
+    one engine, the engine line says the expert-parallel size."""
+    from corecap._vllm import build_vllm_config, effective_settings, environment
+    from corecap.config import EngineOptions
+
+    moe = tiny_models.build("mixtral", str(tmp_path / "mixtral"))
+    _refused(moe, tmp_path, r"^-dp 2 with --enable-expert-parallel: corecap's -dp runs 2 separate engines, so the "
+                            r"experts would not be shared across them .*run one engine, -tp N --enable-expert-parallel",
+             dp=2, enable_expert_parallel=True)
+    with environment():
+        options = EngineOptions(tensor_parallel_size=2, extra=(("enable_expert_parallel", True),))
+        config = build_vllm_config(options, moe)
+    assert "TP 2 x PP 1, EP 2, " in effective_settings(config)
 
 
 def test_a_core_list_that_does_not_match_the_ranks_is_refused(tiny_model, tmp_path, monkeypatch):

@@ -370,7 +370,9 @@ def effective_settings(vllm_config) -> str:
         f"max model len {max_prompt_len(vllm_config)}, memory share {cache.gpu_memory_utilization}, "
         f"dtype {str(model.dtype).removeprefix('torch.')}, "
         f"TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, "
-        f"{compiled}, "
+        + (f"EP {parallel.tensor_parallel_size * parallel.data_parallel_size}, "
+           if getattr(parallel, "enable_expert_parallel", False) else "")
+        + f"{compiled}, "
         + next((n for n in notes if n.startswith("prefix caching")),
                f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}")
         + "".join(f", {n}" for n in notes if not n.startswith("prefix caching"))

@@ -50,6 +50,15 @@ def placement(vllm_config, num_replicas: int) -> list[dict[str, str]]:
             "run one `corecap run -dp N --shard K/M` per node, each into its own store, then `corecap merge` "
             "(docs/multinode.md)"
         )
+    if num_replicas > 1 and getattr(parallel, "enable_expert_parallel", False):
+        # corecap's replicas are engines of their own: vLLM would give each an expert-parallel group of
+        # its own TP ranks, every replica holding every expert, and say nothing (issue 37).
+        raise CorecapError(
+            f"-dp {num_replicas} with --enable-expert-parallel: corecap's -dp runs {num_replicas} separate engines, "
+            f"so the experts would not be shared across them (each engine's expert-parallel group is its own "
+            f"-tp {tp} ranks); for experts sharded across N devices run one engine, -tp N --enable-expert-parallel, "
+            "or -dp N without --enable-expert-parallel"
+        )
     if cpu_platform():
         given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if given in ("auto", "nobind"):  # vLLM's own modes, for every replica alike
