@@ -10,7 +10,6 @@ not all ones, written without an engine.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import warnings
@@ -22,6 +21,8 @@ from click.testing import CliRunner
 
 from corecap.cli import main
 from support.reference import record_error, relative_errors
+from support.speculators_reader import speculators
+from support.speculators_reader import speculators_teacher as _speculators_teacher
 from support.verifier import CAPTURED_LAYERS, VERIFIER_HIDDEN, VERIFIER_LAYERS, write_captured_store
 
 AUX = (1, 2, 3)  # CAPTURED_LAYERS but N and prenorm
@@ -36,17 +37,6 @@ def _ok(store, out, fmt, *args):
     result = _export(store, out, fmt, *args)
     assert result.exit_code == 0, result.output
     return result
-
-
-@functools.cache
-def speculators():
-    """speculators' loader modules, imported once (speculators imports every model it has: ~12 s)."""
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.models.eagle3.model_definitions import model_classes
-    from speculators.train.data import ArrowDataset, CollateFn
-    from speculators.utils.loading import load_model_layers
-
-    return ArrowDataset, CollateFn, shift_batch, model_classes, load_model_layers
 
 
 def _manifest(out) -> list[dict]:
@@ -102,23 +92,6 @@ def test_speculators_loader_reads_the_store(tmp_path, captured, verifier):
         assert torch.equal(batch["hidden_states"][0, at : at + n], torch.cat([ref[k][:-1] for k in AUX], dim=-1))
         assert torch.equal(batch["verifier_last_hidden_states"][0, at : at + n], ref["prenorm"][1:])
         at += n
-
-
-def _speculators_teacher(verifier):
-    """speculators' teacher as Eagle3DraftModel builds it: its norm class for the verifier's
-    model type, with the verifier's final-norm and lm_head weights loaded by speculators' own
-    loader; targets = verifier_lm_head(verifier_norm(verifier_last_hidden_states))."""
-    import transformers
-
-    _, _, _, model_classes, load_model_layers = speculators()
-    config = transformers.AutoConfig.from_pretrained(verifier)
-    weights = load_model_layers(["lm_head.weight", "model.norm.weight"], verifier)
-    norm = model_classes[config.model_type].norm_class(config.hidden_size, eps=config.rms_norm_eps)
-    norm.load_state_dict({"weight": weights["model.norm.weight"]})
-    lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    lm_head.load_state_dict({"weight": weights["lm_head.weight"]})
-    assert not torch.allclose(norm.weight, torch.ones_like(norm.weight))  # the norm matters here
-    return lambda last: lm_head(norm(last))
 
 
 def _speculators_batch(out):

@@ -283,10 +283,11 @@ def doctor(model, deep) -> None:
               help="Output directory, a file for jsonl (must not exist; written as OUT.partial, then renamed).")
 @click.option("--aux-layers", type=str, default=None,
               help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32", "fp8"]), default="auto",
               show_default=True,
               help="Hidden states' dtype (auto: bfloat16 for SpecForge's formats, which train on it; "
-              "the stored dtype for speculators and ModelOpt).")
+              "the stored dtype for speculators and ModelOpt). fp8: speculators only, its fp8 files "
+              "(float8_e4m3fn, one scale per token; train with --hidden-states-backend fp8).")
 @click.option("--keys", "keys_file", type=str, default=None,
               help="Export only these keys (a file, one per line), in its order.")
 @click.option("--workers", type=_Min1, default=None,

@@ -46,10 +46,9 @@ from corecap.errors import CorecapError
 from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
 from corecap.export.formats import LAYOUTS
 from corecap.export.layers import describe_layer
-from corecap.export.plan import ExportPlan, plan_export, plan_finals
+from corecap.export.plan import EXPORT_DTYPES, ExportPlan, plan_export, plan_finals
 from corecap.progress import Progress
 from corecap.store import Store, refs
-from corecap.store.codec import DTYPES
 from corecap.store.checks import checked_header
 from corecap.store.store import key_text, prefixed
 
@@ -216,7 +215,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     layout = LAYOUTS[plan.fmt](partial, plan)
     end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
-    dtype = DTYPES[plan.dtype]
+    dtype = EXPORT_DTYPES[plan.dtype]
     start = time.monotonic()
     counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order

@@ -30,6 +30,7 @@ class ModelOpt:
     """{row:08d}.pt per sample in one directory, as ModelOpt's dump scripts leave them."""
 
     name = "modelopt"
+    writes_fp8 = False  # --dtype fp8 is speculators' only (its hs_connectors fp8 files)
 
     def __init__(self, root: str, plan=None):
         self.root = root

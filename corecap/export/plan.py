@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
 from corecap.export.formats import FORMATS, LAYOUTS
 from corecap.export.layers import run_flag
 from corecap.store.codec import DTYPES
-from corecap.store.format import FP8, StoreMeta
+from corecap.store.format import FP8 as FP8_CODEC
+from corecap.store.format import StoreMeta
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8")
+FP8 = "fp8"  # --dtype fp8: speculators' per-token fp8 files (corecap/export/fp8_per_token.py)
+EXPORT_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}  # what a layout's write() is given
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     if dtype not in DTYPE_CHOICES:
         raise CorecapError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
     layout = LAYOUTS[fmt]
+    if dtype == FP8 and not layout.writes_fp8:
+        raise CorecapError(f"--dtype fp8: only --format speculators writes fp8 files (hs_connectors' per-token "
+                           f"layout, which speculators reads); --format {fmt} takes bfloat16, float16 or float32")
     num_layers, stored = meta.model.num_layers, tuple(meta.layers)
     ints = [k for k in stored if k != PRENORM]
     final = layout.final_layer(meta, path)
@@ -64,10 +72,16 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
         notes.append(f"hidden states exported in {dtype} ({why}; --dtype to choose)")
     elif (note := layout.dtype_note(dtype)) is not None:
         notes.append(note)
-    if DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
+    if dtype == FP8:
+        notes.append(f"warning: hidden states quantized from the stored {meta.dtype} to fp8 (lossy: each value within "
+                     "2^-4 of itself, or 2^-10 of its token's scale; docs/export.md)")
+    elif DTYPES[dtype].itemsize < DTYPES[meta.dtype].itemsize:
         notes.append(f"warning: hidden states rounded from the stored {meta.dtype} to {dtype}")
-    if meta.codec == FP8:
-        notes.append(f"warning: the store holds lossy fp8 states ({FP8}): "
+    if meta.codec == FP8_CODEC and dtype == FP8:
+        notes.append(f"warning: the store holds lossy fp8 states ({FP8_CODEC}, a scale per token and layer): "
+                     "exported dequantized and quantized again with one scale per token, so rounded twice")
+    elif meta.codec == FP8_CODEC:
+        notes.append(f"warning: the store holds lossy fp8 states ({FP8_CODEC}): "
                      "exported dequantized, not the captured values")
     positions = tuple(stored.index(k) for k in aux + plan_finals(final))
     return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))

@@ -31,6 +31,7 @@ class SpecForge:
     """rows_{a}-{b}/data_{row}.ckpt per sample; no table (SpecForge lists the files)."""
 
     name = "specforge"
+    writes_fp8 = False  # --dtype fp8 is speculators' only (its hs_connectors fp8 files)
 
     def __init__(self, root: str, plan=None):
         self.root = root

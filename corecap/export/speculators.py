@@ -10,6 +10,10 @@ speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
                               hidden_states [T, L, H]: the aux layers ascending, then the verifier's
                               last state BEFORE its final norm (speculators applies the norm itself);
                               token_ids [T] int64 (speculators checks them against input_ids)
+                              --dtype fp8: hidden_states float8_e4m3fn [T, L, H] and
+                              hidden_states_scales float32 [T, 1, 1], one scale per token, as
+                              hs_connectors' fp8 backend writes them (corecap/export/fp8_per_token.py);
+                              read with `speculators train --hidden-states-backend fp8`
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
+from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
 from corecap.export.layers import run_flag
 from corecap.store.format import StoreMeta
 
@@ -64,11 +69,16 @@ class Speculators:
     def write(self, tmp: str, ids: np.ndarray, mask: np.ndarray, states: torch.Tensor, positions, dtype) -> None:
         from safetensors.torch import save_file
 
+        token_ids = torch.from_numpy(ids.astype(np.int64))
+        if dtype == torch.float8_e4m3fn:  # hs_connectors' fp8 file (--dtype fp8)
+            codes, scales = quantize_per_token(states, positions)
+            save_file({"hidden_states": codes, SCALES_KEY: scales, "token_ids": token_ids}, tmp)
+            return
         # [T, L, H] gathered and cast in one copy per layer, from the stored [L_stored, T, H].
         hs = scratch_tensor((states.shape[1], len(positions), states.shape[2]), dtype, 0)
         for j, p in enumerate(positions):
             hs[:, j].copy_(states[p])
-        save_file({"hidden_states": hs, "token_ids": torch.from_numpy(ids.astype(np.int64))}, tmp)
+        save_file({"hidden_states": hs, "token_ids": token_ids}, tmp)
 
     ineligible = ""  # every sample is kept
 
@@ -165,9 +175,15 @@ class Speculators:
         """(--dtype auto's choice, why)."""
         return meta.dtype, "the stored dtype; speculators casts to its --hidden-states-dtype, bfloat16 by default"
 
+    writes_fp8 = True  # --dtype fp8: hs_connectors' per-token fp8 files
+
     @staticmethod
     def dtype_note(dtype: str) -> str | None:
-        return None
+        if dtype != "fp8":
+            return None
+        return ("hidden states quantized to float8_e4m3fn, one scale per token across the exported layers "
+                "(hs_connectors' fp8 files): train with `speculators train ... --hidden-states-backend fp8`, "
+                "whose reader dequantizes them to bfloat16 (its default `file` backend would read the codes unscaled)")
 
     @staticmethod
     def draft_config(aux_layers: tuple[int, ...]) -> dict:

@@ -50,7 +50,7 @@ def relative(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
-def interrupt(store, out, fmt, monkeypatch, after: int) -> None:
+def interrupt(store, out, fmt, monkeypatch, after: int, **options) -> None:
     """An export stopped (Ctrl-C) after `after` sample files were written."""
     import corecap.export.formats as layouts
     from corecap.export.driver import export_store
@@ -67,5 +67,5 @@ def interrupt(store, out, fmt, monkeypatch, after: int) -> None:
 
     monkeypatch.setattr(layout, "write", write)
     with pytest.raises(KeyboardInterrupt):
-        export_store(str(store), str(out), fmt, workers=1)
+        export_store(str(store), str(out), fmt, workers=1, **options)
     monkeypatch.setattr(layout, "write", original)
