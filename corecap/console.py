@@ -6,29 +6,47 @@ Done at the file-descriptor level, since vLLM's workers are other processes writ
 descriptors they inherit: fds 1 and 2 become a pipe that a thread copies into the log (and to
 the terminal with `verbose`), while corecap writes its own lines to copies of the original
 descriptors. `__exit__` puts the descriptors back and drains the pipe.
+
+A run on a store that does not exist yet logs to a temporary file, moved into the store once the
+run has made it: a run refused before it made the store leaves no directory behind, only that
+file (the CLI's error names it).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
 LOG_FILE = "corecap.log"
+DRAIN_SECONDS = 5.0  # how long closing the log waits for the children's last output
 
 
 class RunLog:
-    def __init__(self, path: str, verbose: bool = False):
-        self.path = path
+    """The log of a run on `store`: STORE/corecap.log, or (until the run makes the store) a
+    temporary file; `path` is where it is, and after `__exit__` where it stays."""
+
+    def __init__(self, store: str, verbose: bool = False):
+        self.store = store
+        self.path = os.path.join(store, LOG_FILE)
+        self.in_store = os.path.isdir(store)  # an existing store's log stays where it is, whatever happens
         self.verbose = verbose
         self.terminal_out = self.terminal_err = None
         self._saved: list[int] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def __enter__(self) -> "RunLog":
-        self.file = open(self.path, "ab", buffering=0)
+        if self.in_store:
+            self.file = open(self.path, "ab", buffering=0)
+        else:
+            name = os.path.basename(os.path.normpath(self.store))
+            fd, self.path = tempfile.mkstemp(prefix=f"corecap-{name}-", suffix=".log")
+            self.file = os.fdopen(fd, "ab", buffering=0)
         self.file.write(f"--- corecap run, {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}\n".encode())
         sys.stdout.flush()
         sys.stderr.flush()
@@ -46,11 +64,13 @@ class RunLog:
     def _copy(self, fd: int) -> None:
         try:
             while chunk := os.read(fd, 1 << 16):
-                with self._lock:
+                with self._lock:  # once closed, a leftover child's output is read and dropped, never left to block it
+                    if self._closed:
+                        continue
                     self.file.write(chunk)
-                if self.verbose:
-                    self.terminal_err.buffer.write(chunk)
-                    self.terminal_err.flush()
+                    if self.verbose:
+                        self.terminal_err.buffer.write(chunk)
+                        self.terminal_err.flush()
         finally:
             os.close(fd)
 
@@ -75,7 +95,21 @@ class RunLog:
         for fd in self._saved:
             os.close(fd)
         if self._thread is not None:
-            self._thread.join(timeout=5)  # a leftover child holding the pipe: give up, daemon thread
-        self.terminal_out.close()
-        self.terminal_err.close()
-        self.file.close()
+            self._thread.join(timeout=DRAIN_SECONDS)  # a leftover child holding the pipe: stop copying (daemon thread)
+        with self._lock:  # the thread may still be copying: it must not write to what closes here
+            self._closed = True
+            self.terminal_out.close()
+            self.terminal_err.close()
+            self.file.close()
+        self._settle()
+
+    def _settle(self) -> None:
+        """A store this run made gets the temporary log (appended: a concurrent run may have
+        started one there); a run refused before it made the store keeps it where it is."""
+        if self.in_store or not os.path.isdir(self.store):
+            return
+        path = os.path.join(self.store, LOG_FILE)
+        with open(self.path, "rb") as src, open(path, "ab") as dst:
+            shutil.copyfileobj(src, dst)
+        os.unlink(self.path)
+        self.path, self.in_store = path, True

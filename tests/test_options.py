@@ -218,8 +218,14 @@ def test_a_model_id_in_the_local_hf_cache(tiny_model, tmp_path, monkeypatch):
     assert os.path.samefile(path, repo / "snapshots" / commit)
     assert model_identity(path, "auto").config_hash == model_identity(tiny_model, "auto").config_hash
     with pytest.raises(CorecapError, match=r"--model corecap-tests/absent: not a directory, "
-                                           r"and not a model in the local Hugging Face cache"):
+                                           r"and not a model in the local Hugging Face cache .*"
+                                           r"download it first \(hf download corecap-tests/absent\)"):
         resolve_model_dir("corecap-tests/absent")
+    # A path is never a model id: no download would help.
+    for path in (str(tmp_path / "absent"), "./absent", "../x/absent", "a/b/absent"):
+        with pytest.raises(CorecapError) as e:
+            resolve_model_dir(path)
+        assert str(e.value) == f"--model {path}: no such directory (expected a HF model directory)"
 
 
 def test_a_float32_mla_model_on_an_amx_cpu_gets_the_backend_that_takes_its_weights(tmp_path, monkeypatch):

@@ -68,7 +68,8 @@ class _Batch:
     output_future: object
 
 
-def _capture_executor_class(model: str, capture: CaptureSpec):
+def _capture_executor_class(model: str, capture: CaptureSpec, made: list | None = None):
+    """`made` gets the executor once made, for `Engine` to shut down should the engine's start fail."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     class CaptureExecutor(MultiprocExecutor):
@@ -77,6 +78,8 @@ def _capture_executor_class(model: str, capture: CaptureSpec):
         def _init_executor(self) -> None:
             from corecap._vllm.network import private_network
 
+            if made is not None:
+                made.append(self)
             with private_network(model, capture.private_network) as status:  # the workers start here
                 super()._init_executor()
             self.corecap_network = status
@@ -129,13 +132,19 @@ class Engine:
         self.vllm_config = vllm_config
         self.replica = capture.replica
         capture = dataclasses.replace(capture, sender_rank=output_rank(vllm_config))
+        made: list = []
         try:
-            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture), log_stats=False)
+            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture, made), log_stats=False)
             self.executor = self.core.model_executor
             self.executor.collective_rpc("corecap_arm")
-        except CorecapError:
-            raise
-        except Exception as e:  # vLLM's words, one line; the workers' own traceback is in the run's log
+        except BaseException as e:
+            # EngineCore leaves a failed start's workers running until the interpreter exits: they
+            # would write to the terminal after corecap's error, and hold the run log's pipe open.
+            for executor in made:
+                executor.shutdown()
+            if isinstance(e, CorecapError) or not isinstance(e, Exception):
+                raise
+            # vLLM's words, one line; the workers' own traceback is in the run's log
             raise CorecapError(f"vLLM's engine failed to start: {worker_error(e)}") from None
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0

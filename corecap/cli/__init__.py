@@ -74,7 +74,7 @@ def capture(cfg, log, terminal=None):
 @main.command(context_settings=_PASS_THROUGH)
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
 @click.option("--verbose", "-v", is_flag=True,
-              help="Show vLLM's own log on the terminal too (it is always in STORE/corecap.log).")
+              help="Show vLLM's own log on the terminal too (it is in STORE/corecap.log, or where the error says).")
 @_with(_ENGINE_OPTIONS)
 @_with(_CAPTURE_OPTIONS)
 @_with(_GENERATION_OPTIONS)
@@ -86,27 +86,29 @@ def run(ctx, store, verbose, **options) -> None:
     Any other vLLM engine argument may follow, spelled as vLLM spells it (e.g. --block-size 32).
     The terminal shows corecap's lines and a progress line; everything else the engine prints
     goes to STORE/corecap.log."""
-    import os
     import traceback
 
-    from corecap.console import LOG_FILE, RunLog
+    from corecap.console import RunLog
 
     cfg = _run_config(store, ctx.args, options)
-    try:
-        os.makedirs(store, exist_ok=True)
-    except OSError as e:
-        raise CorecapError(f"--store {store}: cannot make the store's directory ({e.strerror})") from None
-    log_path = os.path.join(store, LOG_FILE)
-    with RunLog(log_path, verbose) as runlog:
+    runlog = RunLog(store, verbose)
+    error, internal = None, False
+    with runlog:
         try:
             summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
         except CorecapError as e:
             runlog.record(f"corecap: error: {e}\n")
-            raise
+            error = str(e)
         except Exception as e:  # a bug: one line here, the traceback in the log
             runlog.record(traceback.format_exc())
-            raise CorecapError(f"internal error: {type(e).__name__}: {e} (the traceback is in {log_path})") from None
-        runlog.say(summary.line(), err=False)
+            error, internal = f"internal error: {type(e).__name__}: {e}", True
+        else:
+            runlog.say(summary.line(), err=False)
+    # Where the log is, known once it is closed: a run refused before it made the store leaves none.
+    if error is not None and not runlog.in_store:
+        raise CorecapError(f"{error}; no store was made (this run's log: {runlog.path})")
+    if error is not None:
+        raise CorecapError(f"{error} (the traceback is in {runlog.path})" if internal else error)
 
 
 @main.command()

@@ -30,7 +30,7 @@ from corecap.store.format import (
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
-_OWN_FILES = {"corecap.log"}  # what a run writes into the store's directory before the store exists
+_OWN_FILES = {"corecap.log"}  # a run given an existing directory logs there before the store exists
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,10 @@ class Store:
         if (os.path.isdir(path) and set(os.listdir(path)) - _OWN_FILES
                 and not os.path.exists(os.path.join(path, "data.mdb"))):
             raise CorecapError(f"{path}: not a corecap store (a non-empty directory without data.mdb)")
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise CorecapError(f"--store {path}: cannot make the store's directory ({e.strerror})") from None
         try:
             env = cls._open_env(path, readonly=False)
         except lmdb.Error as e:
