@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from corecap.cli import main
+from support.exports import interrupt
 from support.reference import record_error, relative_errors
 from support.speculators_reader import speculators
 from support.speculators_reader import speculators_teacher as _speculators_teacher
@@ -391,27 +392,6 @@ def test_the_speculators_format_names_its_missing_extra(tmp_path, captured, veri
 # --- interrupted exports ---------------------------------------------------------------------------
 
 
-def _interrupted(store, out, fmt, monkeypatch, after: int, *options):
-    """An export stopped (Ctrl-C) after `after` sample files were written."""
-    import corecap.export.formats as layouts
-    from corecap.export.driver import export_store
-
-    layout = layouts.LAYOUTS[fmt]
-    original = layout.write
-    calls = []
-
-    def write(self, *args):
-        calls.append(1)
-        if len(calls) > after:
-            raise KeyboardInterrupt
-        return original(self, *args)
-
-    monkeypatch.setattr(layout, "write", write)
-    with pytest.raises(KeyboardInterrupt):
-        export_store(str(store), str(out), fmt, workers=1, **dict(options))
-    monkeypatch.setattr(layout, "write", original)
-
-
 def _files(root) -> dict[str, tuple[int, bytes]]:
     out = {}
     for dirpath, _, names in os.walk(root):
@@ -427,7 +407,7 @@ def test_an_interrupted_export_resumes_keeping_what_it_wrote(tmp_path, captured,
     clean = tmp_path / "clean"
     _ok(store, clean, fmt)
     out = tmp_path / "out"
-    _interrupted(store, out, fmt, monkeypatch, after=4)
+    interrupt(store, out, fmt, monkeypatch, after=4)
     partial = tmp_path / "out.partial"
     assert not out.exists()
     before = {k: v for k, v in _files(partial).items() if k.endswith((".safetensors", ".ckpt"))}
@@ -452,13 +432,13 @@ def test_an_interrupted_export_with_other_options_or_samples_starts_over(tmp_pat
 
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     out = tmp_path / "out"
-    _interrupted(store, out, "specforge", monkeypatch, after=3)
+    interrupt(store, out, "specforge", monkeypatch, after=3)
     result = _ok(store, out, "specforge", "--dtype", "float32")
     assert "starting over" in result.output and "kept from an interrupted export" not in result.output
     import shutil
 
     shutil.rmtree(out)
-    _interrupted(store, out, "specforge", monkeypatch, after=3)
+    interrupt(store, out, "specforge", monkeypatch, after=3)
     with Store.open(store) as s:
         meta = s.meta
     with Store.create_or_open(store, meta) as s:  # a run committed one more sample meanwhile
