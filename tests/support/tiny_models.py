@@ -26,7 +26,8 @@ _COMMON = dict(
 )
 
 
-def _configs():
+def configs():
+    """Each architecture's (config, HF class); a fresh config per call (callers change theirs)."""
     import transformers as T
 
     dense = dict(_COMMON, intermediate_size=128, num_key_value_heads=1, head_dim=32)
@@ -77,19 +78,26 @@ def build(name: str, path: str, seed: int = 0, overrides: dict | None = None) ->
     config attributes to change (tools/gpu_archs.py widens the heads for the GPU's kernels)."""
     import torch
 
-    config, cls = _configs()[name]
+    config, cls = configs()[name]
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
+    randomize(model, _WEIGHT_STD.get(name, 0.08))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def randomize(model, std: float) -> None:
+    """Matrices ~N(0, std), norm weights HF's init + N(0, 0.5) (see `build`), in place."""
+    import torch
+
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
                 param.copy_(param + 0.5 * torch.randn_like(param))
             elif param.dim() >= 2:
-                param.normal_(0, _WEIGHT_STD.get(name, 0.08))
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+                param.normal_(0, std)
 
 
 def rows() -> list[dict]:
@@ -128,12 +136,24 @@ def stacked(ref: dict, layers):
     return torch.stack([ref["prenorm"] if k == "prenorm" else ref["hidden_states"][k] for k in layers])
 
 
+# Multimodal checkpoints whose language model the reference runs (text only: input_ids, no pixels);
+# HF's hidden_states are then the language model's.
+_WRAPPERS = {"kimi_k25": "Kimi_K25ForConditionalGeneration"}
+
+
 def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> None:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    last_layer = model.model.layers[-1]
+    with open(f"{model_dir}/config.json") as f:
+        model_type = json.load(f)["model_type"]
+    cls = getattr(transformers, _WRAPPERS.get(model_type, "AutoModelForCausalLM"))
+    model, loading = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype), output_loading_info=True)
+    unread = {key: sorted(names) for key, names in loading.items() if names}
+    if unread:  # a name transformers does not read would leave a weight at its random init
+        raise SystemExit(f"{model_dir}: transformers did not read every weight: {unread}")
+    model.eval()
+    last_layer = getattr(model.model, "language_model", model.model).layers[-1]
     seen = {}
     last_layer.register_forward_hook(
         lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output)
