@@ -74,7 +74,8 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     notes = []
     if dtype == "auto":
         dtype, why = layout.auto_dtype(meta)
-        notes.append(f"hidden states exported in {dtype} ({why}; --dtype to choose)")
+        choose = "" if only is not None else "; --dtype to choose"
+        notes.append(f"hidden states exported in {dtype} ({why}{choose})")
     elif (note := layout.dtype_note(dtype)) is not None:
         notes.append(note)
     if dtype == FP8:
