@@ -47,7 +47,8 @@ from corecap.store.format import StoreMeta
 CACHE_VERSION = 2
 RECORD = struct.Struct("<QIIQQQQQ")  # 56 bytes (8 + 4 + 4 + 5 × 8), DeepSpec's INDEX_RECORD_STRUCT
 # A shard is the unit an interrupted export redoes, so smaller than DeepSpec's own default (64 GiB):
-# its reader maps at most 4 shards at a time whatever their size.
+# its reader maps at most 4 shards at a time whatever their size. Rows are placed by it, so a new
+# value needs a new driver.EXPORT_VERSION (an interrupted export's shards would not fit the index).
 SHARD_BYTES = 4 << 30
 
 
