@@ -20,6 +20,7 @@ from hypothesis import settings
 from corecap.config import PRENORM
 from corecap.demo import build_tokenizer, build_tiny_llama
 from support import fuzz
+from support.cli import corecap
 from support.reference import ERRORS, MAX_POSITIONS, NUM_LAYERS, RUN_LOGS, SEED, VOCAB, exactness_rows, write_jsonl
 from support.verifier import CAPTURED_LENGTHS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB, verifier_reference
 
@@ -158,6 +159,17 @@ def tp2_run(tiny_model, tmp_path_factory):
 
 
 # --- a verifier and its captured states, for the exporters and StoreDataset (no engine) ----------
+
+
+@pytest.fixture(scope="session")
+def demo_store(tmp_path_factory):
+    """README's quick start: `corecap run` with no arguments (the demo model, built into a cache of
+    its own, and the demo data: 23 samples) in a directory of its own, one engine run for the CLI's
+    tests and the examples' (tests/test_cli.py, tests/test_examples.py). (cwd, env, the run)"""
+    cwd = tmp_path_factory.mktemp("demo")
+    env = {"CORECAP_CACHE": str(cwd / "cache")}
+    result = corecap("run", cwd=cwd, env_extra=env)
+    return cwd, env, result
 
 
 @pytest.fixture(scope="session")

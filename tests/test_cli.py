@@ -10,24 +10,10 @@ import sys
 import pytest
 import torch
 
+from support.cli import corecap
 from support.reference import engine_line
 
-
-def corecap(*args, cwd, env_extra=None, check=True):
-    env = {**os.environ, **(env_extra or {})}
-    result = subprocess.run([sys.executable, "-m", "corecap.cli", *args], cwd=cwd, env=env, capture_output=True,
-                            text=True, timeout=900)
-    if check and result.returncode != 0:
-        raise AssertionError(f"corecap {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return result
-
-
-@pytest.fixture(scope="module")
-def demo_store(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("demo")
-    env = {"CORECAP_CACHE": str(cwd / "cache")}
-    result = corecap("run", cwd=cwd, env_extra=env)
-    return cwd, env, result
+# demo_store (conftest): `corecap run` with no arguments, once a session (tests/test_examples.py reads it too)
 
 
 @pytest.mark.engine

@@ -273,11 +273,13 @@ def doctor(model, deep) -> None:
 @click.option("--store", type=str, default="corecap.lmdb", show_default=True, help="Store directory.")
 @click.option("--format", "fmt", required=True,
               type=click.Choice(
-                  ["speculators", "specforge", "specforge-dflash", "specforge-dspark", "modelopt", "jsonl"]),
+                  ["speculators", "specforge", "specforge-dflash", "specforge-dspark", "modelopt", "deepspec",
+                   "jsonl"]),
               help="speculators 0.9.0 (needs the 'prenorm' layer), SpecForge 0.2.0 (needs layer N and three aux "
               "layers), "
               "SpecForge's DFlash/Domino (target layers) and DSpark (target layers and layer N) files, "
               "ModelOpt 0.47.0 (needs layer N, or prenorm, and aux layers), "
+              "DeepSpec's target cache (target layers and layer N, bfloat16), "
               "or jsonl: the samples as text, one JSON object per line (text decoded with the model's tokenizer, "
               "token ids, loss masks; a generated sample's prompt and response apart, finish reason, sampling "
               "settings), no hidden states.")
@@ -287,7 +289,8 @@ def doctor(model, deep) -> None:
               help="Stored layers to export as aux layers (default: every stored layer but N and prenorm).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32", "fp8"]), default="auto",
               show_default=True,
-              help="Hidden states' dtype (auto: bfloat16 for SpecForge's formats, which train on it; "
+              help="Hidden states' dtype (auto: bfloat16 for SpecForge's formats, which train on it, and DeepSpec's, "
+              "which holds nothing else; "
               "the stored dtype for speculators and ModelOpt). fp8: speculators only, its fp8 files "
               "(float8_e4m3fn, one scale per token; train with --hidden-states-backend fp8).")
 @click.option("--keys", "keys_file", type=str, default=None,

@@ -3,15 +3,16 @@
     corecap export --store out.lmdb --format speculators --out train-spec   # speculators 0.9.0
     corecap export --store out.lmdb --format specforge --out train-sf       # SpecForge 0.2.0
     corecap export --store out.lmdb --format modelopt --out train-mo        # NVIDIA ModelOpt 0.47.0
+    corecap export --store out.lmdb --format deepspec --out train-ds        # DeepSpec's target cache
 
 (The samples as text, without states, `--format jsonl`, are corecap/export/jsonl.py's.)
 
-The layouts are in corecap/export/speculators.py, specforge.py, modelopt.py (the formats by
-name: corecap/export/formats.py) and docs/export.md. Everything is checked before anything is
-written: a store that lacks what the format needs (speculators: the `prenorm` layer; SpecForge:
-layer N and exactly three aux layers; ModelOpt: layer N or `prenorm`, and an aux layer) or an
-unknown key is refused in one line that names what is missing and the `corecap run --layers`
-that would capture it.
+The layouts are in corecap/export/speculators.py, specforge.py, modelopt.py, dflash.py and
+deepspec.py (the formats by name: corecap/export/formats.py) and docs/export.md. Everything is
+checked before anything is written: a store that lacks what the format needs (speculators: the
+`prenorm` layer; SpecForge: layer N and exactly three aux layers; ModelOpt: layer N or
+`prenorm`, and an aux layer; DeepSpec: layer N and a target layer) or an unknown key is refused
+in one line that names what is missing and the `corecap run --layers` that would capture it.
 
 One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
 blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
@@ -21,7 +22,8 @@ thread reads each sample's header and encoded states; a pool of `workers` thread
 2 × workers samples in flight, so memory stays at a few samples whatever the store's size.
 
 Everything goes to OUT.partial/ beside OUT, renamed to OUT when complete. Each sample's file is
-written under a temporary name, fsync'd and renamed, so a file that exists is complete. A rerun
+written under a temporary name, fsync'd and renamed, so a file that exists is complete (DeepSpec's
+samples share shard files: a shard is renamed once all its rows are written). A rerun
 that finds OUT.partial from an interrupted export of the same store (the same keys) with the same
 options keeps those files and writes the rest; anything else in it is replaced. A complete OUT is
 never overwritten.
@@ -268,8 +270,8 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 continue
             states = store.states(key, header, value, end)
             parts = refs.read_owners(store, txn, key, header, end) if header.prefix else ()
-            future = pool.submit(_export_one, layout, syncs, path, store, key, header, (states, parts), ids, mask,
-                                 plan.positions, dtype)
+            future = pool.submit(_export_one, layout, syncs, row, path, store, key, header, (states, parts), ids,
+                                 mask, plan.positions, dtype)
             pending.append((header.num_tokens, future))
             while len(pending) >= 2 * workers:
                 collect_oldest()
@@ -298,11 +300,15 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     )
 
 
-def _export_one(layout, syncs, path, store, key, header, stored, ids, mask, positions, dtype):
+def _export_one(layout, syncs, row, path, store, key, header, stored, ids, mask, positions, dtype):
     """On a pool thread: decode one sample (checksum checked, fp8 dequantized; a reference's
     parts assembled) and write its file under a temporary name; returns the future of its fsync
-    and rename, on another thread."""
+    and rename, on another thread. A layout whose samples share files (DeepSpec's shards) writes
+    the row where it placed it, and commits a file once all its rows are in."""
     sample = store.decode(key, header, *stored)
+    if getattr(layout, "shares_files", False):
+        layout.write_row(row, ids, mask, sample.hidden_states, positions, dtype)
+        return syncs.submit(layout.commit_row, row)
     tmp = path + TMP_SUFFIX
     layout.write(tmp, ids, mask, sample.hidden_states, positions, dtype)
     return syncs.submit(commit_file, tmp, path)

@@ -5,6 +5,7 @@ them) and one line here.
 
 from __future__ import annotations
 
+from corecap.export.deepspec import DeepSpec
 from corecap.export.dflash import SpecForgeDFlash, SpecForgeDSpark
 from corecap.export.modelopt import ModelOpt
 from corecap.export.specforge import SpecForge
@@ -12,6 +13,6 @@ from corecap.export.speculators import Speculators
 
 LAYOUTS = {
     "speculators": Speculators, "specforge": SpecForge, "modelopt": ModelOpt,
-    "specforge-dflash": SpecForgeDFlash, "specforge-dspark": SpecForgeDSpark,
+    "specforge-dflash": SpecForgeDFlash, "specforge-dspark": SpecForgeDSpark, "deepspec": DeepSpec,
 }
 FORMATS = tuple(LAYOUTS)

@@ -31,6 +31,8 @@ class ExportPlan:
     positions: tuple[int, ...]  # indices into the stored layers: the aux layers, then the final one if any
     dtype: str
     notes: tuple[str, ...]  # what the user should know (dtype, lossy fp8)
+    hidden_size: int = 0  # the store's; a layout that places rows by their size (DeepSpec) needs it
+    model_path: str = ""  # the store's model, as recorded (DeepSpec's manifest names it)
 
     def draft_config(self) -> dict:
         """The layer ids each trainer's draft config names (docs/export.md, "Layer indices")."""
@@ -44,6 +46,9 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     if dtype not in DTYPE_CHOICES:
         raise CorecapError(f"--dtype {dtype!r}: expected one of {list(DTYPE_CHOICES)}")
     layout = LAYOUTS[fmt]
+    only = getattr(layout, "only_dtype", None)
+    if only is not None and dtype not in ("auto", only):
+        raise CorecapError(f"--dtype {dtype}: --format {fmt} holds {only} only (its reader refuses any other dtype)")
     if dtype == FP8 and not layout.writes_fp8:
         raise CorecapError(f"--dtype fp8: only --format speculators writes fp8 files (hs_connectors' per-token "
                            f"layout, which speculators reads); --format {fmt} takes bfloat16, float16 or float32")
@@ -69,7 +74,8 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
     notes = []
     if dtype == "auto":
         dtype, why = layout.auto_dtype(meta)
-        notes.append(f"hidden states exported in {dtype} ({why}; --dtype to choose)")
+        choose = "" if only is not None else "; --dtype to choose"
+        notes.append(f"hidden states exported in {dtype} ({why}{choose})")
     elif (note := layout.dtype_note(dtype)) is not None:
         notes.append(note)
     if dtype == FP8:
@@ -84,7 +90,7 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
         notes.append(f"warning: the store holds lossy fp8 states ({FP8_CODEC}): "
                      "exported dequantized, not the captured values")
     positions = tuple(stored.index(k) for k in aux + plan_finals(final))
-    return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes))
+    return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes), meta.hidden_size, meta.model.path)
 
 
 def plan_finals(final: Layer | None) -> tuple[Layer, ...]:
