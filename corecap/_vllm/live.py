@@ -5,8 +5,9 @@ source checks of contract.py, before any weights load), and in `corecap doctor -
 - the EAGLE-3 aux-state semantics: two of vLLM's methods run on torch tensors;
 - the engine configuration vLLM builds from corecap's arguments (chunked prefill on, async
   scheduling off, ...), and what it makes the workers build: the worker class, the runner
-  generation (`use_v2_model_runner`), checked with contract.py's own source checks, and the
-  model class vLLM's resolver picks (the preflight, corecap/_vllm/preflight.py).
+  generation (`use_v2_model_runner` up to vLLM 0.33; 0.34 has the V2 runner alone), checked
+  with contract.py's own source checks, and the model class vLLM's resolver picks (the
+  preflight, corecap/_vllm/preflight.py).
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ def _built(vllm_config, source: Source):
     from corecap._vllm.preflight import plan_capture
     from corecap.errors import CorecapError
 
-    if not hasattr(type(vllm_config), "use_v2_model_runner"):
-        return "VllmConfig.use_v2_model_runner is gone: corecap cannot tell which model runner the workers build"
-    v2, cpu = bool(vllm_config.use_v2_model_runner), cpu_platform()
+    cpu, worker = cpu_platform(), vllm_config.parallel_config.worker_cls
+    if hasattr(type(vllm_config), "use_v2_model_runner"):
+        v2 = bool(vllm_config.use_v2_model_runner)
+    elif contract.generations(source, worker, cpu) == (True,):
+        v2 = True  # vLLM 0.34+: the V1 runner, and the property that chose between the two, are gone
+    else:
+        return ("VllmConfig.use_v2_model_runner is gone, but the worker can still build a V1 runner: "
+                "corecap cannot tell which model runner the workers build")
     runner = contract.RUNNERS[(cpu, v2)]
     problem = contract._first(
-        contract.worker_problem(source, vllm_config.parallel_config.worker_cls),
+        contract.worker_problem(source, worker),
         contract.runner_problem(source, runner, v2),
     )
     if problem:

