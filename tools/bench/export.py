@@ -9,7 +9,7 @@ EAGLE-3-sized samples (tools/common/stores.py): an 8B-shaped model, 2,048 tokens
 without a fifth layer to decode: layers 2,16,29,prenorm (speculators, bf16 and --dtype fp8) and
 2,16,29,32 (every other format).
 
-    flock /tmp/corecap-engine.lock python -m tools.bench.export --samples 80 \\
+    flock /tmp/corecap-engine.lock python -m tools.bench.export --samples 240 \\
         [--formats speculators,deepspec,...] [--workers 2] [--dir /tmp] [--jsonl-out FILE]
 
 A format's tokens/s against its ceilings: the decode's tokens/s, and the disk's (dd's bytes/s over
@@ -101,7 +101,7 @@ def table(results: dict, decode: dict, dd: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
-    ap.add_argument("--samples", type=int, default=80, help="in each of the two stores")
+    ap.add_argument("--samples", type=int, default=240, help="in each of the two stores (240: >= 20 s an export here)")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--dir", default=tempfile.gettempdir(),
