@@ -101,7 +101,8 @@ def table(results: dict, decode: dict, dd: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
-    ap.add_argument("--samples", type=int, default=240, help="in each of the two stores (240: >= 20 s an export here)")
+    ap.add_argument("--samples", type=int, default=240,
+                    help="in each of the two stores (240: 13-30 s an export on 2 cores)")
     ap.add_argument("--tokens", type=int, default=TOKENS)
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     ap.add_argument("--dir", default=tempfile.gettempdir(),
