@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_a_llama_without_one_weight_is_refused_naming_it(llama, tmp_path):
     with pytest.raises(CorecapError) as e:
         check_checkpoint(model)
     assert str(e.value) == (
-        f"--model {model}: the checkpoint lacks 1 of the {9 * LLAMA_LAYERS + 3} tensors LlamaForCausalLM needs "
+        f"--model {model}: the checkpoint lacks 1 tensor LlamaForCausalLM needs "
         "(model.layers.3.mlp.down_proj.weight): an interrupted download? Download it again"
     )
 
@@ -76,7 +77,7 @@ def test_a_llama_without_one_weight_is_refused_naming_it(llama, tmp_path):
 def test_many_missing_are_counted_and_the_first_few_named(llama, tmp_path):
     model = _copy(llama, tmp_path / "m")
     _rewrite(model, lambda w: [w.pop(k) for k in list(w) if k.startswith(("model.layers.2.", "model.layers.3."))])
-    with pytest.raises(CorecapError, match=r"lacks 18 of the 39 tensors LlamaForCausalLM needs \(model\.layers\.2\."
+    with pytest.raises(CorecapError, match=r"lacks 18 tensors LlamaForCausalLM needs \(model\.layers\.2\."
                                            r"input_layernorm\.weight, model\.layers\.2\.mlp\.down_proj\.weight, "
                                            r"model\.layers\.2\.mlp\.gate_proj\.weight, and 15 more\)"):
         check_checkpoint(model)
@@ -91,7 +92,7 @@ def test_corecap_run_refuses_it_before_vllm_starts(llama, tmp_path):
                         "--store", "s.lmdb"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     last = r.stderr.splitlines()[-1]
-    assert last.startswith(f"corecap: error: --model {model}: the checkpoint lacks 1 of the "), r.stderr
+    assert last.startswith(f"corecap: error: --model {model}: the checkpoint lacks 1 tensor "), r.stderr
     assert "(model.layers.3.mlp.down_proj.weight)" in r.stderr and "engine:" not in r.stderr, r.stderr
 
 
@@ -151,6 +152,17 @@ def test_a_kimi_k25_without_one_expert_tensor_is_refused(kimi_k25, tmp_path):
     _rewrite(model, lambda w: [w.pop(k) for k in list(w) if k.startswith("language_model.model.layers.2.mlp.experts.")
                                and ".down_proj." in k])
     assert _judged(model) == ["model.language_model.layers.2.mlp.experts.down_proj"]
+
+
+def test_one_expert_missing_from_a_stacked_set_is_named_as_the_checkpoint_names_it(tmp_path):
+    """transformers stacks a layer's experts into one tensor; each expert is still counted."""
+    model = tiny_models.build("mixtral", str(tmp_path / "m"))
+    names = files.tensor_names(model)
+    gone = next(n for n in sorted(names) if ".layers.2." in n and ".experts.3." in n and n.endswith("w2.weight"))
+    _rewrite(model, lambda w: w.pop(gone))
+    assert _judged(model) == [gone]
+    with pytest.raises(CorecapError, match=rf"lacks 1 tensor MixtralForCausalLM needs \({re.escape(gone)}\)"):
+        check_checkpoint(model)
 
 
 # --- accepted -----------------------------------------------------------------------------------

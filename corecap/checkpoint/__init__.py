@@ -26,8 +26,8 @@ def check_checkpoint(model_dir: str, load_format: str = "auto") -> None:
     found = expected.missing(model_dir, names)
     if found is None or not found[0]:
         return
-    lacking, num_needed, architecture = found
+    lacking, architecture = found
     raise CorecapError(
-        f"--model {model_dir}: the checkpoint lacks {len(lacking)} of the {num_needed} tensors {architecture} needs "
-        f"({files.few(lacking)}): an interrupted download? Download it again"
+        f"--model {model_dir}: the checkpoint lacks {len(lacking)} tensor{'s' if len(lacking) > 1 else ''} "
+        f"{architecture} needs ({files.few(lacking)}): an interrupted download? Download it again"
     )

@@ -23,8 +23,8 @@ nothing is said, and vLLM's own loader is the only check. Tolerated on purpose:
   weight is stored as the quantization's own tensors (`weight_packed`, `weight_scale`, `blocks`)
   counts as present.
 
-What this does not see: one expert missing from a set fused into one tensor (the fused tensor
-counts as present once any of its sources is), and tensors whose shapes are wrong.
+What this does not see: tensors whose shapes are wrong; in a quantized checkpoint, one of a
+module's tensors (its scale without its weight, one expert of a stacked set).
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from corecap.checkpoint import experts
+
 _EXTRA = re.compile(r"(?:^|\.)(?:mtp\.|rotary_emb\.inv_freq$)")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def missing(model_dir: str, names: set[str]) -> tuple[list[str], int, str] | None:
-    """(the model's tensors the checkpoint lacks, how many it needs, the class), or None where
-    that cannot be known for sure (see the module's docstring)."""
+def missing(model_dir: str, names: set[str]) -> tuple[list[str], str] | None:
+    """(the tensors the checkpoint lacks, the model's class), or None where that cannot be known
+    for sure (see the module's docstring). A missing tensor is named as the model names it, or as
+    the checkpoint would for one expert of a stacked set (experts.py)."""
     model = _meta_model(model_dir)
     if model is None:
         return None
@@ -53,10 +56,14 @@ def missing(model_dir: str, names: set[str]) -> tuple[list[str], int, str] | Non
     modules = {name.rpartition(".")[0] for name in state}
     covered: set[str] = set()
     covered_modules: set[str] = set()
+    stacked: dict[tuple[str, str], list[str]] = defaultdict(list)  # experts.py
     for name in sorted(names, key=_loading_order):  # as transformers' loader: some renamings look back
-        for target in renamed(name, state):
+        targets, pattern, converter = renamed(name, state)
+        for target in targets:
             if target in state:
                 covered.add(target)
+                if converter is not None and experts.is_stacking(converter):
+                    stacked[(target, pattern)].append(name)
             elif quantized and target.rpartition(".")[0] in modules:
                 covered_modules.add(target.rpartition(".")[0])
             elif not _extra(name, num_layers) and not _ignored(model, "_keys_to_ignore_on_load_unexpected", name):
@@ -69,7 +76,8 @@ def missing(model_dir: str, names: set[str]) -> tuple[list[str], int, str] | Non
         if any(_ignored(model, "_keys_to_ignore_on_load_missing", n) for n in group):
             continue
         lacking.append(group[0])
-    return sorted(lacking, key=_natural), len(groups), type(model).__name__
+    lacking += experts.missing_experts(stacked, state)
+    return sorted(lacking, key=_natural), type(model).__name__
 
 
 def _meta_model(model_dir: str):
@@ -115,13 +123,14 @@ def _renamer(model):
 
     by_source = {pattern: c for c in converters for pattern in c.source_patterns}
 
-    def renamed(name: str, state: dict) -> list[str]:
+    def renamed(name: str, state: dict) -> tuple[list[str], str | None, object]:
+        """(the model's names it fills, the converter's source pattern, the converter)"""
         target, source = rename_source_key(name, renamings, converters, prefix, state)
         if target not in state and name in state:
-            return [rename_source_key(name, [], [], prefix, state)[0]]
+            return [rename_source_key(name, [], [], prefix, state)[0]], None, None
         if source is None:
-            return [target]
-        return _siblings(target, by_source[source].target_patterns)
+            return [target], None, None
+        return _siblings(target, by_source[source].target_patterns), source, by_source[source]
 
     return renamed
 
