@@ -146,11 +146,24 @@ def test_a_tensor_the_index_places_in_a_shard_without_it(sharded, tmp_path):
         check_checkpoint(model)
 
 
-def test_a_kimi_k25_without_one_expert_tensor_is_refused(kimi_k25, tmp_path):
-    """Through the Hub's names: transformers' own renaming finds the layer's fused experts gone."""
+def test_a_kimi_k25_without_a_layers_experts_is_refused(kimi_k25, tmp_path):
+    """Through the Hub's names: transformers' own renaming finds the layer's stacked experts gone
+    (the index rewritten with them, as a bad conversion would leave it: files.py sees nothing)."""
     model = _copy(kimi_k25, tmp_path / "m")
-    _rewrite(model, lambda w: [w.pop(k) for k in list(w) if k.startswith("language_model.model.layers.2.mlp.experts.")
-                               and ".down_proj." in k])
+    with open(os.path.join(model, files.INDEX)) as f:
+        index = json.load(f)
+    gone = [k for k in index["weight_map"] if k.startswith("language_model.model.layers.2.mlp.experts.")
+            and ".down_proj." in k]
+    assert gone
+    for shard in sorted({index["weight_map"][k] for k in gone}):
+        weights = load_file(os.path.join(model, shard))
+        for k in gone:
+            weights.pop(k, None)
+        save_file(weights, os.path.join(model, shard), metadata={"format": "pt"})
+    for k in gone:
+        del index["weight_map"][k]
+    with open(os.path.join(model, files.INDEX), "w") as f:
+        json.dump(index, f)
     assert _judged(model) == ["model.language_model.layers.2.mlp.experts.down_proj"]
 
 
@@ -210,7 +223,7 @@ def test_deepseek_v3_with_its_mtp_layer(tmp_path):
 
 def test_fused_experts_as_transformers_holds_them(tmp_path):
     """A checkpoint saved from transformers' own tensors (fused experts), not the Hub's per-expert ones."""
-    config, cls = tiny_models._configs()["mixtral"]
+    config, cls = tiny_models.configs()["mixtral"]
     model = cls(config)
     model.save_pretrained(tmp_path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"),
@@ -250,32 +263,11 @@ def test_quantized_tensors_stand_for_their_module(tmp_path):
 
 @pytest.fixture(scope="module")
 def kimi_k25(tmp_path_factory) -> str:
-    """A tiny Kimi-K2.5 in the Hub's layout: transformers' Kimi_K25ForConditionalGeneration (a
-    DeepSeek-V3 text model, a one-layer vision tower), its tensors under the Hub's names
-    (language_model.model.layers.N..., vision_tower..., mm_projector...), vLLM's architecture name."""
-    import transformers
+    """The tiny Kimi-K2.5 in the release's layout (tests/support/kimi_k25.py: the Hub's names,
+    one tensor per expert, two shards and an index)."""
+    from support import kimi_k25
 
-    path = tmp_path_factory.mktemp("kimi-k25")
-    text = tiny_models._configs()["deepseek_v3"][0]
-    vision = transformers.Kimi_K25VisionConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
-                                                num_attention_heads=2, pos_emb_height=8, pos_emb_width=8)
-    config = transformers.Kimi_K25Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                         projection_hidden_size=64)
-    torch.manual_seed(0)
-    transformers.Kimi_K25ForConditionalGeneration(config).save_pretrained(path)
-    # transformers' save reverts its loading rules onto the language model too (its decoder layers
-    # come out as `blocks`, its q_proj as `self_wqkv`): the Hub's names there
-    _rewrite(str(path), lambda w: w.update({
-        k.replace("language_model.model.blocks.", "language_model.model.layers.").replace(".self_wqkv.",
-                                                                                           ".self_attn.q_proj."):
-        w.pop(k) for k in list(w)
-    }))
-    _config(str(path), architectures=["KimiK25ForConditionalGeneration"])
-    names = files.tensor_names(str(path))
-    assert "language_model.model.layers.2.mlp.experts.0.down_proj.weight" in names
-    assert any(k.startswith("vision_tower.") for k in names)
-    assert any(k.startswith(("mm_projector.", "model.mm_projector.")) for k in names)
-    return str(path)
+    return kimi_k25.build(str(tmp_path_factory.mktemp("kimi-k25")))
 
 
 def test_kimi_k25_with_the_hubs_names(kimi_k25):
@@ -285,7 +277,7 @@ def test_kimi_k25_with_the_hubs_names(kimi_k25):
 def test_gemma3_multimodal_with_the_hubs_names(tmp_path):
     import transformers
 
-    text = tiny_models._configs()["gemma3"][0]
+    text = tiny_models.configs()["gemma3"][0]
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
