@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import psutil
 
 from corecap import __version__, data, demo
+from corecap.checkpoint import check_checkpoint
 from corecap.config import RunConfig, resolve_layers
 from corecap.errors import CorecapError
 from corecap.generation import Conversations, StopRule, buffer_bytes
@@ -48,6 +49,7 @@ def prepare(cfg: RunConfig, log) -> Plan:
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
+    check_checkpoint(model_dir, cfg.engine.load_format)  # whole, before vLLM is asked anything
     layers = resolve_layers(cfg.layers, identity.num_layers)
     # vLLM's contract (its source first), the preflight
     vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)
