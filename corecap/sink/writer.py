@@ -27,10 +27,14 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
+from corecap.store.codec import DTYPES, crc32
+from corecap.store.format import spilled_record
 from corecap.store.fp8 import NonFiniteStates
+from corecap.store.spill import SpillFile
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
+_PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
 
 
 @dataclass
@@ -116,6 +120,43 @@ class Writer:
             self.in_flight += size
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
         self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
+
+    def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
+                    ) -> None:
+        """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
+        read back a piece at a time to checksum and check them, then renamed into the state files
+        at its commit. It holds none of the bound (`buffer_bytes`) but the piece being read."""
+        self.raise_if_failed()
+        future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
+        self.queue.put((future, len(token_ids), 0, spill.nbytes, None))
+
+    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> Record:
+        start = time.time()
+        meta = self.store.meta
+        dtype = DTYPES[meta.dtype]
+        layer_bytes = spill.nbytes // len(self.layers)
+        piece = max(dtype.itemsize, min(_PIECE_BYTES, self.buffer_bytes // 8) // dtype.itemsize * dtype.itemsize)
+        try:
+            checksum, bad = 0, []
+            for i, layer in enumerate(self.layers):
+                finite = True
+                for part in spill.pieces(i * layer_bytes, layer_bytes, piece):
+                    checksum = crc32(part, checksum)
+                    finite = finite and all_finite(torch.frombuffer(part, dtype=dtype))
+                if not finite:
+                    bad.append(layer)
+            if bad and self.nonfinite == "stop":
+                raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} "
+                                     "(use --nonfinite store to keep and flag)")
+            if bad:
+                self.flagged.append(key)
+            record = spilled_record(key, token_ids, self.layers, meta.dtype, meta.hidden_size, checksum, spill.sync(),
+                                    loss_mask, nonfinite=bool(bad))
+        except BaseException:
+            spill.discard()
+            raise
+        self.encodes.append((start, time.time()))
+        return record
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         start = time.time()
