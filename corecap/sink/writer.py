@@ -34,7 +34,7 @@ from corecap.store.spill import SpillFile
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
-_PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
+_PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most (1/32 of the bound)
 
 
 @dataclass
@@ -135,15 +135,13 @@ class Writer:
         meta = self.store.meta
         dtype = DTYPES[meta.dtype]
         layer_bytes = spill.nbytes // len(self.layers)
-        piece = max(dtype.itemsize, min(_PIECE_BYTES, self.buffer_bytes // 8) // dtype.itemsize * dtype.itemsize)
+        piece = max(dtype.itemsize, min(_PIECE_BYTES, self.buffer_bytes // 32) // dtype.itemsize * dtype.itemsize)
         try:
             checksum, bad = 0, []
-            for i, layer in enumerate(self.layers):
-                finite = True
-                for part in spill.pieces(i * layer_bytes, layer_bytes, piece):
-                    checksum = crc32(part, checksum)
-                    finite = finite and all_finite(torch.frombuffer(part, dtype=dtype))
-                if not finite:
+            for offset, part in spill.pieces(piece, layer_bytes):
+                checksum = crc32(part, checksum)
+                layer = self.layers[offset // layer_bytes]
+                if (not bad or bad[-1] != layer) and not all_finite(torch.frombuffer(part, dtype=dtype)):
                     bad.append(layer)
             if bad and self.nonfinite == "stop":
                 raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} "

@@ -60,13 +60,14 @@ class SpillFile:
         while done < view.nbytes:
             done += os.pwrite(self.fd, view[done : done + _MAX_IO], offset + done)
 
-    def pieces(self, start: int, length: int, piece_bytes: int):
-        """Bytes [start, start + length), in order, as views of one reused buffer of `piece_bytes`
-        (each view valid until the next is yielded)."""
-        buffer = np.empty(min(piece_bytes, max(1, length)), np.uint8)
-        end = start + length
-        while start < end:
-            n = min(len(buffer), end - start)
+    def pieces(self, piece_bytes: int, boundary: int):
+        """The whole file in order, as (offset, bytes) views of one reused buffer of at most
+        `piece_bytes` (each valid until the next is yielded), none across a multiple of `boundary`
+        (a layer's bytes: a piece is then one layer's)."""
+        buffer = np.empty(max(1, min(piece_bytes, self.nbytes)), np.uint8)
+        start = 0
+        while start < self.nbytes:
+            n = min(len(buffer), self.nbytes - start, boundary - start % boundary)
             view = memoryview(buffer)[:n]
             got = 0
             while got < n:
@@ -74,7 +75,7 @@ class SpillFile:
                 if read == 0:
                     raise CorecapError(f"{self.path}: ends at byte {start + got}, expected {self.nbytes}")
                 got += read
-            yield buffer[:n]
+            yield start, buffer[:n]
             start += n
 
     def sync(self) -> Spilled:
