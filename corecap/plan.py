@@ -148,27 +148,35 @@ def _token_bytes(cfg: RunConfig, identity, vllm_config, layers) -> int:
 
 def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: int, buffer_bytes: int,
                        block_size: int) -> None:
-    """A sample whose states exceed half of --buffer-gb streams to disk (corecap/sink/stream.py);
-    refuse, before the model loads, what streaming does not do yet rather than hold such a sample
-    whole: fp8, --max-tokens (a sample's longest: its prompt and response, at most --max-len)
-    and vLLM's prefix caching. `longest`: the input's longest sample in tokens."""
+    """A sample of given tokens whose states exceed half of --buffer-gb streams to disk
+    (corecap/sink/stream.py); refuse, before the model loads, what streaming does not do yet
+    rather than hold such a sample whole: fp8 and vLLM's prefix caching. A sample whose response
+    the model writes never streams (its length, and so its stored layout, is known only at its
+    end): the sink holds it whole, so refuse one whose prompt and --max-tokens (at most --max-len)
+    exceed --buffer-gb itself. `longest`: the input's longest sample (prompt) in tokens."""
+    limit = f"--buffer-gb {buffer_bytes / 2**30:g}"
     if cfg.sampling.generate:
-        longest = max_len if cfg.sampling.rewrite_turns == "all" else min(max_len, longest + cfg.sampling.max_tokens)
+        longest = min(max_len, longest + cfg.sampling.max_tokens)
+        nbytes = longest * token_bytes
+        if nbytes > buffer_bytes:
+            raise CorecapError(
+                f"{limit}: a sample of up to {longest} tokens with its response holds {nbytes / 2**20:,.0f} MiB of "
+                f"states, more than that, and a sample the model writes is held whole in the sink (it cannot "
+                f"stream to disk yet); raise --buffer-gb to {_gib(nbytes):.3g} or lower --max-tokens"
+            )
+        return
     nbytes = longest * token_bytes
-    if not stream.streams(nbytes, buffer_bytes):
+    if not stream.streams(nbytes, buffer_bytes) or (cfg.codec != FP8 and not block_size):
         return
-    if cfg.codec == FP8:
-        fix = "store exact states (no --store-dtype fp8)"
-    elif cfg.sampling.generate:
-        fix = "lower --max-tokens"
-    elif block_size:
-        fix = "add --no-enable-prefix-caching"
-    else:
-        return
-    need = -(-2 * nbytes // 2**20) / 1024
-    what = ("--store-dtype fp8" if cfg.codec == FP8 else "--max-tokens" if cfg.sampling.generate else "prefix caching")
+    what, fix = (("--store-dtype fp8", "store exact states (no --store-dtype fp8)") if cfg.codec == FP8
+                 else ("prefix caching", "add --no-enable-prefix-caching"))
     raise CorecapError(
-        f"--buffer-gb {buffer_bytes / 2**30:g}: a sample of {longest} tokens holds {nbytes / 2**20:,.0f} MiB of "
-        f"states, more than half of it, and such a sample streams to disk, which {what} cannot do yet; "
-        f"raise --buffer-gb to {need:.2f} or {fix}"
+        f"{limit}: a sample of {longest} tokens holds {nbytes / 2**20:,.0f} MiB of states, more than half of "
+        f"that, and such a sample streams to disk, which {what} cannot do yet; "
+        f"raise --buffer-gb to {_gib(2 * nbytes):.3g} or {fix}"
     )
+
+
+def _gib(nbytes: int) -> float:
+    """`nbytes` in GiB, rounded up to the MiB."""
+    return -(-nbytes // 2**20) / 1024

@@ -165,7 +165,7 @@ def test_the_sinks_peak_memory_stays_within_the_buffer_bound(long_run):
 def test_prefix_caching_with_a_sample_that_would_stream_is_refused_before_the_model_loads(long_run, tmp_path):
     options = dict(long_run[0], store=str(tmp_path / "other"), enable_prefix_caching=True)
     with pytest.raises(CorecapError, match=r"a sample of 32768 tokens holds 40 MiB of states, .* streams to disk, "
-                                           r"which prefix caching cannot do yet; raise --buffer-gb to 0.08 or add "
+                                           r"which prefix caching cannot do yet; raise --buffer-gb to 0.0781 or add "
                                            r"--no-enable-prefix-caching"):
         run(build(**options), log=lambda line: None)
     assert not os.path.exists(os.path.join(options["store"], "data.mdb"))

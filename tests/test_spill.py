@@ -166,20 +166,29 @@ def test_nan_in_a_spilled_sample_is_stored_flagged_under_nonfinite_store(path):
         assert w.flagged == ["bad"] and sample.header.nonfinite and torch.equal(sample.hidden_states, bad)
 
 
-@pytest.mark.parametrize("options, fix", [
-    (dict(store_dtype="fp8"), "store exact states"),
-    (dict(max_tokens=100), "lower --max-tokens"),
-    (dict(), "add --no-enable-prefix-caching"),
+@pytest.mark.parametrize("options, what, fix", [
+    (dict(codec="fp8-e4m3-rowscale"), "--store-dtype fp8", "store exact states"),
+    (dict(codec="zstd-planes"), "prefix caching", "add --no-enable-prefix-caching"),
 ])
-def test_what_streaming_cannot_do_is_refused_before_the_model_loads(options, fix):
-    codec = "fp8-e4m3-rowscale" if options.pop("store_dtype", None) else "zstd-planes"
-    cfg = build(codec=codec, **options)
-    # 1,000 tokens of 1 KiB against 1 MiB: more than half streams
-    with pytest.raises(CorecapError, match=f"a sample of [0-9]+ tokens holds .* MiB of states.*; raise --buffer-gb to "
-                                           f"[0-9.]+ or {fix}"):
+def test_what_streaming_cannot_do_is_refused_before_the_model_loads(options, what, fix):
+    """1,000 tokens of 1 KiB against 1 MiB: more than half, so it would stream; 400 would not."""
+    cfg = build(**options)
+    with pytest.raises(CorecapError, match=f"--buffer-gb 0.000976562: a sample of 1000 tokens holds 1 MiB of states, "
+                                           f"more than half of that, and such a sample streams to disk, which {what} "
+                                           f"cannot do yet; raise --buffer-gb to 0.00195 or {fix}"):
         check_long_samples(cfg, 1000, 4096, 1024, 1 << 20, block_size=16)
-    check_long_samples(cfg, 400, 4096, 1024, 1 << 20, block_size=16)  # 400 KiB: held, whatever the options
+    check_long_samples(cfg, 400, 4096, 1024, 1 << 20, block_size=16)
 
 
-def test_a_long_sample_without_those_options_is_let_through():
+def test_a_long_sample_of_given_tokens_is_let_through_to_stream():
     check_long_samples(build(codec="zstd-planes"), 10**6, 10**6, 1024, 1 << 20, block_size=0)
+
+
+def test_a_response_is_held_whole_so_one_longer_than_the_bound_is_refused():
+    """Prompt and --max-tokens (at most --max-len) against all of --buffer-gb: a response never streams."""
+    cfg = build(codec="zstd-planes", max_tokens=100)
+    with pytest.raises(CorecapError, match=r"a sample of up to 1100 tokens with its response holds 1 MiB of states, "
+                                           r"more than that, .* raise --buffer-gb to 0.00195 or lower --max-tokens"):
+        check_long_samples(cfg, 1000, 4096, 1024, 1 << 20, block_size=16)
+    check_long_samples(cfg, 900, 4096, 1024, 1 << 20, block_size=16)  # 1,000 KiB: held within the bound
+    check_long_samples(cfg, 10**6, 1000, 1024, 1 << 20, block_size=16)  # --max-len caps it at 1,000 tokens

@@ -286,12 +286,13 @@ class Collector:
         the sink may hold (sink/stream.py) its spill file. fp8 rows are H + 4 bytes."""
         num_layers, row_bytes = len(self.layers), states.shape[-1] * states.element_size()
         nbytes = num_layers * p.capacity * row_bytes
-        if self.spill_dir is None or not stream.streams(nbytes, self.buffer_bytes):
+        # A response's sample is held whole: its length is known only at its end (the plan checked it fits).
+        if self.spill_dir is None or not p.final or not stream.streams(nbytes, self.buffer_bytes):
             p.buffer(num_layers, states.shape[-1], states.dtype, self.buffers)
             return
-        if not p.final or self.block_size or states.dtype == torch.uint8:  # the plan refuses these
+        if self.block_size or states.dtype == torch.uint8:  # the plan refuses these
             raise CorecapError(f"sample {p.key!r}: its {nbytes} bytes of states exceed half of --buffer-gb, and "
-                               "streaming them to disk does not work with fp8, --max-tokens or prefix caching")
+                               "streaming them to disk does not work with fp8 or prefix caching")
         p.spill = SpillFile(self.spill_dir, nbytes)
         p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes)
         self.num_streamed += 1
