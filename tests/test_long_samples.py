@@ -27,7 +27,7 @@ from support import kill_loop
 from support.reference import hf_hidden_states, record_error, relative_errors, write_jsonl
 from support.tiny_models import build as build_tiny
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.full]  # two engine starts of its own (~80 s)
 TOLERANCE = 1e-4  # float32, per token
 LONG = 32768
 LAYERS = (0, 1, 2, 4, PRENORM)
