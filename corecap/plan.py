@@ -76,7 +76,7 @@ def prepare(cfg: RunConfig, log) -> Plan:
     dataset = data.validate(data_path, **read, on_sample=resume)
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
-    check_long_samples(cfg, dataset.max_num_tokens, max_len, _token_bytes(cfg, identity, vllm_config, layers),
+    check_long_samples(cfg, resume.longest, max_len, _token_bytes(cfg, identity, vllm_config, layers),
                        sink_bytes, prefix_tracker.block_size(vllm_config))
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
@@ -153,7 +153,7 @@ def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: 
     rather than hold such a sample whole: fp8 and vLLM's prefix caching. A sample whose response
     the model writes never streams (its length, and so its stored layout, is known only at its
     end): the sink holds it whole, so refuse one whose prompt and --max-tokens (at most --max-len)
-    exceed --buffer-gb itself. `longest`: the input's longest sample (prompt) in tokens."""
+    exceed --buffer-gb itself. `longest`: the longest sample still to do (its prompt), in tokens."""
     limit = f"--buffer-gb {buffer_bytes / 2**30:g}"
     if cfg.sampling.generate:
         longest = min(max_len, longest + cfg.sampling.max_tokens)

@@ -6,6 +6,7 @@ before, the spill file gone at the next writer), NaN/Inf, and the refusals befor
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ import torch
 from corecap.config import build
 from corecap.errors import CorecapError
 from corecap.plan import check_long_samples
+from corecap.resume import ResumeCheck
 from corecap.sink.collect import Collector
 from corecap.sink.writer import NonFiniteError, Writer
-from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta
+from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, input_fingerprint
 from corecap.store import segments
 from corecap.store.format import spilled_record
 from corecap.store.segments import segment_numbers
@@ -192,3 +194,12 @@ def test_a_response_is_held_whole_so_one_longer_than_the_bound_is_refused():
         check_long_samples(cfg, 1000, 4096, 1024, 1 << 20, block_size=16)
     check_long_samples(cfg, 900, 4096, 1024, 1 << 20, block_size=16)  # 1,000 KiB: held within the bound
     check_long_samples(cfg, 10**6, 1000, 1024, 1 << 20, block_size=16)  # --max-len caps it at 1,000 tokens
+
+
+def test_only_the_samples_still_to_do_count_as_long():
+    """A rerun whose long sample is stored already streams nothing: nothing to refuse."""
+    long, short = np.arange(5000, dtype=np.int32), np.arange(10, dtype=np.int32)
+    check = ResumeCheck({"long": input_fingerprint(long)})
+    for key, ids in (("long", long), ("short", short)):
+        check(SimpleNamespace(key=key, points=(), token_ids=ids, where=f"data.jsonl:{key}"))
+    assert (check.todo, check.longest) == (1, 10)

@@ -64,7 +64,6 @@ class DatasetSummary:
     skip_reasons: dict[str, int] = field(default_factory=dict)  # reason → count
     skip_examples: tuple[str, ...] = ()  # the first few skip messages, each naming its row
     num_other_shards: int = 0  # rows that belong to other shards
-    max_num_tokens: int = 0  # the longest sample's tokens (its prompt with --max-tokens)
 
     def outcomes(self) -> str:
         """One line with the count of each outcome, e.g. for the end of a run."""
@@ -312,7 +311,7 @@ def validate(
     counts: Counter = Counter()
     reasons: Counter = Counter()
     examples: list[str] = []
-    num_tokens = longest = 0
+    num_tokens = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
@@ -336,7 +335,6 @@ def validate(
                 raise CorecapError(f"{value.where}: duplicate id {value.key!r} (first seen {seen})")
             first[digest] = value.line
             num_tokens += len(value.token_ids)
-            longest = max(longest, len(value.token_ids))
             if on_sample is not None:
                 on_sample(value)
     num_samples = counts["sample"] + counts["truncated"]
@@ -351,7 +349,6 @@ def validate(
         skip_reasons=dict(reasons),
         skip_examples=tuple(examples),
         num_other_shards=counts["other shard"],
-        max_num_tokens=longest,
     )
     if num_samples == 0 and counts["skipped"]:
         raise CorecapError(f"--data {path}: no samples left: {summary.outcomes()}")
