@@ -150,7 +150,7 @@ def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: 
                        block_size: int) -> None:
     """A sample of given tokens whose states exceed half of --buffer-gb streams to disk
     (corecap/sink/stream.py); refuse, before the model loads, what streaming does not do yet
-    rather than hold such a sample whole: fp8 and vLLM's prefix caching. A sample whose response
+    rather than hold such a sample whole: vLLM's prefix caching. A sample whose response
     the model writes never streams (its length, and so its stored layout, is known only at its
     end): the sink holds it whole, so refuse one whose prompt and --max-tokens (at most --max-len)
     exceed --buffer-gb itself. `longest`: the longest sample still to do (its prompt), in tokens."""
@@ -166,15 +166,12 @@ def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: 
             )
         return
     nbytes = longest * token_bytes
-    if not stream.streams(nbytes, buffer_bytes) or (cfg.codec != FP8 and not block_size):
-        return
-    what, fix = (("--store-dtype fp8", "store exact states (no --store-dtype fp8)") if cfg.codec == FP8
-                 else ("prefix caching", "add --no-enable-prefix-caching"))
-    raise CorecapError(
-        f"{limit}: a sample of {longest} tokens holds {nbytes / 2**20:,.0f} MiB of states, more than half of "
-        f"that, and such a sample streams to disk, which {what} cannot do yet; "
-        f"raise --buffer-gb to {_gib(2 * nbytes):.3g} or {fix}"
-    )
+    if stream.streams(nbytes, buffer_bytes) and block_size:
+        raise CorecapError(
+            f"{limit}: a sample of {longest} tokens holds {nbytes / 2**20:,.0f} MiB of states, more than half of "
+            f"that, and such a sample streams to disk, which prefix caching cannot do yet; "
+            f"raise --buffer-gb to {_gib(2 * nbytes):.3g} or add --no-enable-prefix-caching"
+        )
 
 
 def _gib(nbytes: int) -> float:

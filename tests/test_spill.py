@@ -17,10 +17,12 @@ from corecap.errors import CorecapError
 from corecap.plan import check_long_samples
 from corecap.resume import ResumeCheck
 from corecap.sink.collect import Collector
+from corecap.sink.stream import SpilledRows
 from corecap.sink.writer import NonFiniteError, Writer
-from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, input_fingerprint
+from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, ModelIdentity, Store, StoreMeta, input_fingerprint
 from corecap.store import segments
 from corecap.store.format import spilled_record
+from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.store.segments import segment_numbers
 from corecap.store.spill import SpillFile
 from corecap.store.verify import verify_store
@@ -168,22 +170,20 @@ def test_nan_in_a_spilled_sample_is_stored_flagged_under_nonfinite_store(path):
         assert w.flagged == ["bad"] and sample.header.nonfinite and torch.equal(sample.hidden_states, bad)
 
 
-@pytest.mark.parametrize("options, what, fix", [
-    (dict(codec="fp8-e4m3-rowscale"), "--store-dtype fp8", "store exact states"),
-    (dict(codec="zstd-planes"), "prefix caching", "add --no-enable-prefix-caching"),
-])
-def test_what_streaming_cannot_do_is_refused_before_the_model_loads(options, what, fix):
+def test_prefix_caching_with_a_sample_that_would_stream_is_refused_before_the_model_loads():
     """1,000 tokens of 1 KiB against 1 MiB: more than half, so it would stream; 400 would not."""
-    cfg = build(**options)
-    with pytest.raises(CorecapError, match=f"--buffer-gb 0.000976562: a sample of 1000 tokens holds 1 MiB of states, "
-                                           f"more than half of that, and such a sample streams to disk, which {what} "
-                                           f"cannot do yet; raise --buffer-gb to 0.00195 or {fix}"):
+    cfg = build(codec="zstd-planes")
+    with pytest.raises(CorecapError, match="--buffer-gb 0.000976562: a sample of 1000 tokens holds 1 MiB of states, "
+                                           "more than half of that, and such a sample streams to disk, which prefix "
+                                           "caching cannot do yet; raise --buffer-gb to 0.00195 or add "
+                                           "--no-enable-prefix-caching"):
         check_long_samples(cfg, 1000, 4096, 1024, 1 << 20, block_size=16)
     check_long_samples(cfg, 400, 4096, 1024, 1 << 20, block_size=16)
 
 
-def test_a_long_sample_of_given_tokens_is_let_through_to_stream():
-    check_long_samples(build(codec="zstd-planes"), 10**6, 10**6, 1024, 1 << 20, block_size=0)
+@pytest.mark.parametrize("codec", ["zstd-planes", FP8])
+def test_a_long_sample_of_given_tokens_is_let_through_to_stream(codec):
+    check_long_samples(build(codec=codec), 10**6, 10**6, 1024, 1 << 20, block_size=0)
 
 
 def test_a_response_is_held_whole_so_one_longer_than_the_bound_is_refused():
@@ -203,3 +203,52 @@ def test_only_the_samples_still_to_do_count_as_long():
     for key, ids in (("long", long), ("short", short)):
         check(SimpleNamespace(key=key, points=(), token_ids=ids, where=f"data.jsonl:{key}"))
     assert (check.todo, check.longest) == (1, 10)
+
+
+def test_fp8_rows_stream_into_the_stored_fp8_payload(tmp_path):
+    """The workers' rows (codes, then a scale) of a streamed sample land as fp8's stored payload
+    (codes [L, T, H], then scales [L, T]): the same header checksum and decoded states as the same
+    rows held and encoded whole, chunks out of order and one as one-token segments."""
+    meta = StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0", "0", FP8)
+    path = str(tmp_path / "fp8")
+    Store.create_or_open(path, meta).close()
+    states = torch.randn(len(LAYERS), 30, HIDDEN)
+    rows = quantize_fp8_rows(list(states), 30)  # uint8 [L, 30, H + 4]
+    with Store.open_for_writing(path) as store:
+        store.append([])
+        w = Writer(store, codec=FP8, buffer_bytes=1024)
+        w.put("held", np.arange(30), rows)
+        spill = SpillFile(path, rows.numel())
+        target = SpilledRows(spill, len(LAYERS), 30, HIDDEN + 4, fp8=True)
+        a = rows.numpy()
+        for i in range(len(LAYERS)):
+            target[i, 10:30] = a[i, 10:30]
+        for t in range(10):
+            target[:, t] = a[:, t]
+        w.put_spilled("streamed", np.arange(30), spill)
+        w.close()
+        held, streamed = store.get("held"), store.get("streamed")
+    assert streamed.header.codec == FP8 and streamed.header.checksum == held.header.checksum
+    assert streamed.header.payload_bytes == held.header.payload_bytes
+    assert torch.equal(streamed.hidden_states, held.hidden_states)
+    assert verify_store(path).ok
+
+
+def test_a_nan_row_in_streamed_fp8_stops_and_names_its_layer(tmp_path):
+    meta = StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0", "0", FP8)
+    path = str(tmp_path / "fp8")
+    Store.create_or_open(path, meta).close()
+    states = torch.randn(len(LAYERS), 30, HIDDEN)
+    states[1, 29, 0] = float("nan")
+    rows = quantize_fp8_rows(list(states), 30)
+    with Store.open_for_writing(path) as store:
+        store.append([])
+        w = Writer(store, codec=FP8, buffer_bytes=1024)
+        spill = SpillFile(path, rows.numel())
+        target = SpilledRows(spill, len(LAYERS), 30, HIDDEN + 4, fp8=True)
+        for i in range(len(LAYERS)):
+            target[i, 0:30] = rows.numpy()[i]
+        w.put_spilled("bad", np.arange(30), spill)
+        with pytest.raises(NonFiniteError, match=r"sample 'bad': NaN/Inf in the captured states at layers \[3\]"):
+            w.close()
+        assert "bad" not in store and not _spill_files(path)

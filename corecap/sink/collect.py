@@ -290,11 +290,11 @@ class Collector:
         if self.spill_dir is None or not p.final or not stream.streams(nbytes, self.buffer_bytes):
             p.buffer(num_layers, states.shape[-1], states.dtype, self.buffers)
             return
-        if self.block_size or states.dtype == torch.uint8:  # the plan refuses these
+        if self.block_size:  # the plan refuses this
             raise CorecapError(f"sample {p.key!r}: its {nbytes} bytes of states exceed half of --buffer-gb, and "
-                               "streaming them to disk does not work with fp8 or prefix caching")
+                               "streaming them to disk does not work with prefix caching")
         p.spill = SpillFile(self.spill_dir, nbytes)
-        p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes)
+        p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes, fp8=states.dtype == torch.uint8)
         self.num_streamed += 1
 
     def knows(self, msg: wire.DecodedChunk) -> bool:

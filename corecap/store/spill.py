@@ -60,14 +60,14 @@ class SpillFile:
         while done < view.nbytes:
             done += os.pwrite(self.fd, view[done : done + _MAX_IO], offset + done)
 
-    def pieces(self, piece_bytes: int, boundary: int):
-        """The whole file in order, as (offset, bytes) views of one reused buffer of at most
-        `piece_bytes` (each valid until the next is yielded), none across a multiple of `boundary`
-        (a layer's bytes: a piece is then one layer's)."""
-        buffer = np.empty(max(1, min(piece_bytes, self.nbytes)), np.uint8)
-        start = 0
+    def pieces(self, piece_bytes: int, boundary: int, first: int = 0):
+        """The file from byte `first` to its end in order, as (offset from `first`, bytes) views of
+        one reused buffer of at most `piece_bytes` (each valid until the next is yielded), none
+        across a multiple of `boundary` from `first` (a layer's bytes: a piece is then one layer's)."""
+        buffer = np.empty(max(1, min(piece_bytes, self.nbytes - first)), np.uint8)
+        start = first
         while start < self.nbytes:
-            n = min(len(buffer), self.nbytes - start, boundary - start % boundary)
+            n = min(len(buffer), self.nbytes - start, boundary - (start - first) % boundary)
             view = memoryview(buffer)[:n]
             got = 0
             while got < n:
@@ -75,7 +75,7 @@ class SpillFile:
                 if read == 0:
                     raise CorecapError(f"{self.path}: ends at byte {start + got}, expected {self.nbytes}")
                 got += read
-            yield start, buffer[:n]
+            yield start - first, buffer[:n]
             start += n
 
     def sync(self) -> Spilled:
