@@ -40,7 +40,7 @@ class RunSummary:
                f"{self.num_stored_whole} with cache hits "
                "stored whole (the sample they would refer to was not yet committed)"
                if self.num_referring or self.num_stored_whole else "")
-            + (f"; streamed to disk: {self.num_streamed} samples longer than half of --buffer-gb, stored raw "
+            + (f"; streamed to disk: {self.num_streamed} samples longer than half of --buffer-gb "
                f"(the sink's memory {self.sink_rss_start / 2**20:,.0f} MiB at start, "
                f"{self.sink_rss_peak / 2**20:,.0f} MiB at its peak; --buffer-gb {self.buffer_bytes / 2**20:,.0f} MiB)"
                if self.num_streamed else "")

@@ -174,4 +174,4 @@ def test_prefix_caching_with_a_sample_that_would_stream_is_refused_before_the_mo
 def test_the_run_says_what_streamed(long_run):
     _, _, _, summary, _ = long_run
     line = summary.line()
-    assert "streamed to disk: 1 samples longer than half of --buffer-gb, stored raw" in line, line
+    assert "streamed to disk: 1 samples longer than half of --buffer-gb (the sink's memory " in line, line
