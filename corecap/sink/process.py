@@ -207,11 +207,15 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int:
-    """This process's peak resident bytes so far (the kernel's high-water mark, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    """This process's peak resident bytes so far (the kernel's high-water mark, VmHWM; 0 where
+    there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
