@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -35,24 +34,6 @@ TOKEN_BYTES = len(LAYERS) * 64 * 4  # the tiny llama's hidden size, float32
 BUFFER_GB = 0.0375  # 38.4 MiB, less than the long sample's 40 MiB: it cannot be held, half of it streams
 PAUSE_AT_STEP = 8  # of ~17 steps of 2,048 tokens: the long sample half way into its spill file
 LIVENESS = 600  # seconds: a hung run fails the test, nothing here times the capture
-
-_PAUSED_RUN = """
-import dataclasses, sys
-from corecap import cli
-from corecap.config import TestHooks
-
-capture = cli.capture
-
-
-def paused(cfg, log, **kwargs):
-    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log, **kwargs)
-
-
-if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
-    cli.capture = paused
-    cli.main(sys.argv[3:], prog_name="corecap")
-"""
-
 
 def _options(model: str, data: str, store: str) -> dict:
     return dict(model=model, data=data, store=store, layers=LAYERS, dtype="float32", max_len=LONG + 64,
@@ -80,10 +61,8 @@ def _state_bytes(store: str) -> tuple[int, int]:
 def _kill_while_streaming(options: dict, workdir) -> dict:
     """`corecap run` paused at PAUSE_AT_STEP (config.TestHooks, through a script, as no user can),
     its short samples committed and the long one in its spill file; then SIGKILL to its group."""
-    script, pause_file = str(workdir / "paused_run.py"), str(workdir / "paused")
-    with open(script, "w") as f:
-        f.write(_PAUSED_RUN)
-    proc = subprocess.Popen([sys.executable, script, str(PAUSE_AT_STEP), pause_file, *_argv(options)],
+    pause_file = str(workdir / "paused")
+    proc = subprocess.Popen(kill_loop.paused_run_argv(str(workdir), PAUSE_AT_STEP, pause_file, _argv(options)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     store = options["store"]
     try:
