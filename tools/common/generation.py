@@ -82,7 +82,15 @@ def run_generate(setup: Setup, data: str, responses: str) -> dict:
     results = [line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
     if proc.returncode != 0 or not results:
         raise ArmFailed(f"exit {proc.returncode}", proc.stderr)
-    return {**json.loads(results[-1]), "wall_s": wall, "peak_rss_gb_by_process": peaks.largest_gb(4)}
+    return {**json.loads(results[-1]), "wall_s": wall, "peak_rss_gb_by_process": peaks.largest_gb(4),
+            "compile_lines": compile_lines(proc.stdout + proc.stderr)}
+
+
+def compile_lines(log: str) -> list[str]:
+    """vLLM's lines on torch.compile in a run's log: whether its graphs came from the cache (warm)
+    or were compiled (cold), and how long that took: the start's share of an arm's wall."""
+    marks = ("torch.compile take", "from the cache", "Compiling a graph", "AOT compil", "Dynamo bytecode transform")
+    return [line.strip()[-200:] for line in log.splitlines() if any(m in line for m in marks)]
 
 
 def corecap_command(setup: Setup, data: str, store: str, generate: bool) -> list[str]:
@@ -108,6 +116,8 @@ def run_corecap(setup: Setup, data: str, store: str, generate: bool) -> dict:
     if proc.returncode != 0:
         raise ArmFailed(f"exit {proc.returncode}", proc.stderr + "\n--- corecap.log\n" + log_tail(store))
     trace = traces.load(store)
+    with open(os.path.join(store, "corecap.log"), errors="replace") as f:
+        compiled = compile_lines(f.read())
     prompts = read_ids(data)
     max_tokens = setup.max_tokens if generate else 0
     num_tokens = sum(len(ids) + max_tokens for ids in prompts)
@@ -126,6 +136,7 @@ def run_corecap(setup: Setup, data: str, store: str, generate: bool) -> dict:
         "durable_s": rates["durable_s"],
         "computed_tokens": rates["computed_tokens"],
         "trace_start_to_first_step_s": steps[0]["start"] - trace["start"],
+        "compile_lines": compiled,
         "engine_line": next((line for line in proc.stderr.splitlines() if line.startswith("engine: ")), None),
         "lines": [line for line in proc.stderr.splitlines() if not line.startswith("\r")][-12:],
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
