@@ -12,7 +12,8 @@ fixed-seed list, so each set holds the smaller ones), the sampling of tools/comm
 Each run is the one-run arm of that module (a fresh `corecap run`, its processes' RSS sampled every
 0.2 s); `--control` adds a run of the largest P with corecap's default --buffer-gb (40% of the
 memory available), to show what the bound holds back. Every result is a JSON line in
-OUT/bench_generate_memory_cpu.jsonl: the sink's, workers' and driver's peak RSS, the run's engine
+OUT/bench_generate_memory_cpu.jsonl: the sink's, workers' and driver's peak RSS (the sink's
+RssAnon too: its own allocations, without the shared libraries' pages), the run's engine
 line (its "sink buffers" figure) and its last lines ("responses in flight: at most K at once").
 """
 
@@ -81,7 +82,8 @@ def main() -> None:
                   f"{time.time() - t:.0f}s (load before {load_avg[0]:.2f})", flush=True)
             if "failed" not in rec:
                 table.append(
-                    f"{repeat}\t{num_prompts}\t{buffer_gb}\tsink {rec['sink_peak_rss_mib']} MiB\t"
+                    f"{repeat}\t{num_prompts}\t{buffer_gb}\tsink {rec['sink_peak_rss_mib']} MiB "
+                    f"(RssAnon {rec['sink_peak_anon_mib']} MiB)\t"
                     f"workers {rec['worker_peak_rss_gb']} GiB\tdriver {rec['driver_peak_rss_gb']} GiB\t"
                     f"{rec['generated_tok_s']:,.0f} generated tok/s\t{budget_line(rec) or '(no request held back)'}"
                 )

@@ -142,6 +142,7 @@ def run_corecap(setup: Setup, data: str, store: str, generate: bool) -> dict:
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
         "sink_peak_rss_gb": role_peak(peaks, "sink"),
         "sink_peak_rss_mib": role_peak_mib(peaks, "sink"),
+        "sink_peak_anon_mib": role_peak_mib(peaks, "sink", anon=True),
         "worker_peak_rss_gb": role_peak(peaks, "worker"),
         "driver_peak_rss_gb": role_peak(peaks, "driver"),
         "peak_rss_gb_by_process": peaks.largest_gb(4),
@@ -207,11 +208,11 @@ def role_peak(peaks: RssPeaks, role: str) -> float | None:
     return None if mib is None else round(mib / 1024, 2)
 
 
-def role_peak_mib(peaks: RssPeaks, role: str) -> float | None:
-    """The largest peak RSS (MiB) of one role in `corecap run`'s tree: the driver is the `corecap
-    run` process, vLLM's workers title themselves VLLM::Worker, the sink is the one other process
-    started by multiprocessing (the resource tracker aside)."""
-    found = [mib for name, mib in peaks.mib.items() if _role(name) == role]
+def role_peak_mib(peaks: RssPeaks, role: str, anon: bool = False) -> float | None:
+    """The largest peak RSS (MiB; anon: of RssAnon) of one role in `corecap run`'s tree: the driver
+    is the `corecap run` process, vLLM's workers title themselves VLLM::Worker, the sink is the one
+    other process started by multiprocessing (the resource tracker aside)."""
+    found = [mib for name, mib in (peaks.anon_mib if anon else peaks.mib).items() if _role(name) == role]
     return round(max(found), 1) if found else None
 
 
