@@ -211,9 +211,22 @@ def role_peak(peaks: RssPeaks, role: str) -> float | None:
 def role_peak_mib(peaks: RssPeaks, role: str, anon: bool = False) -> float | None:
     """The largest peak RSS (MiB; anon: of RssAnon) of one role in `corecap run`'s tree: the driver
     is the `corecap run` process, vLLM's workers title themselves VLLM::Worker, the sink is the one
-    other process started by multiprocessing (the resource tracker aside)."""
-    found = [mib for name, mib in (peaks.anon_mib if anon else peaks.mib).items() if _role(name) == role]
+    other process started by multiprocessing (the resource tracker aside). A process is named by
+    pid: a worker is a `spawn_main` process too until it sets its title, and importing vLLM
+    there (~665 MiB on the CPU) must not count as the sink's."""
+    names = peaks.anon_mib if anon else peaks.mib
+    roles: dict[str, set[str]] = {}
+    for name in peaks.mib:
+        roles.setdefault(name.split(" ", 1)[0], set()).add(_role(name))
+    found = [mib for name, mib in names.items() if _pid_role(roles[name.split(" ", 1)[0]]) == role]
     return round(max(found), 1) if found else None
+
+
+def _pid_role(roles: set[str]) -> str:
+    for role in ("worker", "driver", "sink"):
+        if role in roles:
+            return role
+    return "other"
 
 
 def _role(name: str) -> str:
