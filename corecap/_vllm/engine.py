@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
+import tempfile
 import threading
 import time
 from collections import deque
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
 from corecap.config import Layer
-from corecap._vllm import prefix_tracker
+from corecap._vllm import prefix_tracker, worker_errors
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
 # steps to the pace of vLLM's own loop; one (strictly a step at a time) was slower there
@@ -68,9 +70,12 @@ class _Batch:
     output_future: object
 
 
-def _capture_executor_class(model: str, capture: CaptureSpec, made: list | None = None):
-    """`made` gets the executor once made, for `Engine` to shut down should the engine's start fail."""
+def _capture_executor_class(model: str, capture: CaptureSpec, made: list, errors: str):
+    """`made` gets the executor once made, for `Engine` to shut down should the engine's start fail;
+    `errors`: the directory its workers record their errors in (corecap/_vllm/worker_errors.py)."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from corecap._vllm.worker_errors import recording
 
     class CaptureExecutor(MultiprocExecutor):
         """Installs the capture in every worker after load_model, before profiling/compiling."""
@@ -80,8 +85,8 @@ def _capture_executor_class(model: str, capture: CaptureSpec, made: list | None 
 
             if made is not None:
                 made.append(self)
-            with private_network(model, capture.private_network) as status:  # the workers start here
-                super()._init_executor()
+            with private_network(model, capture.private_network) as status, recording(errors):
+                super()._init_executor()  # the workers start here
             self.corecap_network = status
             self.corecap_workers = self.collective_rpc("corecap_install", args=(dataclasses.asdict(capture),))
 
@@ -133,8 +138,9 @@ class Engine:
         self.replica = capture.replica
         capture = dataclasses.replace(capture, sender_rank=output_rank(vllm_config))
         made: list = []
+        errors = tempfile.mkdtemp(prefix="corecap-worker-errors-")
         try:
-            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture, made), log_stats=False)
+            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture, made, errors), log_stats=False)
             self.executor = self.core.model_executor
             self.executor.collective_rpc("corecap_arm")
         except BaseException as e:
@@ -144,8 +150,11 @@ class Engine:
                 executor.shutdown()
             if isinstance(e, CorecapError) or not isinstance(e, Exception):
                 raise
-            # vLLM's words, one line; the workers' own traceback is in the run's log
-            raise CorecapError(f"vLLM's engine failed to start: {worker_error(e)}") from None
+            # The worker's own error, one line (else vLLM's words); its traceback is in the run's log.
+            cause = worker_errors.first_error(errors) or worker_error(e)
+            raise CorecapError(f"vLLM's engine failed to start: {cause}") from None
+        finally:
+            shutil.rmtree(errors, ignore_errors=True)
         self.sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self.num_unfinished = 0
         self.tokens: dict[str, int] = {}  # unfinished request → its prompt's length (+ its response's most)

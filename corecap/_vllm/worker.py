@@ -40,8 +40,11 @@ from corecap._vllm.cpu_sampling import sample_seeded_on_cpu
 from corecap._vllm.sender import Sender
 from corecap._vllm.layer_sources import LayerSources, model_num_layers
 from corecap._vllm.stage import pipeline_stage, sink_address
+from corecap._vllm import worker_errors
 from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.transport import wire
+
+worker_errors.watch()  # vLLM imports this module in each worker before its device and weights
 
 
 class CaptureExtension:

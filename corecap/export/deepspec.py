@@ -41,7 +41,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import TMP_SUFFIX, scratch_tensor
-from corecap.export.layers import run_flag
+from corecap.export.layers import require_after_norm, run_flag
 from corecap.store.format import StoreMeta
 
 CACHE_VERSION = 2
@@ -210,15 +210,7 @@ class DeepSpec:
     @staticmethod
     def final_layer(meta: StoreMeta, path: str) -> Layer:
         """target_last_hidden_states: HF's hidden_states[N], after the final norm."""
-        num_layers, stored = meta.model.num_layers, tuple(meta.layers)
-        if num_layers not in stored:
-            ints = [k for k in stored if k != PRENORM]
-            raise CorecapError(
-                f"{path}: --format deepspec needs layer {num_layers} (the final hidden state after the norm, "
-                f"DeepSpec's target_last_hidden_states); the store has layers {list(stored)}: capture it with "
-                f"`{run_flag(ints + [num_layers])}`"
-            )
-        return num_layers
+        return require_after_norm(meta, path, "deepspec", "DeepSpec's target_last_hidden_states")
 
     @staticmethod
     def check_aux(aux: tuple[int, ...], meta: StoreMeta, path: str) -> None:

@@ -23,7 +23,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
-from corecap.export.layers import check_one_lower, run_flag
+from corecap.export.layers import check_one_lower, require_after_norm, run_flag
 from corecap.export.specforge import SpecForge
 from corecap.store.format import StoreMeta
 
@@ -113,15 +113,7 @@ class SpecForgeDSpark(SpecForgeDFlash):
     @staticmethod
     def final_layer(meta: StoreMeta, path: str) -> Layer:
         """DSpark's target_last_hidden_states: HF's hidden_states[N], after the final norm."""
-        num_layers, stored = meta.model.num_layers, tuple(meta.layers)
-        if num_layers not in stored:
-            ints = [k for k in stored if k != PRENORM]
-            raise CorecapError(
-                f"{path}: --format specforge-dspark needs layer {num_layers} (the final hidden state after the norm, "
-                f"DSpark's target_last_hidden_states); the store has layers {list(stored)}: capture it with "
-                f"`{run_flag(ints + [num_layers])}`"
-            )
-        return num_layers
+        return require_after_norm(meta, path, "specforge-dspark", "DSpark's target_last_hidden_states")
 
     @staticmethod
     def check_aux(aux: tuple[int, ...], meta: StoreMeta, path: str, fmt: str = "specforge-dspark") -> None:

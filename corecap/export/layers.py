@@ -16,6 +16,19 @@ def run_flag(layers) -> str:
     return "corecap run --layers " + ",".join(str(k) for k in sorted(set(layers), key=layer_order))
 
 
+def require_after_norm(meta, path: str, fmt: str, named: str) -> int:
+    """HF's hidden_states[N] (after the final norm), which `fmt` exports as `named`: N, or a one-line
+    refusal naming the `corecap run --layers` that would capture it."""
+    num_layers, stored = meta.model.num_layers, tuple(meta.layers)
+    if num_layers not in stored:
+        ints = [k for k in stored if k != PRENORM]
+        raise CorecapError(
+            f"{path}: --format {fmt} needs layer {num_layers} (the final hidden state after the norm, {named}); "
+            f"the store has layers {list(stored)}: capture it with `{run_flag(ints + [num_layers])}`"
+        )
+    return num_layers
+
+
 def check_one_lower(aux: tuple[int, ...], num_layers: int, path: str, named: str) -> None:
     """Refuse aux layers that a trainer naming decoder outputs from 0 (HF index - 1: SpecForge,
     ModelOpt) cannot name: HF's 0 (the embeddings) and N. `named`: how the message says it, e.g.

@@ -21,7 +21,7 @@ import torch
 from corecap.config import PRENORM, Layer
 from corecap.errors import CorecapError
 from corecap.export.files import scratch_tensor
-from corecap.export.layers import check_one_lower, run_flag
+from corecap.export.layers import check_one_lower, require_after_norm, run_flag
 from corecap.store.format import StoreMeta
 
 FILE_GROUP = 2000  # SpecForge files per directory, as SpecForge's own prepare_hidden_states groups them
@@ -90,15 +90,7 @@ class SpecForge:
     @staticmethod
     def final_layer(meta: StoreMeta, path: str) -> Layer:
         """SpecForge's hidden_state: HF's hidden_states[N], after the final norm."""
-        num_layers, stored = meta.model.num_layers, tuple(meta.layers)
-        if num_layers not in stored:
-            ints = [k for k in stored if k != PRENORM]
-            raise CorecapError(
-                f"{path}: --format specforge needs layer {num_layers} "
-                "(the final hidden state after the norm, SpecForge's hidden_state); "
-                f"the store has layers {list(stored)}: capture it with `{run_flag(ints + [num_layers])}`"
-            )
-        return num_layers
+        return require_after_norm(meta, path, "specforge", "SpecForge's hidden_state")
 
     @staticmethod
     def check_aux(aux: tuple[int, ...], meta: StoreMeta, path: str) -> None:

@@ -18,7 +18,6 @@ corecap/store/refs.py). No cached block is ever copied twice, or at all where it
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,11 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
+from corecap.sink import stream
+from corecap.sink.buffers import BufferPool
 from corecap.sink.prefix_cache import Producer, StatesCache, completed_blocks
 from corecap.store import refs
+from corecap.store.spill import SpillFile
 from corecap.transport import wire
 
 
@@ -39,7 +41,8 @@ class _Pending:
     token_ids: np.ndarray
     loss_mask: np.ndarray | None
     states: torch.Tensor | None = None
-    rows: np.ndarray | None = None  # `states` as bytes, uint8 [L, capacity, bytes a row]
+    rows: np.ndarray | None = None  # `states` as bytes, uint8 [L, capacity, bytes a row]; or a long sample's file
+    spill: SpillFile | None = None  # a long sample's states, streamed to disk (sink/stream.py); `states` None
     covered: np.ndarray = field(default=None)  # bool [T]
     num_covered: int = 0
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
@@ -86,56 +89,6 @@ class ChunkTiming:
     t_done: float  # sink: reassembled
 
 
-class BufferPool:
-    """Host buffers for reassembled samples, reused once their sample is committed.
-
-    A fresh buffer per sample is, above glibc's mmap threshold (32 MiB at most), a fresh mapping:
-    every page faults and is zeroed on first touch, so reassembling a step into fresh buffers
-    was several times slower than into reused ones on a 2-core machine. On the H200 host, with
-    torch's default threads in the sink, the pool gained little: there something else dominated
-    (measured: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)" and
-    'Figures that docstrings used to quote').
-    Sizes are rounded up to classes at most 25% apart; at most `max_free_bytes` are kept free.
-    `take` runs on the collector thread, `give` on the writer's commit thread."""
-
-    def __init__(self, max_free_bytes: int):
-        self.max_free_bytes = max_free_bytes
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, for those taken
-        self.free_bytes = 0
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        unit = max(4096, 1 << max(0, (nbytes - 1).bit_length() - 3))
-        return -(-nbytes // unit) * unit
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        size = self.size_class(nbytes)
-        with self.lock:
-            stack = self.free.get(size)
-            buffer = stack.pop() if stack else None
-            if buffer is not None:
-                self.free_bytes -= size
-        if buffer is None:
-            buffer = torch.empty(size, dtype=torch.uint8)
-        with self.lock:
-            self.lent[buffer.data_ptr()] = buffer
-        return buffer[:nbytes].view(dtype).view(shape)
-
-    def give(self, states: torch.Tensor) -> None:
-        """Return `states` (from `take`) once nothing reads it any more."""
-        with self.lock:
-            buffer = self.lent.pop(states.data_ptr(), None)
-            if buffer is None:
-                raise ValueError("not a buffer lent by this pool")
-            size = buffer.numel()
-            if self.free_bytes + size <= self.max_free_bytes:
-                self.free.setdefault(size, []).append(buffer)
-                self.free_bytes += size
-
-
 class Collector:
     """Reassembles samples from decoded chunks (the sink process's main loop feeds it).
 
@@ -147,10 +100,14 @@ class Collector:
 
     def __init__(
         self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None,
-        copy_threads: int = 1, block_size: int = 0,
+        copy_threads: int = 1, block_size: int = 0, spill_dir: str | None = None, buffer_bytes: int = 0,
     ):
-        """`block_size`: vLLM's, with prefix caching on (0: off)."""
+        """`block_size`: vLLM's, with prefix caching on (0: off). `spill_dir`: where samples whose
+        states exceed half of `buffer_bytes` stream (sink/stream.py); None: every sample is held."""
         self.layers = layers
+        self.spill_dir = spill_dir
+        self.buffer_bytes = buffer_bytes
+        self.num_streamed = 0
         self.block_size = block_size
         self.cache = StatesCache()
         self.on_complete = on_complete
@@ -166,6 +123,9 @@ class Collector:
     def close(self) -> None:
         if self.copiers:
             self.copiers.shutdown()
+        for p in self.pending.values():  # incomplete: dropped, their spill files with them
+            if p.spill is not None:
+                p.spill.discard()
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
@@ -321,6 +281,22 @@ class Collector:
                 if n == 1:
                     target[:, start] = rows[:, lo]
 
+    def _room(self, p: _Pending, states: torch.Tensor) -> None:
+        """Where the sample's rows go, at its first chunk: a buffer, or for a sample longer than
+        the sink may hold (sink/stream.py) its spill file. fp8 rows are H + 4 bytes."""
+        num_layers, row_bytes = len(self.layers), states.shape[-1] * states.element_size()
+        nbytes = num_layers * p.capacity * row_bytes
+        # A response's sample is held whole: its length is known only at its end (the plan checked it fits).
+        if self.spill_dir is None or not p.final or not stream.streams(nbytes, self.buffer_bytes):
+            p.buffer(num_layers, states.shape[-1], states.dtype, self.buffers)
+            return
+        if self.block_size:  # the plan refuses this
+            raise CorecapError(f"sample {p.key!r}: its {nbytes} bytes of states exceed half of --buffer-gb, and "
+                               "streaming them to disk does not work with prefix caching")
+        p.spill = SpillFile(self.spill_dir, nbytes)
+        p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes, fp8=states.dtype == torch.uint8)
+        self.num_streamed += 1
+
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending for seg in msg.header.segments)
 
@@ -362,8 +338,7 @@ class Collector:
                 else:
                     p.received[known:end] = msg.token_ids[lo + known - start : hi]
             if p.rows is None:
-                # fp8: rows of H + 4 bytes
-                p.buffer(len(self.layers), msg.states.shape[-1], msg.states.dtype, self.buffers)
+                self._room(p, msg.states)
             placed.append((p.rows, start, j, lo, n))
             p.cover(start, n)
             runs.append((seg.req_id, p, start, n))

@@ -69,6 +69,9 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     num_referring: int = 0  # stored once: samples committed with a reference to others
     referred_bytes: int = 0  # the raw states those references stand for, not written
     num_stored_whole: int = 0  # samples with cache hits stored whole (their source not yet committed)
+    num_streamed: int = 0  # long samples streamed to disk as their chunks came (sink/stream.py)
+    rss_start: int = 0  # the sink's resident bytes once ready, before any chunk
+    rss_peak: int = 0  # its peak resident bytes (VmHWM)
 
 
 class Failed(msgspec.Struct, array_like=True, tag=5):

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import psutil
 import zmq
 
 from corecap.errors import CorecapError
-from corecap.sink.collect import BufferPool, Collector
+from corecap.sink.buffers import BufferPool
+from corecap.sink.collect import Collector
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
@@ -199,6 +201,24 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _rss() -> int:
+    """This process's resident bytes now."""
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes so far (the kernel's high-water mark, VmHWM; 0 where
+    there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def main(spec: SinkSpec) -> None:
     """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -255,16 +275,20 @@ class _Loop:
         store.append([])
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
                              buffer_bytes=spec.buffer_bytes)
-        buffers = BufferPool(spec.buffer_bytes // 2)
-        self.collector = Collector(
-            store.meta.layers, lambda p: self.writer.put(
-                p.key, p.token_ids, p.stored_states(), p.loss_mask, release=buffers.give,
-                prefix=p.producer.prefix if p.producer else None, generation=p.generation,
-            ),
-            buffers, copy_threads(), spec.block_size,
-        )
+        self.buffers = BufferPool(spec.buffer_bytes // 2)
+        self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
+                                   spec.store, spec.buffer_bytes)
         self.decoder = msgspec.msgpack.Decoder(Control)
         self.finishing = self.aborting = False
+        self.rss_start = _rss()
+
+    def _complete(self, p) -> None:
+        """A sample every position of which is here, to the writer: held, or streamed to disk."""
+        if p.spill is not None:
+            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask)
+            return
+        self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
+                        prefix=p.producer.prefix if p.producer else None, generation=p.generation)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
@@ -285,7 +309,7 @@ class _Loop:
             w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
             [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
             [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole,
+            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, _peak_rss(),
         )
 
     def _on_control(self, raw: bytes) -> None:

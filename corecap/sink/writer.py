@@ -27,10 +27,14 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
+from corecap.store.codec import DTYPES, crc32
+from corecap.store.format import spilled_record
 from corecap.store.fp8 import NonFiniteStates
+from corecap.store.spill import SpillFile
 
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
+_PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
 
 
 @dataclass
@@ -116,6 +120,67 @@ class Writer:
             self.in_flight += size
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
         self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
+
+    def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
+                    ) -> None:
+        """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
+        read back a piece at a time to checksum and check them, then renamed into the state files
+        at its commit. It holds none of the bound (`buffer_bytes`) but the piece being read."""
+        self.raise_if_failed()
+        future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
+        self.queue.put((future, len(token_ids), 0, spill.nbytes, None))
+
+    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> Record:
+        start = time.time()
+        meta = self.store.meta
+        fp8 = self.codec == FP8
+        try:
+            checksum, bad = (self._check_fp8 if fp8 else self._check_states)(spill, len(token_ids))
+            if bad and self.nonfinite == "stop":  # fp8 excludes --nonfinite store (config.py)
+                raise NonFiniteError(f"sample {key!r}: NaN/Inf in the captured states at layers {bad} "
+                                     "(use --nonfinite store to keep and flag)")
+            if bad:
+                self.flagged.append(key)
+            decoded = len(self.layers) * len(token_ids) * meta.hidden_size * DTYPES[meta.dtype].itemsize
+            record = spilled_record(key, token_ids, self.layers, meta.dtype, meta.hidden_size, checksum, spill.sync(),
+                                    loss_mask, nonfinite=bool(bad), codec=FP8 if fp8 else "raw",
+                                    payload_bytes=decoded)
+        except BaseException:
+            spill.discard()
+            raise
+        self.encodes.append((start, time.time()))
+        return record
+
+    def _piece_bytes(self, itemsize: int) -> int:
+        """A spill file's read-back piece: 1/32 of the bound, at most `_PIECE_BYTES`, whole items."""
+        return max(itemsize, min(_PIECE_BYTES, self.buffer_bytes // 32) // itemsize * itemsize)
+
+    def _check_states(self, spill: SpillFile, num_tokens: int) -> tuple[int, list]:
+        """A raw `[L, T, H]` spill file's crc32 and the layers holding NaN/Inf, a piece at a time."""
+        dtype = DTYPES[self.store.meta.dtype]
+        layer_bytes = spill.nbytes // len(self.layers)
+        checksum, bad = 0, []
+        for offset, part in spill.pieces(self._piece_bytes(dtype.itemsize), layer_bytes):
+            checksum = crc32(part, checksum)
+            layer = self.layers[offset // layer_bytes]
+            if (not bad or bad[-1] != layer) and not all_finite(torch.frombuffer(part, dtype=dtype)):
+                bad.append(layer)
+        return checksum, bad
+
+    def _check_fp8(self, spill: SpillFile, num_tokens: int) -> tuple[int, list]:
+        """An fp8 payload's crc32 (the stored bytes', as `encode_sample`'s), and the layers a scale
+        of which is not finite (a row with NaN/Inf: fp8rows.py)."""
+        checksum = 0
+        for _, part in spill.pieces(self._piece_bytes(1), spill.nbytes):
+            checksum = crc32(part, checksum)
+        bad = []
+        scales_bytes = len(self.layers) * num_tokens * fp8rows.ROW_EXTRA
+        layer_bytes = num_tokens * fp8rows.ROW_EXTRA
+        for offset, part in spill.pieces(self._piece_bytes(4), layer_bytes, spill.nbytes - scales_bytes):
+            layer = self.layers[offset // layer_bytes]
+            if (not bad or bad[-1] != layer) and not np.isfinite(part.view("<f4")).all():
+                bad.append(layer)
+        return checksum, bad
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         start = time.time()

@@ -221,6 +221,29 @@ def encode_sample(
     return Record(key, _header_encoder.encode(header), parts, n)
 
 
+def spilled_record(
+    key: str, token_ids: np.ndarray, layers: tuple[Layer, ...], dtype: str, hidden_size: int, checksum: int,
+    spilled, loss_mask: np.ndarray | None = None, nonfinite: bool = False, codec: str = "raw",
+    payload_bytes: int = 0,
+) -> Record:
+    """The record of a long sample whose payload is the file `spilled` (spill.Spilled,
+    checksummed as it was read back): raw `[L, T, H]` states, or `FP8`'s payload, whose decoded
+    size is `payload_bytes`. Its header is `encode_sample`'s for that codec, so every reader
+    reads it as any other sample."""
+    ids = np.ascontiguousarray(token_ids, dtype="<i4")
+    if loss_mask is not None and len(loss_mask) != len(ids):
+        raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
+    header = SampleHeader(
+        id=key, num_tokens=len(ids), layers=tuple(layers), dtype=dtype, hidden_size=hidden_size,
+        input_fingerprint=input_fingerprint(ids), input_ids=ids.tobytes(), codec=codec, checksum=checksum,
+        payload_bytes=payload_bytes or spilled.nbytes,
+        loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
+        nonfinite=nonfinite,
+    )
+    header = msgspec.structs.replace(header, header_crc=header_crc(header))
+    return Record(key, _header_encoder.encode(header), (), 0, spilled)
+
+
 def encode_header(header: SampleHeader) -> bytes:
     """A header's bytes with its header_crc recomputed (merge rewrites a reference's segments)."""
     return _header_encoder.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))

@@ -17,6 +17,7 @@ class Record:
     header: bytes
     parts: tuple  # buffers
     num_prefix: int = 0  # the header's: a record that refers to others commits after them
+    spilled: object = None  # spill.Spilled: the payload is that file (a long sample's), `parts` empty
 
     @property
     def payload(self):
@@ -25,4 +26,5 @@ class Record:
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + sum(memoryview(p).nbytes for p in self.parts)
+        stored = self.spilled.nbytes if self.spilled is not None else sum(memoryview(p).nbytes for p in self.parts)
+        return len(self.header) + stored

@@ -27,6 +27,7 @@ import threading
 import numpy as np
 
 from corecap.errors import CorecapError
+from corecap.store.spill import Spilled, remove_stale
 
 SEGMENT_BYTES = 4 << 30
 POINTER = struct.Struct("<IQQ")  # segment number, offset, length: where one sample's states are
@@ -53,6 +54,7 @@ class SegmentWriter:
         self.lock_fd = _take_lock(directory)
         self.fd = -1
         try:
+            remove_stale(directory)  # an interrupted writer's long samples, never committed
             self.cut(end)
         except BaseException:
             if self.fd >= 0:
@@ -91,11 +93,7 @@ class SegmentWriter:
             os.close(fd)
             raise CorecapError(f"{path}: not a regular file, expected a state file")
         if not existed:  # the new file's directory entry must survive a crash too
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _sync_directory(self.directory)
         return fd
 
     @property
@@ -104,10 +102,13 @@ class SegmentWriter:
 
     def append(self, payloads) -> list[bytes]:
         """Write the payloads after the end, each given as a sequence of buffers that are its
-        parts in order; return one `POINTER` each. The bytes reach the page cache, not yet the
-        disk: `sync` before committing the pointers."""
+        parts in order, or as a `Spilled` file (`_adopt`); return one `POINTER` each. The bytes
+        reach the page cache, not yet the disk: `sync` before committing the pointers."""
         pointers = []
         for parts in payloads:
+            if isinstance(parts, Spilled):
+                pointers.append(self._adopt(parts))
+                continue
             views = [memoryview(part).cast("B") for part in parts]
             nbytes = sum(v.nbytes for v in views)
             if self.offset and self.offset + nbytes > SEGMENT_BYTES:
@@ -131,6 +132,21 @@ class SegmentWriter:
             self.segment, self.offset = self.segment + 1, 0
         os.close(old)
 
+    def _adopt(self, spilled: Spilled) -> bytes:
+        """A long sample's spill file (corecap/store/spill.py), synced, becomes the next state file,
+        the payload at its start, and writing goes on after it: its bytes are never copied. Its
+        name is synced too; until the commit it lies past the committed end, like any append."""
+        segment = self.segment + 1
+        os.fdatasync(self.fd)  # the file it leaves: `sync` only syncs the newest
+        os.rename(spilled.path, segment_path(self.directory, segment))
+        fd = self._open(segment)
+        _sync_directory(self.directory)
+        with self.fd_lock:
+            old, self.fd = self.fd, fd
+            self.segment, self.offset = segment, spilled.nbytes
+        os.close(old)
+        return POINTER.pack(segment, 0, spilled.nbytes)
+
     def sync(self) -> None:
         """Make everything appended so far durable (callable from another thread)."""
         with self.fd_lock:
@@ -143,6 +159,14 @@ class SegmentWriter:
     def close(self) -> None:
         os.close(self.fd)
         os.close(self.lock_fd)
+
+
+def _sync_directory(directory: str) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _take_lock(directory: str) -> int:

@@ -226,7 +226,8 @@ class Store:
                 end = self.committed_end(txn) or (0, 0)
                 self._check_end(txn, end)
             self.writer = segments.SegmentWriter(self.path, end)
-        return Appended(records, self.writer.append(r.parts for r in records), self.writer.end)
+        payloads = (r.parts if r.spilled is None else r.spilled for r in records)
+        return Appended(records, self.writer.append(payloads), self.writer.end)
 
     def _check_end(self, txn, end: tuple[int, int]) -> None:
         """A writer cuts the state files back to the committed end: refuse when the end lies past

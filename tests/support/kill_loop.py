@@ -238,6 +238,34 @@ def _describe(p: psutil.Process) -> str:
         return f"pid {p.pid}"
 
 
+_PAUSED_RUN = """
+import dataclasses, sys
+from corecap import cli
+from corecap.config import TestHooks
+
+capture = cli.capture
+
+
+def paused(cfg, log, **kwargs):
+    return capture(dataclasses.replace(cfg, test_hooks=TestHooks(int(sys.argv[1]), sys.argv[2])), log, **kwargs)
+
+
+if __name__ == "__main__":  # vLLM's workers start by spawn, and import this module
+    cli.capture = paused
+    cli.main(sys.argv[3:], prog_name="corecap")
+"""
+
+
+def paused_run_argv(workdir: str, pause_at_step: int, pause_file: str, corecap_args) -> list[str]:
+    """The argv of a `corecap run` (`corecap_args`, after `run`'s own name) whose workers pause
+    at step `pause_at_step` and touch `pause_file` (config.TestHooks, which no user can set): a
+    script in `workdir` hands the hook to the CLI."""
+    script = os.path.join(workdir, "paused_run.py")
+    with open(script, "w") as f:
+        f.write(_PAUSED_RUN)
+    return [sys.executable, script, str(pause_at_step), pause_file, *corecap_args]
+
+
 def num_committed(store: str) -> int:
     """Samples committed to `store` so far (0 while it does not exist or is being created)."""
     try:

@@ -32,6 +32,8 @@ def configs():
 
     dense = dict(_COMMON, intermediate_size=128, num_key_value_heads=1, head_dim=32)
     return {
+        # Plain dense attention, the smallest states a token (tests/test_long_samples.py's 32k tokens).
+        "llama": (T.LlamaConfig(**dense), T.LlamaForCausalLM),
         "gemma3": (T.Gemma3TextConfig(
             **dense, sliding_window=64, query_pre_attn_scalar=32,
             layer_types=["sliding_attention"] * (NUM_LAYERS - 1) + ["full_attention"]), T.Gemma3ForCausalLM),

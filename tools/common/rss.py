@@ -34,11 +34,14 @@ def children_by_role() -> Iterable[tuple[str, int]]:
 
 class RssPeaks:
     """`with RssPeaks(processes, interval) as peaks:` ... `peaks.mib` maps each name that
-    `processes()` gave to the largest RSS seen under it, in MiB."""
+    `processes()` gave to the largest RSS seen under it, in MiB; `peaks.anon_mib` to the largest
+    of its RssAnon (Linux: private anonymous pages, what the process allocated itself, without the
+    shared libraries' and shared memory's pages that RSS counts too; absent elsewhere)."""
 
     def __init__(self, processes: Callable[[], Iterable[tuple[str, int]]], interval: float = 0.2):
         self.processes, self.interval = processes, interval
         self.mib: dict[str, float] = {}
+        self.anon_mib: dict[str, float] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -64,8 +67,23 @@ class RssPeaks:
                 except psutil.Error:
                     continue
                 self.mib[name] = max(self.mib.get(name, 0.0), mib)
+                anon = _anon_mib(pid)
+                if anon is not None:
+                    self.anon_mib[name] = max(self.anon_mib.get(name, 0.0), anon)
             self._done.wait(self.interval)
 
     def largest_gb(self, n: int) -> list[tuple[float, str]]:
         """The n largest peaks, in GB, largest first."""
         return sorted(((round(mib / 1024, 2), name) for name, mib in self.mib.items()), reverse=True)[:n]
+
+
+def _anon_mib(pid: int) -> float | None:
+    """RssAnon of /proc/PID/status in MiB (None where there is none)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
