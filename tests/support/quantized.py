@@ -12,6 +12,7 @@ Three layouts, each as its producer writes it:
   scale each and a float32 global scale), on every linear layer but lm_head and the router.
 
     python tests/support/quantized.py SCHEME ARCH DIR [OVERRIDES_JSON]
+    python tests/support/quantized.py config SCHEME      (prints its quantization_config)
 
 writes DIR/float (tiny_models.build of ARCH with config OVERRIDES_JSON), DIR/quantized and
 DIR/dequantized. tools/ run it as a script (tools do not import tests; tools/gpu/archs.py does the
@@ -180,5 +181,7 @@ def quantize(scheme: str, float_dir: str, quant_dir: str, dequant_dir: str) -> t
     return quant_dir, dequant_dir
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "config":
+    print(json.dumps(quantization_config(sys.argv[2])))
+elif __name__ == "__main__":
     build_checkpoints(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)
