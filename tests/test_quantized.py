@@ -154,7 +154,8 @@ def test_runnable_quantizations_match_hf_on_dequantized_weights(scheme, arch, tm
     assert summary.num_committed == len(rows)
     with Store.open(cfg.store) as store:
         assert store.meta.dtype == "float32"  # the compute dtype, whatever the weights
-        assert store.meta.model.quantization == model_identity(quant, "auto").quantization is not None
+        recorded = store.meta.model.quantization
+        assert recorded is not None and recorded == model_identity(quant, "auto").quantization
         for row in rows:
             sample = store.get(row["id"])
             per_sample, per_token = relative_errors(sample.hidden_states, tiny_models.stacked(refs[row["id"]], LAYERS))
