@@ -131,7 +131,10 @@ CASES = [
     pytest.param("fp8-block", "deepseek_v3", marks=[pytest.mark.engine, pytest.mark.full]),  # DeepSeek-V3's own
     pytest.param("fp8-block", "mixtral", marks=[pytest.mark.engine, pytest.mark.full]),
 ]
-TOLERANCE = {"w4a16-experts": 1e-4, "fp8-block": 1e-4}
+TOLERANCE = {"w4a16-experts": 1e-4, "fp8-block": 6e-2}
+# vLLM refuses float32 with fp8 ("torch.float32 is not supported for quantization method fp8"):
+# FP8 runs in bfloat16, checked in tests/test_architectures.py's bfloat16 band against HF float32.
+DTYPE = {"w4a16-experts": "float32", "fp8-block": "bfloat16"}
 ENGINE_ARGS = {"deepseek_v3": {"attention_backend": "CPU_MLA"}}  # as tests/test_architectures.py says why
 
 
@@ -149,11 +152,11 @@ def test_runnable_quantizations_match_hf_on_dequantized_weights(scheme, arch, tm
                    capture_output=True)
     refs = torch.load(refs)
     cfg = build(model=quant, data=data, store=str(work / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
-                dtype="float32", **ENGINE_ARGS.get(arch, {}))
+                dtype=DTYPE[scheme], **ENGINE_ARGS.get(arch, {}))
     summary = run(cfg, log=lambda line: None)
     assert summary.num_committed == len(rows)
     with Store.open(cfg.store) as store:
-        assert store.meta.dtype == "float32"  # the compute dtype, whatever the weights
+        assert store.meta.dtype == DTYPE[scheme]  # the compute dtype, whatever the weights
         recorded = store.meta.model.quantization
         assert recorded is not None and recorded == model_identity(quant, "auto").quantization
         for row in rows:
