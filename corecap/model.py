@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 
+from corecap import quantization
 from corecap.errors import CorecapError
 from corecap.store import ModelIdentity
 
@@ -101,6 +102,7 @@ def model_identity(model_dir: str, load_format: str) -> ModelIdentity:
         num_layers=text["num_hidden_layers"],
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
+        quantization=quantization.describe(config),
     )
 
 

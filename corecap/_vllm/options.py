@@ -178,6 +178,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     inside `environment()`."""
 
     from corecap._vllm.preflight import plan_capture
+    from corecap._vllm.quantization import check_quantization
 
     args = engine_args(options, model, layers)
     config = _create(copy.deepcopy(args), model)  # vLLM's creation may set fields of the args it is given
@@ -193,6 +194,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
         config = _create(args, model)
         for note in notes:
             _note(config, note)
+    check_quantization(config, config.model_config.hf_config.to_dict())
     plan = plan_capture(config, layers)
     if plan.override is not None:
         _use_override(config, plan.override)

@@ -45,6 +45,9 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     num_layers: int
     hidden_size: int
     vocab_size: int
+    # The checkpoint's quantization as its config.json declares it (corecap.model.quantization);
+    # None: unquantized, or a store written before corecap recorded it (format 3 all the same).
+    quantization: str | None = None
 
 
 class StoreMeta(msgspec.Struct, frozen=True):

@@ -1,0 +1,110 @@
+"""Quantized checkpoints on the GPU (issue 34 item 5): corecap's capture rate against plain vLLM on
+the same quantized model, the quantization coming from config.json's `quantization_config` as the
+checkpoints ship it, with dummy weights at public shapes (tools/gpu/shapes.py's runs, one process
+per mode, the same clocks):
+
+- dsv2lite-w4a16: DeepSeek-V2-Lite's shape, compressed-tensors W4A16 pack-quantized INT4 groups of
+  32 on the MoE experts only (Kimi-K2.5's layout and `ignore` list);
+- dsv2lite-fp8: the same shape, FP8 128x128 blocks (`quant_method: fp8`, DeepSeek-V3's own);
+- 8b-fp8: Llama-3-8B's shape, FP8 blocks;
+- 8b-nvfp4: Llama-3-8B's shape, compressed-tensors NVFP4 (W4A4; on Hopper vLLM falls back to its
+  weight-only Marlin FP4 kernel).
+
+    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.quantized \
+        --runs dsv2lite-w4a16:plain,dsv2lite-w4a16:corecap,dsv2lite-fp8:plain,dsv2lite-fp8:corecap,\
+8b-fp8:plain,8b-fp8:corecap,8b-nvfp4:plain,8b-nvfp4:corecap [--out DIR] [--dir DIR]
+    python3 -m tools.gpu.quantized --dry-run      # on a CPU: writes the configs and builds the tiny
+                                                  # checkpoints with real packed weights, runs nothing
+
+The quantization configs and the tiny real checkpoints come from tests/support/quantized.py, run as
+a script (tools do not import tests), so both are the layouts the CPU suite checks. Results: one
+JSON line per run in OUT/bench_quantized.jsonl (shapes.py's fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools.common.child import PREFIX, ROOT, append_jsonl, child_env
+from tools.gpu import shapes
+
+BUILDER = os.path.join(ROOT, "tests", "support", "quantized.py")
+QUANTIZED = {"dsv2lite-w4a16": ("dsv2lite", "w4a16-experts"), "dsv2lite-fp8": ("dsv2lite", "fp8-block"),
+             "8b-fp8": ("8b", "fp8-block"), "8b-nvfp4": ("8b", "nvfp4")}
+# The tiny real checkpoints of --dry-run, widened as tools/gpu/archs.py widens them (head_dim 64,
+# the GPU's smallest) and to hidden 128: one FP8 block across, four INT4 groups, eight NVFP4 groups.
+DRY = {"w4a16-experts": ("deepseek_v3", {}), "fp8-block": ("mixtral", {"hidden_size": 128, "head_dim": 64}),
+       "nvfp4": ("mixtral", {"hidden_size": 128, "head_dim": 64})}
+
+
+def quantization_config(scheme: str) -> dict:
+    out = subprocess.run([sys.executable, BUILDER, "config", scheme], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def register() -> None:
+    """Each quantized run's shape in shapes.SHAPES: the base shape's config with the quantization."""
+    for name, (base, scheme) in QUANTIZED.items():
+        shape = shapes.SHAPES[base]
+        config = {**shape["config"], "quantization_config": quantization_config(scheme)}
+        shapes.SHAPES[name] = dict(shape, config=config)
+
+
+def dry_run(out: str) -> None:
+    register()
+    with tempfile.TemporaryDirectory() as work:
+        for name in QUANTIZED:
+            with open(os.path.join(shapes.model_dir(work, name), "config.json")) as f:
+                print(f"{name}: config.json quantization_config {json.load(f)['quantization_config']}")
+        for scheme, (arch, overrides) in DRY.items():
+            path = os.path.join(work, f"tiny-{scheme}")
+            subprocess.run([sys.executable, BUILDER, scheme, arch, path, json.dumps(overrides)], check=True,
+                           capture_output=True, timeout=600)
+            files = sorted(os.listdir(os.path.join(path, "quantized")))
+            print(f"tiny {arch} {scheme} {overrides}: built {path}/quantized ({', '.join(files)}) "
+                  "and its dequantized twin")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", default="", help=f"comma-separated NAME:MODE[@PROMPTS], NAME in {','.join(QUANTIZED)}")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--timeout", type=int, default=560)
+    ap.add_argument("--dir", default=shapes.ROOT, help="models' configs, prompts, store (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true", help="on a CPU: configs and tiny checkpoints only")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.dry_run:
+        return dry_run(args.out)
+    os.makedirs(args.dir, exist_ok=True)
+    out = os.path.join(args.out, "bench_quantized.jsonl")
+    if args.one:
+        register()
+        run, _, count = args.one.partition("@")
+        args.shape, _, args.mode = run.rpartition(":")
+        args.prompts = int(count) if count else None
+        rec = {"run": args.one, **shapes.MODES[args.mode](args)}
+        print(PREFIX + json.dumps(rec), flush=True)
+        append_jsonl(out, rec)
+        return
+    for run in args.runs.split(","):
+        t = time.time()
+        cmd = [sys.executable, "-m", "tools.gpu.quantized", "--one", run, "--out", args.out, "--dir", args.dir]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
+            ok, err = proc.returncode == 0, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
+        print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
+        if not ok:
+            append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
+
+
+if __name__ == "__main__":
+    main()
