@@ -72,8 +72,8 @@ def test_layers_import_downwards():
     order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.probe", "corecap.run", "corecap.plan",
              "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
-             "corecap.checkpoint", "corecap.demo", "corecap.console", "corecap.transport", "corecap.export",
-             "corecap.dataset", "corecap.store", "corecap.trace",
+             "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",
+             "corecap.export", "corecap.dataset", "corecap.store", "corecap.trace",
              "corecap.progress", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
