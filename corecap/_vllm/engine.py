@@ -83,8 +83,7 @@ def _capture_executor_class(model: str, capture: CaptureSpec, made: list, errors
         def _init_executor(self) -> None:
             from corecap._vllm.network import private_network
 
-            if made is not None:
-                made.append(self)
+            made.append(self)
             with private_network(model, capture.private_network) as status, recording(errors):
                 super()._init_executor()  # the workers start here
             self.corecap_network = status
