@@ -29,9 +29,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from tools.common.child import PREFIX, ROOT, append_jsonl, child_env
+from tools.common.child import ROOT
 from tools.gpu import shapes
 
 BUILDER = os.path.join(ROOT, "tests", "support", "quantized.py")
@@ -86,24 +85,9 @@ def main() -> None:
     out = os.path.join(args.out, "bench_quantized.jsonl")
     if args.one:
         register()
-        run, _, count = args.one.partition("@")
-        args.shape, _, args.mode = run.rpartition(":")
-        args.prompts = int(count) if count else None
-        rec = {"run": args.one, **shapes.MODES[args.mode](args)}
-        print(PREFIX + json.dumps(rec), flush=True)
-        append_jsonl(out, rec)
+        shapes.answer_one(args, out)
         return
-    for run in args.runs.split(","):
-        t = time.time()
-        cmd = [sys.executable, "-m", "tools.gpu.quantized", "--one", run, "--out", args.out, "--dir", args.dir]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
-            ok, err = proc.returncode == 0, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
-        print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
-        if not ok:
-            append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
+    shapes.run_each("tools.gpu.quantized", args, out)
 
 
 if __name__ == "__main__":

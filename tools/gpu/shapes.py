@@ -208,17 +208,29 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    out = os.path.join(args.out, "bench_shapes.jsonl")
     if args.one:
-        run, _, count = args.one.partition("@")
-        args.shape, _, args.mode = run.rpartition(":")
-        args.prompts = int(count) if count else None
-        rec = {"run": args.one, **MODES[args.mode](args)}
-        print(PREFIX + json.dumps(rec), flush=True)
-        append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), rec)
+        answer_one(args, out)
         return
+    run_each(__spec__.name, args, out)
+
+
+def answer_one(args, out: str) -> None:
+    """The child's part: the one run `--one SHAPE:MODE[@PROMPTS]` names, its record printed and appended to `out`."""
+    run, _, count = args.one.partition("@")
+    args.shape, _, args.mode = run.rpartition(":")
+    args.prompts = int(count) if count else None
+    rec = {"run": args.one, **MODES[args.mode](args)}
+    print(PREFIX + json.dumps(rec), flush=True)
+    append_jsonl(out, rec)
+
+
+def run_each(module: str, args, out: str) -> None:
+    """The parent's part: each of `--runs` in a child `python -m module --one RUN` of its own; a
+    child that failed or timed out is appended to `out` with its stderr's tail, and the next runs."""
     for run in args.runs.split(","):
         t = time.time()
-        cmd = [sys.executable, "-m", __spec__.name, "--one", run if ":" in run else f":{run}", "--out", args.out,
+        cmd = [sys.executable, "-m", module, "--one", run if ":" in run else f":{run}", "--out", args.out,
                "--dir", args.dir]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
@@ -227,8 +239,7 @@ def main() -> None:
             ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
         print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
         if not ok:
-            append_jsonl(os.path.join(args.out, "bench_shapes.jsonl"), {"run": run, "failed": True,
-                                                                        "stderr_tail": (err or "")[-3000:]})
+            append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
 
 
 if __name__ == "__main__":
