@@ -202,6 +202,18 @@ def encode_sample(
     else:
         checksum = codecs.crc32(raw)
         parts = tuple(codecs.encode_parts(raw, dtype, codec))
+    header = _sample_header(
+        key, ids, layers, dtype, fp8rows.hidden_size(states) if rows else states.shape[-1], codec, checksum,
+        fp8rows.captured_nbytes(states, dtype) if rows else raw.nbytes, loss_mask, nonfinite, prefix, generation,
+    )
+    return Record(key, header, parts, n)
+
+
+def _sample_header(
+    key: str, ids: np.ndarray, layers, dtype: str, hidden_size: int, codec: str, checksum: int, payload_bytes: int,
+    loss_mask: np.ndarray | None, nonfinite: bool, prefix=None, generation: Generation | None = None,
+) -> bytes:
+    """A sample's encoded header, its header_crc set (`encode_sample`'s and `spilled_record`'s)."""
     if loss_mask is not None and len(loss_mask) != len(ids):
         raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
     header = SampleHeader(
@@ -209,19 +221,18 @@ def encode_sample(
         num_tokens=len(ids),
         layers=tuple(layers),
         dtype=dtype,
-        hidden_size=fp8rows.hidden_size(states) if rows else states.shape[-1],
+        hidden_size=hidden_size,
         input_fingerprint=input_fingerprint(ids),
         input_ids=ids.tobytes(),
         codec=codec,
         checksum=checksum,
-        payload_bytes=fp8rows.captured_nbytes(states, dtype) if rows else raw.nbytes,
+        payload_bytes=payload_bytes,
         loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
         nonfinite=nonfinite,
         prefix=tuple(prefix) if prefix else None,
         generation=generation,
     )
-    header = msgspec.structs.replace(header, header_crc=header_crc(header))
-    return Record(key, _header_encoder.encode(header), parts, n)
+    return _header_encoder.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))
 
 
 def spilled_record(
@@ -234,17 +245,9 @@ def spilled_record(
     size is `payload_bytes`. Its header is `encode_sample`'s for that codec, so every reader
     reads it as any other sample."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
-    if loss_mask is not None and len(loss_mask) != len(ids):
-        raise CorecapError(f"sample {key!r}: loss mask has {len(loss_mask)} entries for {len(ids)} tokens")
-    header = SampleHeader(
-        id=key, num_tokens=len(ids), layers=tuple(layers), dtype=dtype, hidden_size=hidden_size,
-        input_fingerprint=input_fingerprint(ids), input_ids=ids.tobytes(), codec=codec, checksum=checksum,
-        payload_bytes=payload_bytes or spilled.nbytes,
-        loss_mask=None if loss_mask is None else np.asarray(loss_mask, dtype=np.uint8).tobytes(),
-        nonfinite=nonfinite,
-    )
-    header = msgspec.structs.replace(header, header_crc=header_crc(header))
-    return Record(key, _header_encoder.encode(header), (), 0, spilled)
+    header = _sample_header(key, ids, layers, dtype, hidden_size, codec, checksum, payload_bytes or spilled.nbytes,
+                            loss_mask, nonfinite)
+    return Record(key, header, (), 0, spilled)
 
 
 def encode_header(header: SampleHeader) -> bytes:
