@@ -12,7 +12,9 @@ models' configs, the prompts, the store and dd's file (default: BENCH_SHAPES_ROO
 
 Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,024 tokens),
 1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
-prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts), 8b-a (the 8b model on issue 19's
+prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts), dsv3 (DeepSeek-V3 / Kimi-K2's 61 layers
+with 16 routed experts, 1,024-token prompts; dsv3-seed: the same with the seed's --max-num-seqs 4
+--max-model-len 2048, given to plain vLLM too), 8b-a (the 8b model on issue 19's
 dataset (a): a 2,048-token prompt shared by all, then a unique 256-1,024-token tail; rates
 count every sample's tokens, cached or not). Prompt counts give each corecap run
 >= 20 s of steady capture at the rates seen before, and plain vLLM as long or longer.
@@ -83,6 +85,26 @@ SHAPES = {
                              "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
                              "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16"},
                      prompt_len=1024, plain_prompts=1536, corecap_prompts=1536, layers="2,24,45,48"),
+    # issue 34 item 7: DeepSeek-V3 / Kimi-K2's 61 layers, hidden 7,168, MLA and the noaux_tc router
+    # of 8 groups (top 4 groups, top 8 experts) as released, but 16 routed experts of 1,536 instead
+    # of 256 of 2,048, so its ~93 GB of bf16 weights fit one H200 beside a KV cache for the model's
+    # whole 163,840 tokens (at 16 experts of 2,048: ~114 GB, too little left for that).
+    "dsv3": dict(config={"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                         "vocab_size": 129280,
+                         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 1536,
+                         "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+                         "n_shared_experts": 1, "n_routed_experts": 16, "routed_scaling_factor": 2.5,
+                         "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                         "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+                         "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+                         "norm_topk_prob": True, "scoring_func": "sigmoid",
+                         "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+                         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                          "type": "yarn"},
+                         "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0,
+                         "eos_token_id": 1, "hidden_act": "silu", "torch_dtype": "bfloat16"},
+                 prompt_len=1024, plain_prompts=256, corecap_prompts=256, layers="2,30,58,60"),
     # a smoke test of this script on a CPU
     "tiny": dict(config={**LLAMA, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
@@ -95,6 +117,8 @@ SHARED_PREFIX, TAILS = 2048, (256, 1024)
 SHAPES["8b-a"] = dict(SHAPES["8b"], shared_prefix=True, plain_prompts=1024, corecap_prompts=1024)
 SHAPES["tiny-a"] = dict(SHAPES["tiny"], config={**SHAPES["tiny"]["config"], "max_position_embeddings": 4096},
                         shared_prefix=True, plain_prompts=16, corecap_prompts=16)
+# The seed's command (issue 34 item 7): its engine limits, given to plain vLLM and corecap alike.
+SHAPES["dsv3-seed"] = dict(SHAPES["dsv3"], engine={"max_num_seqs": 4, "max_model_len": 2048})
 CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "corecap-raw": ["--codec", "raw"],
                  "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
 
@@ -127,6 +151,7 @@ def mode_plain(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     extra = {"quantization": "fp8"} if args.mode == "plain-fp8q" else {}
+    extra.update(SHAPES[args.shape].get("engine", {}))
     t0 = time.perf_counter()
     llm = LLM(model=model_dir(args.dir, args.shape), load_format="dummy", skip_tokenizer_init=True, **extra)
     load = time.perf_counter() - t0
@@ -157,7 +182,8 @@ def mode_corecap(args) -> dict:
     shutil.rmtree(store, ignore_errors=True)
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
            "--store", store,
-           "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode]]
+           "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode],
+           *engine_flags(SHAPES[args.shape].get("engine", {}))]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
         with RssPeaks(process_tree(child.pid), interval=0.2) as peaks:
@@ -186,6 +212,11 @@ def mode_corecap(args) -> dict:
         "peak_rss_gb_by_process": peaks.largest_gb(4),
         "workers": trace.get("workers", []),
     }
+
+
+def engine_flags(engine: dict) -> list[str]:
+    """A shape's engine limits as corecap's flags (vLLM's names, dashed)."""
+    return [arg for key, value in engine.items() for arg in ("--" + key.replace("_", "-"), str(value))]
 
 
 def _log_tail(store: str) -> str:
