@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -69,3 +70,18 @@ def command_line() -> str:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
     return shlex.join([*head, *sys.argv[1:]])
+
+
+def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | str, str]:
+    """Run `cmd` in a process group of its own; (exit status or "timeout", stderr). At the timeout
+    the whole group is killed: a corecap run's engine core, workers and sink are its grandchildren,
+    and killing only the child left them holding the GPU, so that the next run found no memory."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+            return proc.returncode, err
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            return "timeout", f"timeout after {timeout:.0f}s: {err[-2000:]}"

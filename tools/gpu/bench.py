@@ -52,7 +52,7 @@ import sys
 import time
 
 from tools.common import traces
-from tools.common.child import PREFIX, append_jsonl, child_env
+from tools.common.child import PREFIX, append_jsonl, child_env, run_bounded
 from tools.common.disk import dd_rate
 
 CONFIG = dict(
@@ -337,12 +337,7 @@ def main() -> None:
             if args.dp > 1 and mode in ("plain", "plain-sync"):
                 _plain_replicas(args, mode, num, r)
                 continue
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
-                rc, err = proc.returncode, proc.stderr
-            except subprocess.TimeoutExpired as e:
-                stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
-                rc, err = "timeout", stderr
+            rc, err = run_bounded(cmd, args.timeout, env=child_env())
             if rc != 0:
                 emit(args.out, {"mode": mode, "repeat": r, "rc": rc, "seconds": round(time.time() - t),
                                 "stderr_tail": (err or "")[-3000:]})

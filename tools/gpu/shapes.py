@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from tools.common import traces
-from tools.common.child import PREFIX, append_jsonl, child_env
+from tools.common.child import PREFIX, append_jsonl, child_env, run_bounded
 from tools.common.disk import dd_rate
 from tools.common.rss import RssPeaks, process_tree
 
@@ -263,11 +263,8 @@ def run_each(module: str, args, out: str) -> None:
         t = time.time()
         cmd = [sys.executable, "-m", module, "--one", run if ":" in run else f":{run}", "--out", args.out,
                "--dir", args.dir]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env())
-            ok, err = proc.returncode == 0, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            ok, err = False, f"timeout after {args.timeout}s: " + str(e.stderr or "")[-2000:]
+        rc, err = run_bounded(cmd, args.timeout, env=child_env())
+        ok = rc == 0
         print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
         if not ok:
             append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
