@@ -32,7 +32,8 @@ from tools.common.generation import (
 from tools.gpu.shapes import SHAPES, model_dir
 
 PROMPT_LENGTHS = (256, 1024)
-PROMPTS = {"8b": 1024, "1b": 4096, "qwen3moe": 512, "tiny": 8}  # >= 20 s of generation an arm on the H200; an arm in one call
+# >= 20 s of generation an arm on the H200, each arm inside one call
+PROMPTS = {"8b": 1024, "1b": 4096, "qwen3moe": 512, "tiny": 8}
 TARGETS = ("end to end >= 1.3x", "generation rate >= 0.9")
 
 
