@@ -8,7 +8,7 @@ CPU_MLA is asked for by name, and AMX_MLA then refuses float32 weights once they
 (issue 34). So for a float32 model on such a CPU corecap asks for CPU_MLA itself, before any
 weight loads (`corecap_choice`). Asked for on a CPU without AMX, AMX_MLA is not an error in
 vLLM: it runs CPU_MLA instead. tests/test_mla_backends.py checks this table against vLLM's
-classes and runs each backend the machine has against HF; docs/design.md has it as a table.
+classes and runs each backend the machine has against HF; README "Architectures" has it as a table.
 """
 
 from __future__ import annotations
