@@ -118,6 +118,18 @@ def worker_error(e: BaseException) -> str:
     return (first[0] if first else type(e).__name__)[:500]
 
 
+def _deaths_noted(executors: list) -> list:
+    """The worker deaths the executors noted (`_ensure_worker_termination`). A worker that dies
+    once the workers are up (the KV cache's setup, warm-up) is noted by vLLM's monitor thread,
+    which may still be at it when the driver's RPC has failed: wait for it, a little."""
+    deadline = time.monotonic() + 2 * _DEATH_SETTLE_S
+    while time.monotonic() < deadline and any(
+        getattr(e, "is_failed", False) and not hasattr(e, "corecap_deaths") for e in executors
+    ):
+        time.sleep(0.05)
+    return [death for e in executors for death in getattr(e, "corecap_deaths", [])]
+
+
 def _alive(pid: int) -> bool:
     """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
     and that nobody reaped yet, which is how a dead worker of ours first looks."""
@@ -161,8 +173,8 @@ class Engine:
                 raise
             # A worker killed by a signal (it recorded nothing: it is the cause), else the worker's
             # own error, one line (else vLLM's words); its traceback is in the run's log.
-            deaths = [death for executor in made for death in getattr(executor, "corecap_deaths", [])]
-            cause = worker_deaths.first_killed(deaths) or worker_errors.first_error(errors) or worker_error(e)
+            killed = worker_deaths.first_killed(_deaths_noted(made))
+            cause = killed or worker_errors.first_error(errors) or worker_error(e)
             raise CorecapError(f"vLLM's engine failed to start: {cause}") from None
         finally:
             shutil.rmtree(errors, ignore_errors=True)
