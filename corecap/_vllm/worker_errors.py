@@ -15,7 +15,7 @@ handler gets into the workers both ways vLLM starts them: a forked worker inheri
 driver installs while its workers start (`recording`), a spawned one installs it when it imports
 corecap/_vllm/worker.py, the worker extension (`watch`), which vLLM does before the worker
 initialises its device or loads a weight. A worker that dies without raising (the kernel's OOM
-killer) records nothing, and the driver keeps vLLM's words.
+killer) records nothing: corecap/_vllm/worker_deaths.py names it by the signal that killed it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import json
 import logging
 import multiprocessing
 import os
-import re
 import time
+
+from corecap._vllm.worker_deaths import rank_of
 
 ENV = "CORECAP_WORKER_ERRORS"
 LOGGER = "vllm.v1.executor.multiproc_executor"  # where vLLM logs a worker's exception
@@ -58,9 +59,7 @@ class _Recorder(logging.Handler):
 
 
 def _rank() -> int | None:
-    """vLLM names each worker process `VllmWorker-RANK` (multiproc_executor, make_worker_process)."""
-    m = re.fullmatch(r"VllmWorker-(\d+)", multiprocessing.current_process().name)
-    return int(m.group(1)) if m else None
+    return rank_of(multiprocessing.current_process().name)
 
 
 def _install(directory: str, driver_pid: int) -> _Recorder | None:
