@@ -64,8 +64,9 @@ BIAS_STD = 0.01  # the routing bias, as trained models have one
 # Each architecture: HF's class (the reference) and the report's file name.
 ARCHS = {"deepseek_v3": ("DeepseekV3ForCausalLM", "gpu_deepseek_exact"),
          "kimi_k25": ("Kimi_K25ForConditionalGeneration", "gpu_kimi_k25_exact")}
-# Kimi-K2.5's tower, run as a script (tools do not import tests); widened to heads of 64, the
-# smallest the GPU's attention kernels are built for (vLLM builds the tower, text-only or not).
+# Kimi-K2.5's checkpoint: tests/support/kimi_k25.py run as a script (tools do not import tests); its
+# tower widened to heads of 64, the smallest the GPU's attention kernels are built for (vLLM builds
+# the tower and picks its attention backend even when it runs the model text-only).
 KIMI_BUILDER = os.path.join(ROOT, "tests", "support", "kimi_k25.py")
 KIMI_VISION = {"hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 256}
 
