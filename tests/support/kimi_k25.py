@@ -14,50 +14,65 @@ with one tensor per expert, `language_model.lm_head`, `vision_tower.patch_embed`
 `vision_tower.encoder.blocks.N.{wqkv,wo,norm0,norm1,mlp.fc0,mlp.fc1}`, `mm_projector.pre_norm`,
 `mm_projector.proj.{0,2}`. The HF reference reads the same files back through transformers' own
 conversion (tiny_models.reference), so both sides read one checkpoint.
+
+tools/gpu/deepseek_exact.py builds its Kimi-K2.5 (its DeepSeek-V3's sizes) with this file run as a
+script (tools do not import tests): `python tests/support/kimi_k25.py build PATH [OPTIONS_JSON]`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
-from support import tiny_models
+try:
+    from support import tiny_models
+except ImportError:  # run as a script (tools/gpu/deepseek_exact.py): this file's directory is on sys.path
+    import tiny_models
 
 ARCHITECTURE = "KimiK25ForConditionalGeneration"  # the release's config.json spelling (vLLM's class)
-# The media tokens sit above every id the dataset draws (tiny_models.rows: below VOCAB), as the
-# release's sit near the top of its vocabulary: HF embeds a media token as token 0 without pixels.
-VOCAB = tiny_models.VOCAB + 4
-MEDIA_TOKENS = dict(image_token_id=VOCAB - 4, video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2,
-                    vision_end_token_id=VOCAB - 1)
+# The four media tokens sit above every id the dataset draws (tiny_models.rows: below its VOCAB), as
+# the release's sit near the top of its vocabulary: HF embeds a media token as token 0 without pixels.
+NUM_MEDIA_TOKENS = 4
+VOCAB = tiny_models.VOCAB + NUM_MEDIA_TOKENS
 _VISION = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
                num_hidden_layers=1, hidden_size=16, intermediate_size=32, merge_kernel_size=(2, 2))
 _LANGUAGE_SHARD = "model-00001-of-00002.safetensors"
 _VISION_SHARD = "model-00002-of-00002.safetensors"  # the release keeps the tower in its last shard
 
 
-def config():
+def config(text: dict | None = None, vision: dict | None = None):
+    """transformers' Kimi_K25Config: `text` the language model's DeepseekV3Config fields
+    (tiny_models' by default), its vocabulary grown by the media tokens; `vision` changes to the
+    tower's (tools/gpu/deepseek_exact.py widens its heads to 64, the GPU kernels' smallest)."""
     import transformers as T
 
-    text, _ = tiny_models.configs()["deepseek_v3"]
-    text.vocab_size = VOCAB
-    return T.Kimi_K25Config(text_config=text.to_dict(), vision_config=dict(_VISION), projection_hidden_size=16,
-                            tie_word_embeddings=False, **MEDIA_TOKENS)
+    if text is None:
+        text = tiny_models.configs()["deepseek_v3"][0].to_dict()
+    vocab = text["vocab_size"] + NUM_MEDIA_TOKENS
+    vision = {**_VISION, **(vision or {})}
+    media = dict(image_token_id=vocab - 4, video_token_id=vocab - 3, vision_start_token_id=vocab - 2,
+                 vision_end_token_id=vocab - 1)
+    return T.Kimi_K25Config(text_config=dict(text, vocab_size=vocab), vision_config=vision,
+                            projection_hidden_size=vision["hidden_size"], tie_word_embeddings=False, **media)
 
 
-def build(path: str, seed: int = 0) -> str:
-    """Save the tiny model to `path` under the release's names and config spelling."""
+def build(path: str, seed: int = 0, text: dict | None = None, vision: dict | None = None, std: float = 0.08,
+          bias_std: float = 0.5) -> str:
+    """Save the tiny model (config's `text` and `vision`; weights ~N(0, std) as tiny_models.randomize,
+    routing biases ~N(0, bias_std)) to `path` under the release's names and config spelling."""
     import torch
     import transformers as T
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
-    model = T.Kimi_K25ForConditionalGeneration(config()).to(torch.float32).eval()
-    tiny_models.randomize(model, std=0.08)
+    model = T.Kimi_K25ForConditionalGeneration(config(text, vision)).to(torch.float32).eval()
+    tiny_models.randomize(model, std=std)
     with torch.no_grad():
         for layer in model.model.language_model.layers:
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:  # zero by default: a bias that moves the routing is what vLLM must load
-                gate.e_score_correction_bias.copy_(0.5 * torch.randn_like(gate.e_score_correction_bias))
+                gate.e_score_correction_bias.copy_(bias_std * torch.randn_like(gate.e_score_correction_bias))
     shards: dict[str, dict] = {_LANGUAGE_SHARD: {}, _VISION_SHARD: {}}
     for name, tensor in model.state_dict().items():
         for hub_name, value in _hub_tensors(name, tensor):
@@ -130,11 +145,24 @@ def _merge_qkv(tensors: dict) -> None:
 
 
 def _release_config(path: str) -> None:
-    """The release's spelling: vLLM's architecture name, and `kimi_k2` as the text model's type
-    (which both transformers' and vLLM's Kimi_K25Config read as DeepSeek-V3)."""
+    """The release's spelling: vLLM's architecture name, `kimi_k2` as the text model's type (which
+    both transformers' and vLLM's Kimi_K25Config read as DeepSeek-V3), and beside transformers'
+    names the release's `init_pos_emb_*` and `media_placeholder_token_id`, which vLLM 0.26's own
+    KimiK25Config reads instead (without them it builds the tower's position embedding at its
+    default 64x64, and the checkpoint's does not load). The release spells the tower's sizes
+    `vt_*`, which transformers and vLLM 0.26 both ignore (their defaults are the release's sizes):
+    a tiny tower keeps transformers' names."""
     with open(path) as f:
         config = json.load(f)
     config["architectures"] = [ARCHITECTURE]
     config["text_config"]["model_type"] = "kimi_k2"
+    config["media_placeholder_token_id"] = config["image_token_id"]
+    for dim in ("height", "width", "time"):
+        config["vision_config"][f"init_pos_emb_{dim}"] = config["vision_config"][f"pos_emb_{dim}"]
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+if __name__ == "__main__":  # python tests/support/kimi_k25.py build PATH [OPTIONS_JSON: build's keyword arguments]
+    assert sys.argv[1] == "build", sys.argv
+    build(sys.argv[2], **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))

