@@ -168,23 +168,3 @@ def test_reused_buffers_go_back_only_once_committed(store, codec):
     for key, expected in originals.items():
         assert torch.equal(store.get(key).hidden_states, expected), key
     assert pool.free_bytes > 0 and not pool.lent
-
-
-def test_buffer_pool_reuses_by_size_class_and_keeps_at_most_its_cap():
-    import torch
-
-    from corecap.sink.collect import BufferPool
-
-    pool = BufferPool(max_free_bytes=3 << 20)
-    a = pool.take((4, 64, 1024), torch.bfloat16)  # 512 KiB
-    pointer = a.data_ptr()
-    pool.give(a)
-    b = pool.take((4, 60, 1024), torch.bfloat16)  # same class: the same memory again
-    assert b.data_ptr() == pointer and b.shape == (4, 60, 1024)
-    big = [pool.take((1, 1024, 1024), torch.float32) for _ in range(2)]  # 4 MiB each
-    for t in big:
-        pool.give(t)
-    assert pool.free_bytes == 0  # over the cap: not kept
-    with pytest.raises(ValueError, match="not a buffer lent by this pool"):
-        pool.give(torch.empty(4))
-    assert BufferPool.size_class(32 << 20) == 32 << 20 and BufferPool.size_class((32 << 20) + 1) == 40 << 20

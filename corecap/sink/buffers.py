@@ -8,6 +8,12 @@ import numpy as np
 import torch
 
 
+def size_class(nbytes: int) -> int:
+    """The bytes of the buffer that holds `nbytes`: rounded up to classes at most 25% apart."""
+    unit = max(4096, 1 << max(0, (nbytes - 1).bit_length() - 3))
+    return -(-nbytes // unit) * unit
+
+
 class BufferPool:
     """Host buffers for reassembled samples, reused once their sample is committed.
 
@@ -17,34 +23,51 @@ class BufferPool:
     torch's default threads in the sink, the pool gained little: there something else dominated
     (measured: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)" and
     'Figures that docstrings used to quote').
-    Sizes are rounded up to classes at most 25% apart; at most `max_free_bytes` are kept free.
+
+    The buffers lent and the free ones kept for reuse share one bound, `limit_bytes`
+    (--buffer-gb): a free buffer is kept only while lent + free fit in it, and free ones are let go
+    to make room for a fresh one. The driver admits a sample only while the buffers of those held
+    fit (corecap/sink/budget.py), so what is lent stays within the bound and the pool as a whole
+    does too; `peak_bytes` is its high-water mark, which the run reports.
     `take` runs on the collector thread, `give` on the writer's commit thread."""
 
-    def __init__(self, max_free_bytes: int):
-        self.max_free_bytes = max_free_bytes
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
         self.free: dict[int, list[torch.Tensor]] = {}
         self.lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, for those taken
         self.free_bytes = 0
+        self.lent_bytes = 0
+        self.peak_bytes = 0  # of lent + free, the most at any time
         self.lock = threading.Lock()
 
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        unit = max(4096, 1 << max(0, (nbytes - 1).bit_length() - 3))
-        return -(-nbytes // unit) * unit
+    size_class = staticmethod(size_class)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        size = self.size_class(nbytes)
+        size = size_class(nbytes)
         with self.lock:
             stack = self.free.get(size)
             buffer = stack.pop() if stack else None
             if buffer is not None:
                 self.free_bytes -= size
+            else:
+                self._let_go(size)
+            self.lent_bytes += size  # counted before it exists: the peak is never under what is resident
+            self.peak_bytes = max(self.peak_bytes, self.lent_bytes + self.free_bytes)
         if buffer is None:
             buffer = torch.empty(size, dtype=torch.uint8)
         with self.lock:
             self.lent[buffer.data_ptr()] = buffer
         return buffer[:nbytes].view(dtype).view(shape)
+
+    def _let_go(self, size: int) -> None:
+        """Free buffers go, the largest first, until a fresh one of `size` fits the bound."""
+        while self.free_bytes and self.lent_bytes + self.free_bytes + size > self.limit_bytes:
+            largest = max(self.free)
+            self.free[largest].pop()
+            if not self.free[largest]:
+                del self.free[largest]
+            self.free_bytes -= largest
 
     def give(self, states: torch.Tensor) -> None:
         """Return `states` (from `take`) once nothing reads it any more."""
@@ -53,6 +76,7 @@ class BufferPool:
             if buffer is None:
                 raise ValueError("not a buffer lent by this pool")
             size = buffer.numel()
-            if self.free_bytes + size <= self.max_free_bytes:
+            self.lent_bytes -= size
+            if self.lent_bytes + self.free_bytes + size <= self.limit_bytes:
                 self.free.setdefault(size, []).append(buffer)
                 self.free_bytes += size

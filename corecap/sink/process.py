@@ -28,6 +28,7 @@ import psutil
 import zmq
 
 from corecap.errors import CorecapError
+from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
 from corecap.sink.messages import (
@@ -63,6 +64,7 @@ class SinkSpec:
     parent_pid: int
     tcp_address: str = ""  # also receive states there (from a worker on another node)
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
+    released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
 
 
 class Sink:
@@ -85,8 +87,9 @@ class Sink:
         self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
+        self.released = Released()
         spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size)
+                        block_size, self.released)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -121,10 +124,13 @@ class Sink:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
-        max_new: int = 0,
+        max_new: int = 0, reserved: int = 0,
     ) -> None:
+        """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
+        adds to `released` once the sample is committed (corecap/sink/budget.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new))
+        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new,
+                          reserved))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
@@ -275,7 +281,8 @@ class _Loop:
         store.append([])
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
                              buffer_bytes=spec.buffer_bytes)
-        self.buffers = BufferPool(spec.buffer_bytes // 2)
+        self.buffers = BufferPool(spec.buffer_bytes)
+        self.released = spec.released or Released()
         self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
                                    spec.store, spec.buffer_bytes)
         self.decoder = msgspec.msgpack.Decoder(Control)
@@ -285,9 +292,15 @@ class _Loop:
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
         if p.spill is not None:
-            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask)
+            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask,
+                                    release=lambda: self.released.add(p.reserved))
             return
-        self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
+
+        def release(states) -> None:  # on the writer's commit thread, once the sample is committed
+            self.buffers.give(states)
+            self.released.add(p.reserved)
+
+        self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=release,
                         prefix=p.producer.prefix if p.producer else None, generation=p.generation)
 
     def serve(self) -> Done:
@@ -310,6 +323,7 @@ class _Loop:
             [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
             [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
             c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, _peak_rss(),
+            self.buffers.peak_bytes,
         )
 
     def _on_control(self, raw: bytes) -> None:
@@ -317,7 +331,7 @@ class _Loop:
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
             self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes,
-                                  msg.max_new)
+                                  msg.max_new, msg.reserved)
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):

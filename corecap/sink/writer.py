@@ -6,9 +6,11 @@ no partial one. Encoding (checksum, NaN/Inf check, compression or fp8) runs on `
 since zstd, crc32 and torch release the GIL. A write thread takes the encoded records in arrival
 order, batches them (up to `batch_bytes`, or whatever is ready) and writes their states; a commit
 thread makes each batch durable meanwhile, so the disk streams while the next batch is written.
-At most `buffer_bytes` of states wait for their commit: that bound is the backpressure that keeps
-host memory flat when the disk is the bottleneck, and the slack that lets the GPU run ahead of a
-disk that keeps up on average.
+`put` never waits: what the queue may hold is bounded before a sample reaches it, by the driver,
+which admits a sample only while the sink's buffers, those awaiting their commit here included,
+fit in --buffer-gb (corecap/sink/budget.py). That bound is the backpressure that keeps host memory
+flat when the disk is the bottleneck, and the slack that lets the GPU run ahead of a disk that
+keeps up on average.
 """
 
 from __future__ import annotations
@@ -78,9 +80,7 @@ class Writer:
         self.batch_bytes = batch_bytes
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-encode")
         self.queue: queue.Queue = queue.Queue()
-        self.buffer_bytes = buffer_bytes
-        self.in_flight = 0  # bytes of states handed to put() and not yet committed
-        self.space = threading.Condition()
+        self.buffer_bytes = buffer_bytes  # --buffer-gb: sizes a long sample's read-back pieces
         self.error: BaseException | None = None
         self.num_committed = 0
         self.num_tokens = 0
@@ -104,31 +104,27 @@ class Writer:
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
         prefix: tuple | None = None, generation=None,
     ) -> None:
-        """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
-        (one sample larger than the buffer still goes through alone). `release(states)` is called
-        once the sample is committed: until then its encoded bytes may be views of `states`.
+        """Queue one finished sample; never waits (the driver bounds what is queued:
+        corecap/sink/budget.py). `release(states)` is called once the sample is committed: until
+        then its encoded bytes may be views of `states`.
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
         put before it (commits keep the order of `put`); only [n, T) is encoded and written.
         `generation` (store.Generation): the model wrote the sample's response."""
-        size = states.numel() * states.element_size()
-        raw = size if states.dtype != torch.uint8 else fp8rows.captured_nbytes(states, self.store.meta.dtype)
-        with self.space:
-            while self.in_flight and self.in_flight + size > self.buffer_bytes:
-                self.raise_if_failed()
-                self.space.wait(0.1)
-            self.raise_if_failed()
-            self.in_flight += size
+        raw = (states.numel() * states.element_size() if states.dtype != torch.uint8
+               else fp8rows.captured_nbytes(states, self.store.meta.dtype))
+        self.raise_if_failed()
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
-        self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
+        self.queue.put((future, len(token_ids), raw, functools.partial(release, states) if release else None))
 
     def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
-                    ) -> None:
+                    release=None) -> None:
         """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
         read back a piece at a time to checksum and check them, then renamed into the state files
-        at its commit. It holds none of the bound (`buffer_bytes`) but the piece being read."""
+        at its commit. It holds no buffer, only the piece being read. `release()` is called once
+        it is committed."""
         self.raise_if_failed()
         future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
-        self.queue.put((future, len(token_ids), 0, spill.nbytes, None))
+        self.queue.put((future, len(token_ids), spill.nbytes, release))
 
     def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> Record:
         start = time.time()
@@ -220,12 +216,12 @@ class Writer:
         try:
             while not done and self.error is None:
                 item = self.queue.get()
-                records, size, tokens, raw, referred, held, releases = [], 0, 0, 0, 0, 0, []
+                records, size, tokens, raw, referred, releases = [], 0, 0, 0, 0, []
                 while True:
                     if item is _DONE:
                         done = True
                         break
-                    future, num_tokens, size_in_memory, num_raw, release = item
+                    future, num_tokens, num_raw, release = item
                     if release:
                         releases.append(release)
                     record = future.result()
@@ -233,7 +229,6 @@ class Writer:
                     size += record.nbytes
                     tokens += num_tokens
                     raw += num_raw
-                    held += size_in_memory
                     referred += num_raw * record.num_prefix // max(1, num_tokens)  # stored by others
                     if size >= self.batch_bytes:
                         break
@@ -245,7 +240,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw, referred, held, releases))
+                    self.written.put((appended, tokens, raw, referred, releases))
         except BaseException as e:
             self._fail(e)
         finally:
@@ -255,7 +250,7 @@ class Writer:
         try:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
-                appended, tokens, raw, referred, held, releases = item
+                appended, tokens, raw, referred, releases = item
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
@@ -266,9 +261,6 @@ class Writer:
                 self.referred_bytes += referred
                 for release in releases:
                     release()
-                with self.space:
-                    self.in_flight -= held
-                    self.space.notify_all()
         except BaseException as e:
             self._fail(e)
             while self.written.get() is not _DONE:
