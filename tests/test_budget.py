@@ -65,3 +65,16 @@ def test_the_pool_keeps_lent_and_free_buffers_within_its_limit():
     pool.give(e)
     assert pool.lent_bytes == 0 and pool.free_bytes <= 3 * MIB and not pool.lent
     assert BufferPool.size_class(32 * MIB) == 32 * MIB and BufferPool.size_class(32 * MIB + 1) == 40 * MIB
+
+
+def test_an_encoded_copy_held_until_its_commit_counts_and_lets_free_buffers_go():
+    """The writer gives a buffer back once a copying codec has encoded its sample, and holds the
+    copy until the commit (corecap/sink/writer.py): the copy counts against the same bound."""
+    pool = BufferPool(2 * MIB)
+    a, b = (pool.take((MIB // 4,), torch.float32) for _ in range(2))  # 1 MiB each
+    pool.give(a)  # encoded: its buffer goes back, kept free (1 lent + 1 free)
+    pool.hold(MIB // 2)  # its copy: the free buffer goes to make room
+    assert pool.free_bytes == 0 and pool.held_bytes == MIB // 2 and pool.total_bytes == 1.5 * MIB
+    pool.drop(MIB // 2)  # committed
+    pool.give(b)
+    assert pool.total_bytes == pool.free_bytes == MIB and pool.peak_bytes == 2 * MIB

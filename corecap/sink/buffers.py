@@ -24,11 +24,13 @@ class BufferPool:
     (measured: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)" and
     'Figures that docstrings used to quote').
 
-    The buffers lent and the free ones kept for reuse share one bound, `limit_bytes`
-    (--buffer-gb): a free buffer is kept only while lent + free fit in it, and free ones are let go
-    to make room for a fresh one. The driver admits a sample only while the buffers of those held
-    fit (corecap/sink/budget.py), so what is lent stays within the bound and the pool as a whole
-    does too; `peak_bytes` is its high-water mark, which the run reports.
+    The sink's memory for states is one count here against one bound, `limit_bytes` (--buffer-gb):
+    the buffers lent, the free ones kept for reuse, and the encoded copies that the writer holds
+    until their commit in place of a buffer it gave back (`hold`/`drop`; corecap/sink/writer.py). A
+    free buffer is kept only while the whole fits in the bound, and free ones are let go to make
+    room for a fresh buffer or an encoded copy. The driver admits a sample only while the buffers of
+    those held fit (corecap/sink/budget.py), so what is lent or held stays within the bound and the
+    whole does too; `peak_bytes` is its high-water mark, which the run reports.
     `take` runs on the collector thread, `give` on the writer's commit thread."""
 
     def __init__(self, limit_bytes: int):
@@ -37,7 +39,8 @@ class BufferPool:
         self.lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer, for those taken
         self.free_bytes = 0
         self.lent_bytes = 0
-        self.peak_bytes = 0  # of lent + free, the most at any time
+        self.held_bytes = 0  # encoded copies awaiting their commit (`hold`)
+        self.peak_bytes = 0  # of lent + free + held, the most at any time
         self.lock = threading.Lock()
 
     size_class = staticmethod(size_class)
@@ -53,16 +56,34 @@ class BufferPool:
             else:
                 self._let_go(size)
             self.lent_bytes += size  # counted before it exists: the peak is never under what is resident
-            self.peak_bytes = max(self.peak_bytes, self.lent_bytes + self.free_bytes)
+            self._peak()
         if buffer is None:
             buffer = torch.empty(size, dtype=torch.uint8)
         with self.lock:
             self.lent[buffer.data_ptr()] = buffer
         return buffer[:nbytes].view(dtype).view(shape)
 
+    @property
+    def total_bytes(self) -> int:
+        return self.lent_bytes + self.free_bytes + self.held_bytes
+
+    def _peak(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.total_bytes)
+
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` of states held outside the pool's buffers (an encoded copy), making room."""
+        with self.lock:
+            self._let_go(nbytes)
+            self.held_bytes += nbytes
+            self._peak()
+
+    def drop(self, nbytes: int) -> None:
+        with self.lock:
+            self.held_bytes -= nbytes
+
     def _let_go(self, size: int) -> None:
-        """Free buffers go, the largest first, until a fresh one of `size` fits the bound."""
-        while self.free_bytes and self.lent_bytes + self.free_bytes + size > self.limit_bytes:
+        """Free buffers go, the largest first, until `size` more bytes fit the bound."""
+        while self.free_bytes and self.total_bytes + size > self.limit_bytes:
             largest = max(self.free)
             self.free[largest].pop()
             if not self.free[largest]:
@@ -77,6 +98,6 @@ class BufferPool:
                 raise ValueError("not a buffer lent by this pool")
             size = buffer.numel()
             self.lent_bytes -= size
-            if self.lent_bytes + self.free_bytes + size <= self.limit_bytes:
+            if self.total_bytes + size <= self.limit_bytes:
                 self.free.setdefault(size, []).append(buffer)
                 self.free_bytes += size

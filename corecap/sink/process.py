@@ -279,9 +279,9 @@ class _Loop:
         # The store's one-writer lock now, before the engine starts (and every run's start checks
         # it, Store.create_or_open): a second run on this store is refused before it loads a model.
         store.append([])
-        self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
-                             buffer_bytes=spec.buffer_bytes)
         self.buffers = BufferPool(spec.buffer_bytes)
+        self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
+                             buffer_bytes=spec.buffer_bytes, ledger=self.buffers)
         self.released = spec.released or Released()
         self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
                                    spec.store, spec.buffer_bytes)
@@ -291,17 +291,14 @@ class _Loop:
 
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
-        if p.spill is not None:
-            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask,
-                                    release=lambda: self.released.add(p.reserved))
-            return
-
-        def release(states) -> None:  # on the writer's commit thread, once the sample is committed
-            self.buffers.give(states)
+        def committed() -> None:  # on the writer's commit thread: the driver may admit more
             self.released.add(p.reserved)
 
-        self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=release,
-                        prefix=p.producer.prefix if p.producer else None, generation=p.generation)
+        if p.spill is not None:
+            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask, committed=committed)
+            return
+        self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
+                        prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
 
     def serve(self) -> Done:
         poller = zmq.Poller()

@@ -37,6 +37,11 @@ from corecap.store.spill import SpillFile
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
 _PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
+# Codecs whose encoded bytes never view the states (zstd-planes splits them into byte planes first:
+# corecap/store/codec.py, encode_parts): a sample's buffer can go back once it is encoded, and its
+# encoded copy is what it holds until its commit. raw's bytes are the buffer itself, and fp8's
+# may be views of the workers' rows: those buffers go back at the commit.
+_COPYING_CODECS = frozenset({"zstd-planes"})
 
 
 @dataclass
@@ -72,8 +77,12 @@ class Writer:
         num_threads: int = 2,
         batch_bytes: int = 64 << 20,
         buffer_bytes: int = 4 << 30,
+        ledger=None,
     ):
+        """`ledger` (the sink's BufferPool): where the encoded copies that stand in for a buffer
+        given back are counted (`hold`, `drop`), inside --buffer-gb."""
         self.store = store
+        self.ledger = ledger
         self.layers = store.meta.layers
         self.codec = codec
         self.nonfinite = nonfinite
@@ -102,31 +111,35 @@ class Writer:
 
     def put(
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
-        prefix: tuple | None = None, generation=None,
+        prefix: tuple | None = None, generation=None, committed=None,
     ) -> None:
         """Queue one finished sample; never waits (the driver bounds what is queued:
-        corecap/sink/budget.py). `release(states)` is called once the sample is committed: until
-        then its encoded bytes may be views of `states`.
+        corecap/sink/budget.py). `release(states)` is called once nothing reads `states`: once
+        encoded by a codec that copies (`_COPYING_CODECS`), else once committed (the encoded
+        bytes are views of `states` until then). `committed()` is called once it is committed.
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
         put before it (commits keep the order of `put`); only [n, T) is encoded and written.
         `generation` (store.Generation): the model wrote the sample's response."""
         raw = (states.numel() * states.element_size() if states.dtype != torch.uint8
                else fp8rows.captured_nbytes(states, self.store.meta.dtype))
         self.raise_if_failed()
-        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
-        self.queue.put((future, len(token_ids), raw, functools.partial(release, states) if release else None))
+        early = release is not None and self.codec in _COPYING_CODECS
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation,
+                                  functools.partial(release, states) if early else None)
+        after = [functools.partial(release, states)] if release is not None and not early else []
+        self.queue.put((future, len(token_ids), raw, after + ([committed] if committed else [])))
 
     def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
-                    release=None) -> None:
+                    committed=None) -> None:
         """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
         read back a piece at a time to checksum and check them, then renamed into the state files
-        at its commit. It holds no buffer, only the piece being read. `release()` is called once
-        it is committed."""
+        at its commit. It holds no buffer, only the piece being read. `committed()` is called
+        once it is committed."""
         self.raise_if_failed()
         future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
-        self.queue.put((future, len(token_ids), spill.nbytes, release))
+        self.queue.put((future, len(token_ids), spill.nbytes, [committed] if committed else []))
 
-    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> Record:
+    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> tuple[Record, int]:
         start = time.time()
         meta = self.store.meta
         fp8 = self.codec == FP8
@@ -145,7 +158,7 @@ class Writer:
             spill.discard()
             raise
         self.encodes.append((start, time.time()))
-        return record
+        return record, 0
 
     def _piece_bytes(self, itemsize: int) -> int:
         """A spill file's read-back piece: 1/32 of the bound, at most `_PIECE_BYTES`, whole items."""
@@ -178,12 +191,21 @@ class Writer:
                 bad.append(layer)
         return checksum, bad
 
-    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
+    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation,
+                release) -> tuple[Record, int]:
+        """The sample's record, and the bytes of its encoded copy counted in the ledger until its
+        commit (those of a codec that copies, whose buffer `release` gives back here)."""
         start = time.time()
         record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask,
                                       prefix, generation)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
-        return record
+        held = 0
+        if release is not None:
+            release()  # first: the buffer given back makes room for its copy
+            if self.ledger is not None:
+                held = record.nbytes
+                self.ledger.hold(held)
+        return record, held
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         dtype = self.store.meta.dtype
@@ -216,15 +238,15 @@ class Writer:
         try:
             while not done and self.error is None:
                 item = self.queue.get()
-                records, size, tokens, raw, referred, releases = [], 0, 0, 0, 0, []
+                records, size, tokens, raw, referred, held, releases = [], 0, 0, 0, 0, 0, []
                 while True:
                     if item is _DONE:
                         done = True
                         break
-                    future, num_tokens, num_raw, release = item
-                    if release:
-                        releases.append(release)
-                    record = future.result()
+                    future, num_tokens, num_raw, after_commit = item
+                    releases += after_commit
+                    record, num_held = future.result()
+                    held += num_held
                     records.append(record)
                     size += record.nbytes
                     tokens += num_tokens
@@ -240,7 +262,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw, referred, releases))
+                    self.written.put((appended, tokens, raw, referred, held, releases))
         except BaseException as e:
             self._fail(e)
         finally:
@@ -250,7 +272,7 @@ class Writer:
         try:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
-                appended, tokens, raw, referred, releases = item
+                appended, tokens, raw, referred, held, releases = item
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
@@ -259,6 +281,8 @@ class Writer:
                 self.nbytes += nbytes
                 self.raw_bytes += raw - referred
                 self.referred_bytes += referred
+                if held:
+                    self.ledger.drop(held)
                 for release in releases:
                     release()
         except BaseException as e:
