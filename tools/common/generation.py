@@ -225,19 +225,19 @@ def role_peak_mib(peaks: RssPeaks, role: str, anon: bool = False, shmem: bool = 
     names = peaks.anon_mib if anon else peaks.shmem_mib if shmem else peaks.mib
     roles: dict[str, set[str]] = {}
     for name in peaks.mib:
-        roles.setdefault(name.split(" ", 1)[0], set()).add(_role(name))
-    found = [mib for name, mib in names.items() if _pid_role(roles[name.split(" ", 1)[0]]) == role]
+        roles.setdefault(name.split(" ", 1)[0], set()).add(process_role(name))
+    found = [mib for name, mib in names.items() if pid_role(roles[name.split(" ", 1)[0]]) == role]
     return round(max(found), 1) if found else None
 
 
-def _pid_role(roles: set[str]) -> str:
+def pid_role(roles: set[str]) -> str:
     for role in ("worker", "driver", "sink"):
         if role in roles:
             return role
     return "other"
 
 
-def _role(name: str) -> str:
+def process_role(name: str) -> str:
     if "VLLM" in name or "Worker" in name:
         return "worker"
     if "corecap run" in name:
