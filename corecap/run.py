@@ -106,7 +106,8 @@ class _Capture:
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
         block_size = prefix_tracker.block_size(self.plan.vllm_config)
         threads = sink_encode_threads(cfg)
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, threads, self.plan.buffer_bytes, tcp, block_size)
+        delay = cfg.test_hooks.commit_delay if cfg.test_hooks else 0.0
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, threads, self.plan.buffer_bytes, tcp, block_size, delay)
         self.budget = StatesBudget(self.plan.buffer_bytes, token_bytes(self.plan), sink.released)
         record = shm.ShmRecord()
         try:

@@ -65,6 +65,7 @@ class SinkSpec:
     tcp_address: str = ""  # also receive states there (from a worker on another node)
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
     released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
+    commit_delay: float = 0.0  # config.TestHooks
 
 
 class Sink:
@@ -72,7 +73,7 @@ class Sink:
 
     def __init__(
         self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = "",
-        block_size: int = 0,
+        block_size: int = 0, commit_delay: float = 0.0,
     ):
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
         worker of an engine whose last pipeline stage is on another node ('' : none).
@@ -89,7 +90,7 @@ class Sink:
         self.decoder = msgspec.msgpack.Decoder(Status)
         self.released = Released()
         spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size, self.released)
+                        block_size, self.released, commit_delay)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -281,7 +282,7 @@ class _Loop:
         store.append([])
         self.buffers = BufferPool(spec.buffer_bytes)
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
-                             buffer_bytes=spec.buffer_bytes, ledger=self.buffers)
+                             buffer_bytes=spec.buffer_bytes, ledger=self.buffers, commit_delay=spec.commit_delay)
         self.released = spec.released or Released()
         self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
                                    spec.store, spec.buffer_bytes)

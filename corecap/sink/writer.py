@@ -78,11 +78,14 @@ class Writer:
         batch_bytes: int = 64 << 20,
         buffer_bytes: int = 4 << 30,
         ledger=None,
+        commit_delay: float = 0.0,
     ):
         """`ledger` (the sink's BufferPool): where the encoded copies that stand in for a buffer
-        given back are counted (`hold`, `drop`), inside --buffer-gb."""
+        given back are counted (`hold`, `drop`), inside --buffer-gb. `commit_delay`: a test's slow
+        disk (config.TestHooks)."""
         self.store = store
         self.ledger = ledger
+        self.commit_delay = commit_delay
         self.layers = store.meta.layers
         self.codec = codec
         self.nonfinite = nonfinite
@@ -273,6 +276,8 @@ class Writer:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
                 appended, tokens, raw, referred, held, releases = item
+                if self.commit_delay:
+                    time.sleep(self.commit_delay)
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))

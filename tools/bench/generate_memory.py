@@ -5,7 +5,7 @@ admits a sample only while they fit: corecap/sink/budget.py), so with a B small 
 the peak should stay flat in the number of prompts, under the sink's idle RSS + B + the ring.
 
     flock /tmp/corecap-engine.lock python -m tools.bench.generate_memory [--prompts 8,64,128,256]
-        [--buffer-gb 0.05] [--max-tokens 256] [--control] [--repeat 2] [--out DIR] [--dir DIR]
+        [--buffer-gb 0.05|default] [--max-tokens 256] [--control] [--repeat 2] [--out DIR] [--dir DIR]
 
 The demo model (corecap/demo.py) with every layer captured (1-8 and prenorm: 9 rows of 128 bf16,
 2,304 bytes a token in the sink's buffers), prompts of 256-1,024 random tokens (the first P of one
@@ -46,7 +46,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prompts", default="8,64,128,256", help="comma-separated numbers of prompts")
-    ap.add_argument("--buffer-gb", type=float, default=0.05)
+    ap.add_argument("--buffer-gb", type=lambda x: None if x == "default" else float(x), default=0.05,
+                    help="corecap's --buffer-gb, or 'default' for corecap's own (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--control", action="store_true", help="also the largest P with the default --buffer-gb")
     ap.add_argument("--repeat", type=int, default=2)
