@@ -64,6 +64,20 @@ def test_the_pool_keeps_lent_and_free_buffers_within_its_limit():
     pool.give(d)
     pool.give(e)
     assert pool.lent_bytes == 0 and pool.free_bytes <= 3 * MIB and not pool.lent
+
+
+def test_free_buffers_go_whichever_classes_were_reused_before():
+    """A class emptied by reuse leaves nothing behind for `_let_go` to trip on."""
+    pool = BufferPool(2 * MIB)
+    small, large = pool.take((MIB // 16,), torch.float32), pool.take((MIB // 4,), torch.float32)
+    pool.give(small)
+    pool.give(large)  # free: 0.25 MiB and 1 MiB
+    again = pool.take((MIB // 4,), torch.float32)  # the 1 MiB class, emptied
+    fresh = pool.take((MIB // 4 + 1024,), torch.float32)  # 1.25 MiB: the free 0.25 MiB must go
+    assert pool.free_bytes == 0 and pool.total_bytes == 2.25 * MIB
+    pool.give(again)
+    pool.give(fresh)
+    assert pool.total_bytes <= 2 * MIB and not pool.lent
     assert BufferPool.size_class(32 * MIB) == 32 * MIB and BufferPool.size_class(32 * MIB + 1) == 40 * MIB
 
 

@@ -53,6 +53,8 @@ class BufferPool:
             buffer = stack.pop() if stack else None
             if buffer is not None:
                 self.free_bytes -= size
+                if not stack:
+                    del self.free[size]  # `_let_go` takes from the largest class there is
             else:
                 self._let_go(size)
             self.lent_bytes += size  # counted before it exists: the peak is never under what is resident
