@@ -12,6 +12,7 @@ If the driver dies, the sink notices its parent is gone, commits what is complet
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -46,6 +47,9 @@ CAPTURE = "capture.sock"
 # 16 torch threads and 1 copy thread (docs/benchmarks.md, "H200: the sink's thread settings and
 # the encode's cost (calls 12-18)").
 _TORCH_THREADS = 1
+# glibc's M_MMAP_THRESHOLD, and the size from which the sink's allocations are mappings of their own
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 def copy_threads() -> int:
@@ -226,10 +230,24 @@ def _peak_rss() -> int:
     return 0
 
 
+def _return_freed_memory() -> None:
+    """Allocations of 1 MiB and more are mappings of their own, given back to the system when
+    freed (glibc; elsewhere nothing changes). glibc's default raises that threshold to the largest
+    block freed so far (up to 32 MiB): the samples' buffers, byte planes and compressed payloads,
+    freed by one thread and allocated by another, then came from its per-thread heaps, which keep
+    what they once held, and the sink's resident memory grew with the number of samples well past
+    what --buffer-gb bounds (docs/benchmarks.md, "The sink's peak RSS as the prompts double")."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(spec: SinkSpec) -> None:
     """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _return_freed_memory()
     import torch
 
     torch.set_num_threads(_TORCH_THREADS)
