@@ -310,8 +310,10 @@ class _Loop:
 
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
+        reserved = p.reserved  # not `p`, whose buffer a closure would keep alive until the commit
+
         def committed() -> None:  # on the writer's commit thread: the driver may admit more
-            self.released.add(p.reserved)
+            self.released.add(reserved)
 
         if p.spill is not None:
             self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask, committed=committed)
