@@ -47,9 +47,12 @@ CAPTURE = "capture.sock"
 # 16 torch threads and 1 copy thread (docs/benchmarks.md, "H200: the sink's thread settings and
 # the encode's cost (calls 12-18)").
 _TORCH_THREADS = 1
-# glibc's M_MMAP_THRESHOLD, and the size from which the sink's allocations are mappings of their own
+# glibc's M_MMAP_THRESHOLD, and the size from which the sink's allocations are mappings of their
+# own (glibc's own starting value, which it would raise); M_ARENA_MAX, and the heaps its threads share
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 1 << 20
+_MMAP_THRESHOLD_BYTES = 128 << 10
+_M_ARENA_MAX = -8
+_ARENAS = 2
 
 
 def copy_threads() -> int:
@@ -231,14 +234,17 @@ def _peak_rss() -> int:
 
 
 def _return_freed_memory() -> None:
-    """Allocations of 1 MiB and more are mappings of their own, given back to the system when
-    freed (glibc; elsewhere nothing changes). glibc's default raises that threshold to the largest
-    block freed so far (up to 32 MiB): the samples' buffers, byte planes and compressed payloads,
-    freed by one thread and allocated by another, then came from its per-thread heaps, which keep
-    what they once held, and the sink's resident memory grew with the number of samples well past
-    what --buffer-gb bounds (docs/benchmarks.md, "The sink's peak RSS as the prompts double")."""
+    """Allocations of 128 KiB and more are mappings of their own, given back to the system when
+    freed, and the sink's threads share two heaps (glibc; elsewhere nothing changes). glibc's
+    default raises that threshold to the largest block freed so far (up to 32 MiB), and gives
+    each thread a heap of its own: the samples' buffers, byte planes and compressed payloads,
+    freed by one thread and allocated by another, then came from heaps that keep what they once
+    held, and the sink's resident memory grew with the number of samples well past what
+    --buffer-gb bounds (docs/benchmarks.md, "The sink's peak RSS as the prompts double")."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        libc.mallopt(_M_ARENA_MAX, _ARENAS)
     except (OSError, AttributeError):
         pass
 
