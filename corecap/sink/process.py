@@ -12,7 +12,6 @@ If the driver dies, the sink notices its parent is gone, commits what is complet
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import multiprocessing
 import os
@@ -25,13 +24,13 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-import psutil
 import zmq
 
 from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
+from corecap.sink.memory import peak_rss, return_freed_memory, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
@@ -47,12 +46,6 @@ CAPTURE = "capture.sock"
 # 16 torch threads and 1 copy thread (docs/benchmarks.md, "H200: the sink's thread settings and
 # the encode's cost (calls 12-18)").
 _TORCH_THREADS = 1
-# glibc's M_MMAP_THRESHOLD, and the size from which the sink's allocations are mappings of their
-# own (glibc's own starting value, which it would raise); M_ARENA_MAX, and the heaps its threads share
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 128 << 10
-_M_ARENA_MAX = -8
-_ARENAS = 2
 
 
 def copy_threads() -> int:
@@ -215,45 +208,11 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _rss() -> int:
-    """This process's resident bytes now."""
-    return psutil.Process().memory_info().rss
-
-
-def _peak_rss() -> int:
-    """This process's peak resident bytes so far (the kernel's high-water mark, VmHWM; 0 where
-    there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _return_freed_memory() -> None:
-    """Allocations of 128 KiB and more are mappings of their own, given back to the system when
-    freed, and the sink's threads share two heaps (glibc; elsewhere nothing changes). glibc's
-    default raises that threshold to the largest block freed so far (up to 32 MiB), and gives
-    each thread a heap of its own: the samples' buffers, byte planes and compressed payloads,
-    freed by one thread and allocated by another, then came from heaps that keep what they once
-    held, and the sink's resident memory grew with the number of samples well past what
-    --buffer-gb bounds (docs/benchmarks.md, "The sink's peak RSS as the prompts double")."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-        libc.mallopt(_M_ARENA_MAX, _ARENAS)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(spec: SinkSpec) -> None:
     """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _return_freed_memory()
+    return_freed_memory()
     import torch
 
     torch.set_num_threads(_TORCH_THREADS)
@@ -312,7 +271,7 @@ class _Loop:
                                    spec.store, spec.buffer_bytes)
         self.decoder = msgspec.msgpack.Decoder(Control)
         self.finishing = self.aborting = False
-        self.rss_start = _rss()
+        self.rss_start = rss()
 
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
@@ -346,7 +305,7 @@ class _Loop:
             w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
             [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
             [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, _peak_rss(),
+            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, peak_rss(),
             self.buffers.peak_bytes,
         )
 
