@@ -7,12 +7,7 @@ import ctypes
 
 import psutil
 
-# glibc's M_MMAP_THRESHOLD, and the size from which the sink's allocations are mappings of their
-# own (glibc's own starting value, which it would raise); M_ARENA_MAX, and the heaps its threads share
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 128 << 10
-_M_ARENA_MAX = -8
-_ARENAS = 2
+TRIM_EVERY_S = 1.0  # how often the commit thread gives the heaps' free pages back (writer.py)
 
 
 def rss() -> int:
@@ -34,16 +29,14 @@ def peak_rss() -> int:
 
 
 def return_freed_memory() -> None:
-    """Allocations of 128 KiB and more are mappings of their own, given back to the system when
-    freed, and the sink's threads share two heaps (glibc; elsewhere nothing changes). glibc's
-    default raises that threshold to the largest block freed so far (up to 32 MiB), and gives
-    each thread a heap of its own: the samples' buffers, byte planes and compressed payloads,
-    freed by one thread and allocated by another, then came from heaps that keep what they once
-    held, and the sink's resident memory grew with the number of samples well past what
-    --buffer-gb bounds (docs/benchmarks.md, "2026-12-05 (CPU): the sink's memory as the prompts double")."""
+    """Give the heaps' free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    glibc keeps what its heaps once held, and gives each thread a heap of its own: the samples'
+    byte planes and compressed payloads, freed by one thread and allocated by another, left the
+    sink's resident memory growing with the number of samples well past what --buffer-gb bounds
+    (docs/benchmarks.md, "2026-12-05 (CPU): the sink's memory as the prompts double"). The commit
+    thread calls this at most every TRIM_EVERY_S: the allocator's fast paths stay as they are
+    (fixing its mmap threshold instead would map, fault in and unmap every large temporary)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-        libc.mallopt(_M_ARENA_MAX, _ARENAS)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -30,7 +30,7 @@ from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
-from corecap.sink.memory import peak_rss, return_freed_memory, rss
+from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
@@ -212,7 +212,6 @@ def main(spec: SinkSpec) -> None:
     """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return_freed_memory()
     import torch
 
     torch.set_num_threads(_TORCH_THREADS)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
+from corecap.sink import memory
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
 from corecap.store.codec import DTYPES, crc32
 from corecap.store.format import spilled_record
@@ -272,6 +273,7 @@ class Writer:
             self.written.put(_DONE)
 
     def _commit_loop(self) -> None:
+        next_trim = time.monotonic() + memory.TRIM_EVERY_S
         try:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
@@ -290,6 +292,9 @@ class Writer:
                     self.ledger.drop(held)
                 for release in releases:
                     release()
+                if time.monotonic() >= next_trim:
+                    memory.return_freed_memory()
+                    next_trim = time.monotonic() + memory.TRIM_EVERY_S
         except BaseException as e:
             self._fail(e)
             while self.written.get() is not _DONE:
