@@ -104,10 +104,13 @@ def check_engine_arg(name: str) -> None:
 @dataclass(frozen=True)
 class TestHooks:
     """For the fault tests only (tests/test_faults.py): never set by the CLI. At this capture step
-    the rank-0 worker writes "PID STEP" to `pause_file` and waits until the file is removed."""
+    the rank-0 worker writes "PID STEP" to `pause_file` and waits until the file is removed.
+    `commit_delay`: seconds the sink's writer waits before each commit, a slow disk, so that
+    samples await their commit (tests/test_generate.py: --buffer-gb holds them too)."""
 
     pause_at_step: int = 0
     pause_file: str = ""
+    commit_delay: float = 0.0
 
 
 # The sampling settings of `--max-tokens` runs, by vLLM's SamplingParams names. Unset ones take

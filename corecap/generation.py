@@ -123,8 +123,9 @@ class Responses:
 
 CAPTURE_BUFFER_BYTES = 4 << 30  # --buffer-gb's default for a capture of given tokens
 # --buffer-gb's default with --max-tokens: this share of the memory available at start. The sink
-# holds every response in flight whole until it ends, and a decode step runs as many requests as
-# fit: 4 GiB held an 8B model's 1,024 sequences to ~85 at once (docs/benchmarks.md, "2026-12-04").
+# holds every response in flight whole until it is committed, and a decode step runs as many
+# requests as fit: 4 GiB held an 8B model's 1,024 sequences to ~85 at once (docs/benchmarks.md,
+# "2026-12-04").
 GENERATION_MEMORY_SHARE = 0.4
 
 
@@ -136,47 +137,6 @@ def buffer_bytes(given: int | None, generate: bool, available: int) -> int:
     if not generate:
         return CAPTURE_BUFFER_BYTES
     return max(CAPTURE_BUFFER_BYTES, int(GENERATION_MEMORY_SHARE * available))
-
-
-class ResponseBudget:
-    """The sink's memory for samples whose responses are being written, bounded.
-
-    The sink reassembles such a sample in a buffer of its prompt and its longest response
-    (corecap/sink/collect.py, `_Pending.buffer`) from its first chunk until the response ends, so
-    that memory grows with the responses in flight, not with what awaits the disk: without a
-    bound, 1,024 prompts of the 8B shape held 39 GB (docs/benchmarks.md, "2026-12-03: generation
-    and capture in one run"). The driver adds a generating request only while the buffers of
-    those in flight, its own included, fit in `budget_bytes` (--buffer-gb); at least one is
-    always in flight."""
-
-    def __init__(self, budget_bytes: int, token_bytes: int):
-        self.budget_bytes = budget_bytes
-        self.token_bytes = token_bytes
-        self.reserved: dict[str, int] = {}  # request → its buffer's bytes
-        self.num_bytes = 0
-        self.num_waits = 0  # times a request waited for room
-        self.most_in_flight = 0
-
-    def fits(self, num_tokens: int) -> bool:
-        return not self.reserved or self.num_bytes + num_tokens * self.token_bytes <= self.budget_bytes
-
-    def reserve(self, req_id: str, num_tokens: int) -> None:
-        self.reserved[req_id] = num_tokens * self.token_bytes
-        self.num_bytes += self.reserved[req_id]
-        self.most_in_flight = max(self.most_in_flight, len(self.reserved))
-
-    def release(self, req_id: str) -> None:
-        self.num_bytes -= self.reserved.pop(req_id, 0)
-
-    def line(self) -> str:
-        """Said at the end of a run where the bound held requests back."""
-        if not self.num_waits:
-            return ""
-        return (
-            f"responses in flight: at most {self.most_in_flight} at once, held to --buffer-gb "
-            f"{self.budget_bytes / 2**30:g} ({self.token_bytes} bytes a token in the sink's buffers); "
-            f"a larger --buffer-gb lets more be written at once"
-        )
 
 
 def turn_key(key: str, index: int) -> str:

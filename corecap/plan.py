@@ -17,6 +17,7 @@ from corecap.generation import Conversations, StopRule, buffer_bytes
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
 from corecap.resume import ResumeCheck, committed_fingerprints
 from corecap.sink import stream
+from corecap.sink.buffers import size_class
 from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta
 
 
@@ -159,7 +160,7 @@ def check_long_samples(cfg: RunConfig, longest: int, max_len: int, token_bytes: 
     limit = f"--buffer-gb {buffer_bytes / 2**30:g}"
     if cfg.sampling.generate:
         longest = min(max_len, longest + cfg.sampling.max_tokens)
-        nbytes = longest * token_bytes
+        nbytes = size_class(longest * token_bytes)  # the sink's buffer for it (sink/buffers.py)
         if nbytes > buffer_bytes:
             raise CorecapError(
                 f"{limit}: a sample of up to {longest} tokens with its response holds {nbytes / 2**20:,.0f} MiB of "

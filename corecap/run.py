@@ -19,11 +19,12 @@ import msgspec
 from corecap import __version__, data
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig
-from corecap.generation import Response, ResponseBudget, Responses, request_seed
+from corecap.generation import Response, Responses, request_seed
 from corecap.summary import RunSummary
 from corecap.plan import Plan, conversations, prepare, token_bytes
 from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
+from corecap.sink.budget import StatesBudget
 from corecap.store import FP8
 from corecap.trace.analysis import workers_line
 from corecap.trace.timeline import write_trace
@@ -66,15 +67,15 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
     if capture.conversations.line():
         log(capture.conversations.line())
-    if capture.budget.line():
-        log(capture.budget.line())
+    if capture.budget.line(done.buffers_peak):
+        log(capture.budget.line(done.buffers_peak))
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
         cfg.store, plan.total, done.num_committed, plan.total - plan.todo,
         done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
         done.num_referring, done.referred_bytes, done.num_stored_whole, capture.responses.line(),
-        done.num_streamed, done.rss_start, done.rss_peak, plan.buffer_bytes,
+        done.num_streamed, done.rss_start, done.rss_peak, plan.buffer_bytes, done.buffers_peak,
     )
 
 
@@ -88,7 +89,7 @@ class _Capture:
         self.start = self.end = time.time()
         self.engine = None
         self.responses = Responses()
-        self.budget = ResponseBudget(plan.buffer_bytes, token_bytes(plan))
+        self.budget: StatesBudget | None = None  # with the sink
         self.conversations = conversations(plan)
         from corecap._vllm import nodes
 
@@ -105,7 +106,9 @@ class _Capture:
         tcp = nodes.states_address(self.plan.vllm_config, output_rank(self.plan.vllm_config)) if self.cluster else ""
         block_size = prefix_tracker.block_size(self.plan.vllm_config)
         threads = sink_encode_threads(cfg)
-        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, threads, self.plan.buffer_bytes, tcp, block_size)
+        delay = cfg.test_hooks.commit_delay if cfg.test_hooks else 0.0
+        sink = Sink(cfg.store, cfg.codec, cfg.nonfinite, threads, self.plan.buffer_bytes, tcp, block_size, delay)
+        self.budget = StatesBudget(self.plan.buffer_bytes, token_bytes(self.plan), sink.released)
         record = shm.ShmRecord()
         try:
             with contextlib.ExitStack() as cleanup:
@@ -120,8 +123,10 @@ class _Capture:
         finally:
             result = sink.result
             if self.steps is not None and isinstance(result, Done):
+                sink_memory = {"buffer_bytes": self.plan.buffer_bytes, "buffers_peak": result.buffers_peak,
+                               "rss_start": result.rss_start, "rss_peak": result.rss_peak}
                 write_trace(cfg.store, self.start, self.end, self.steps, result.chunks, result.commits,
-                            result.encodes, result.writes, self.workers)
+                            result.encodes, result.writes, self.workers, sink_memory)
 
     def _run(self, sink: Sink, record: shm.ShmRecord) -> Done:
         from corecap._vllm import CaptureSpec, Replicas
@@ -191,24 +196,27 @@ class _Capture:
                         continue
                     request = (str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens)
                 req_id, key, ids, mask, max_tokens = request
+                cost = self.budget.cost(len(ids) + max_tokens, final=not max_tokens)
+                if not self.budget.fits(cost):  # the sink's buffers are full: wait for commits
+                    waiting = request
+                    self.budget.num_waits += 1
+                    break
+                self.budget.reserve(cost)
                 response = None
                 if max_tokens:
-                    if not self.budget.fits(len(ids) + max_tokens):
-                        waiting = request
-                        self.budget.num_waits += 1
-                        break
-                    self.budget.reserve(req_id, len(ids) + max_tokens)
                     response = Response(len(ids), max_tokens, plan.stop_rule, request_seed(self.cfg.engine.seed, key))
                 block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
-                sink.expect(req_id, key, ids, mask, block_hashes, max_tokens)
+                sink.expect(req_id, key, ids, mask, block_hashes, max_tokens, cost)
                 added += len(ids) + max_tokens
             if engine.num_unfinished == 0:
-                return
+                if waiting is None:
+                    return
+                self._await_commits(sink, waiting)  # every sample held is written: only their commits free room
+                continue
             timing = engine.step()
             sink.prefix(engine.take_prefix_actions())  # before any response: a block hash first, then the sample whole
             for req_id, response in engine.take_responses():
                 sink.generated(req_id, response.token_ids, self.responses.record(response, plan.sampling))
-                self.budget.release(req_id)
                 turns.answered(req_id, response)
             if self.steps is not None:
                 self.steps.append(timing)
@@ -221,6 +229,21 @@ class _Capture:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.cfg.stall_timeout:
                 raise CorecapError(f"no progress for {self.cfg.stall_timeout:.0f}s: the engine schedules nothing")
+
+    def _await_commits(self, sink: Sink, request: tuple) -> None:
+        """Wait until the sink has committed enough for `request` to fit in --buffer-gb."""
+        _, _, ids, _, max_tokens = request
+        cost = self.budget.cost(len(ids) + max_tokens, final=not max_tokens)
+        deadline = time.monotonic() + self.cfg.stall_timeout
+        while not self.budget.fits(cost):
+            sink.check()
+            problem = self._problem()
+            if problem:
+                raise CorecapError(problem)
+            if time.monotonic() > deadline:
+                raise CorecapError(f"no progress for {self.cfg.stall_timeout:.0f}s: the sink committed nothing "
+                                   f"while {self.budget.num_held} samples held all of --buffer-gb")
+            time.sleep(0.002)
 
     def _join_nodes(self) -> None:
         """Wait for every other node's `corecap worker`, each checked against this node's

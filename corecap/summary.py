@@ -23,7 +23,8 @@ class RunSummary:
     num_streamed: int = 0  # long samples streamed to disk as their chunks came (corecap/sink/stream.py)
     sink_rss_start: int = 0  # the sink process's resident bytes before its first chunk
     sink_rss_peak: int = 0  # and at its peak (VmHWM)
-    buffer_bytes: int = 0  # --buffer-gb: the bound on what the sink holds beyond its start
+    buffer_bytes: int = 0  # --buffer-gb: the bound on the sink's buffers for states (corecap/sink/budget.py)
+    sink_buffers_peak: int = 0  # the most those buffers held at once: in flight, awaiting commit, free for reuse
 
     def line(self) -> str:
         rate = self.num_tokens / self.seconds if self.seconds else 0.0

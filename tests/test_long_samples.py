@@ -137,6 +137,7 @@ def test_the_sinks_peak_memory_stays_within_the_buffer_bound(long_run):
     growth = summary.sink_rss_peak - summary.sink_rss_start
     assert summary.buffer_bytes == int(BUFFER_GB * 2**30) < LONG * TOKEN_BYTES
     assert 0 < growth <= summary.buffer_bytes, (growth, summary.buffer_bytes)
+    assert summary.sink_buffers_peak == 0  # the rerun's one sample streamed: it took no buffer
     print(f"\nsink RSS {summary.sink_rss_start / 2**20:.1f} MiB at start, peak {summary.sink_rss_peak / 2**20:.1f} MiB "
           f"(+{growth / 2**20:.1f} MiB) against --buffer-gb {summary.buffer_bytes / 2**20:.1f} MiB")
 

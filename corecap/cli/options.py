@@ -65,8 +65,9 @@ _CAPTURE_OPTIONS = (
     click.option("--progress/--no-progress", default=None,
                  help="A progress line (default: when stderr is a terminal)."),
     click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
-                 help="Host memory for states awaiting their commit and for the responses being written "
-                      "(default: 4; with --max-tokens, 40% of the memory available at start, at least 4)."),
+                 help="The sink's host memory for states: samples from their first chunk to their commit, "
+                      "responses being written included (default: 4; with --max-tokens, 40% of the memory "
+                      "available at start, at least 4)."),
     click.option("--prefix-blocks", type=click.IntRange(min=1), default=None,
                  help="With --enable-prefix-caching: the most cached blocks an engine's hits may name "
                       "(default: as many as its KV cache holds); beyond, the least recently used leave vLLM's "

@@ -57,6 +57,7 @@ class _Pending:
     received: np.ndarray | None = None  # int32 [capacity]
     generation: object = None  # store.Generation, once the response is known
     final: bool = True  # token_ids is the whole sample
+    reserved: int = 0  # bytes of --buffer-gb the driver holds for it until its commit (sink/budget.py)
 
     def cover(self, start: int, num_tokens: int) -> None:
         if num_tokens == 1:  # a decode step's token: numpy's slice sum costs more than the check
@@ -129,16 +130,18 @@ class Collector:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
-        block_hashes: list[bytes] | None = None, max_new: int = 0,
+        block_hashes: list[bytes] | None = None, max_new: int = 0, reserved: int = 0,
     ) -> None:
         """A sample to reassemble; `max_new` > 0: the model writes up to that many tokens after
-        `token_ids` (the prompt), which `generated` names once the response is written."""
+        `token_ids` (the prompt), which `generated` names once the response is written. `reserved`:
+        the driver's bytes for it, handed back with it (`_Pending.reserved`)."""
         capacity = len(token_ids) + max_new
         self.pending[req_id] = _Pending(
             key, token_ids, loss_mask, covered=np.zeros(capacity, bool),
             block_hashes=None if block_hashes is None else list(block_hashes),
             producer=Producer(key, len(token_ids)) if self.block_size else None,
             capacity=capacity, received=np.zeros(capacity, np.int32) if max_new else None, final=not max_new,
+            reserved=reserved,
         )
 
     def generated(self, req_id: str, token_ids: np.ndarray, generation) -> None:

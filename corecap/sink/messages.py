@@ -15,6 +15,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1):
     loss_mask: bytes | None = None
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block, with prefix caching on
     max_new: int = 0  # the model writes up to this many tokens after token_ids (`Generated` says which)
+    reserved: int = 0  # bytes of --buffer-gb the driver reserved for it, released at its commit (sink/budget.py)
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):
@@ -72,6 +73,7 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     num_streamed: int = 0  # long samples streamed to disk as their chunks came (sink/stream.py)
     rss_start: int = 0  # the sink's resident bytes once ready, before any chunk
     rss_peak: int = 0  # its peak resident bytes (VmHWM)
+    buffers_peak: int = 0  # the most its buffers for states held at once (BufferPool.peak_bytes)
 
 
 class Failed(msgspec.Struct, array_like=True, tag=5):

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
-import psutil
 import zmq
 
 from corecap.errors import CorecapError
+from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
+from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
@@ -63,6 +64,8 @@ class SinkSpec:
     parent_pid: int
     tcp_address: str = ""  # also receive states there (from a worker on another node)
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
+    released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
+    commit_delay: float = 0.0  # config.TestHooks
 
 
 class Sink:
@@ -70,7 +73,7 @@ class Sink:
 
     def __init__(
         self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = "",
-        block_size: int = 0,
+        block_size: int = 0, commit_delay: float = 0.0,
     ):
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
         worker of an engine whose last pipeline stage is on another node ('' : none).
@@ -85,8 +88,9 @@ class Sink:
         self.status.bind(f"ipc://{os.path.join(self.dir, _STATUS)}")
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
+        self.released = Released()
         spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size)
+                        block_size, self.released, commit_delay)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -121,10 +125,13 @@ class Sink:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
-        max_new: int = 0,
+        max_new: int = 0, reserved: int = 0,
     ) -> None:
+        """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
+        adds to `released` once the sample is committed (corecap/sink/budget.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new))
+        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new,
+                          reserved))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
@@ -201,24 +208,6 @@ class Sink:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _rss() -> int:
-    """This process's resident bytes now."""
-    return psutil.Process().memory_info().rss
-
-
-def _peak_rss() -> int:
-    """This process's peak resident bytes so far (the kernel's high-water mark, VmHWM; 0 where
-    there is no /proc)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def main(spec: SinkSpec) -> None:
     """The sink process: serve until finished or aborted, then report `Done` or `Failed`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -273,22 +262,28 @@ class _Loop:
         # The store's one-writer lock now, before the engine starts (and every run's start checks
         # it, Store.create_or_open): a second run on this store is refused before it loads a model.
         store.append([])
+        self.buffers = BufferPool(spec.buffer_bytes)
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
-                             buffer_bytes=spec.buffer_bytes)
-        self.buffers = BufferPool(spec.buffer_bytes // 2)
+                             buffer_bytes=spec.buffer_bytes, ledger=self.buffers, commit_delay=spec.commit_delay)
+        self.released = spec.released or Released()
         self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
                                    spec.store, spec.buffer_bytes)
         self.decoder = msgspec.msgpack.Decoder(Control)
         self.finishing = self.aborting = False
-        self.rss_start = _rss()
+        self.rss_start = rss()
 
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
+        reserved = p.reserved  # not `p`, whose buffer a closure would keep alive until the commit
+
+        def committed() -> None:  # on the writer's commit thread: the driver may admit more
+            self.released.add(reserved)
+
         if p.spill is not None:
-            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask)
+            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask, committed=committed)
             return
         self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
-                        prefix=p.producer.prefix if p.producer else None, generation=p.generation)
+                        prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
@@ -309,7 +304,8 @@ class _Loop:
             w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
             [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
             [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, _peak_rss(),
+            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, peak_rss(),
+            self.buffers.peak_bytes,
         )
 
     def _on_control(self, raw: bytes) -> None:
@@ -317,7 +313,7 @@ class _Loop:
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
             self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes,
-                                  msg.max_new)
+                                  msg.max_new, msg.reserved)
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):

@@ -1,12 +1,13 @@
 """Long samples: which ones the sink streams to disk instead of holding, and the rows it streams.
 
 The sink holds a sample's states in a buffer from its first chunk until its commit, and the
-writer lets one sample larger than --buffer-gb through alone: a 128k-token sample of Kimi-K2.5's
-shape (~9 GB of bf16 states) would then cost its whole size in memory. A sample whose states
-exceed half of --buffer-gb (`streams`) is reassembled in its spill file instead
-(corecap/store/spill.py): each chunk's rows are written there at once, so the sink holds none of
-them beyond the chunk itself. Half: the samples held whole then still fit two at a time in the
-writer's bound, so encoding one overlaps writing the other.
+driver lets one sample larger than --buffer-gb through alone (corecap/sink/budget.py): a
+128k-token sample of Kimi-K2.5's shape (~9 GB of bf16 states) would then cost its whole size in
+memory. A sample whose states exceed half of --buffer-gb (`streams`) is reassembled in its spill
+file instead (corecap/store/spill.py): each chunk's rows are written there at once, so the sink
+holds none of them beyond the chunk itself, and the driver reserves no room for it. Half: the
+samples held whole then still fit two at a time in the bound, so encoding one overlaps writing
+the other.
 
 What a streamed sample cannot do yet: vLLM's prefix caching (the states cache shares views of
 samples held in memory), refused before the model loads (corecap/plan.py, `check_long_samples`);

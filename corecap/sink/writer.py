@@ -6,9 +6,11 @@ no partial one. Encoding (checksum, NaN/Inf check, compression or fp8) runs on `
 since zstd, crc32 and torch release the GIL. A write thread takes the encoded records in arrival
 order, batches them (up to `batch_bytes`, or whatever is ready) and writes their states; a commit
 thread makes each batch durable meanwhile, so the disk streams while the next batch is written.
-At most `buffer_bytes` of states wait for their commit: that bound is the backpressure that keeps
-host memory flat when the disk is the bottleneck, and the slack that lets the GPU run ahead of a
-disk that keeps up on average.
+`put` never waits: what the queue may hold is bounded before a sample reaches it, by the driver,
+which admits a sample only while the sink's buffers, those awaiting their commit here included,
+fit in --buffer-gb (corecap/sink/budget.py). That bound is the backpressure that keeps host memory
+flat when the disk is the bottleneck, and the slack that lets the GPU run ahead of a disk that
+keeps up on average.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from corecap.errors import CorecapError
+from corecap.sink import memory
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
 from corecap.store.codec import DTYPES, crc32
 from corecap.store.format import spilled_record
@@ -35,6 +38,11 @@ from corecap.store.spill import SpillFile
 _DONE = object()
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
 _PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
+# Codecs whose encoded bytes never view the states (zstd-planes splits them into byte planes first:
+# corecap/store/codec.py, encode_parts): a sample's buffer can go back once it is encoded, and its
+# encoded copy is what it holds until its commit. raw's bytes are the buffer itself, and fp8's
+# may be views of the workers' rows: those buffers go back at the commit.
+_COPYING_CODECS = frozenset({"zstd-planes"})
 
 
 @dataclass
@@ -70,17 +78,22 @@ class Writer:
         num_threads: int = 2,
         batch_bytes: int = 64 << 20,
         buffer_bytes: int = 4 << 30,
+        ledger=None,
+        commit_delay: float = 0.0,
     ):
+        """`ledger` (the sink's BufferPool): where the encoded copies that stand in for a buffer
+        given back are counted (`hold`, `drop`), inside --buffer-gb. `commit_delay`: a test's slow
+        disk (config.TestHooks)."""
         self.store = store
+        self.ledger = ledger
+        self.commit_delay = commit_delay
         self.layers = store.meta.layers
         self.codec = codec
         self.nonfinite = nonfinite
         self.batch_bytes = batch_bytes
         self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-encode")
         self.queue: queue.Queue = queue.Queue()
-        self.buffer_bytes = buffer_bytes
-        self.in_flight = 0  # bytes of states handed to put() and not yet committed
-        self.space = threading.Condition()
+        self.buffer_bytes = buffer_bytes  # --buffer-gb: sizes a long sample's read-back pieces
         self.error: BaseException | None = None
         self.num_committed = 0
         self.num_tokens = 0
@@ -102,35 +115,35 @@ class Writer:
 
     def put(
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
-        prefix: tuple | None = None, generation=None,
+        prefix: tuple | None = None, generation=None, committed=None,
     ) -> None:
-        """Queue one finished sample; blocks while more than `buffer_bytes` of states await commit
-        (one sample larger than the buffer still goes through alone). `release(states)` is called
-        once the sample is committed: until then its encoded bytes may be views of `states`.
+        """Queue one finished sample; never waits (the driver bounds what is queued:
+        corecap/sink/budget.py). `release(states)` is called once nothing reads `states`: once
+        encoded by a codec that copies (`_COPYING_CODECS`), else once committed (the encoded
+        bytes are views of `states` until then). `committed()` is called once it is committed.
         `prefix`: the segments that store its positions [0, n) (corecap/store/refs.py), in samples
         put before it (commits keep the order of `put`); only [n, T) is encoded and written.
         `generation` (store.Generation): the model wrote the sample's response."""
-        size = states.numel() * states.element_size()
-        raw = size if states.dtype != torch.uint8 else fp8rows.captured_nbytes(states, self.store.meta.dtype)
-        with self.space:
-            while self.in_flight and self.in_flight + size > self.buffer_bytes:
-                self.raise_if_failed()
-                self.space.wait(0.1)
-            self.raise_if_failed()
-            self.in_flight += size
-        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation)
-        self.queue.put((future, len(token_ids), size, raw, functools.partial(release, states) if release else None))
+        raw = (states.numel() * states.element_size() if states.dtype != torch.uint8
+               else fp8rows.captured_nbytes(states, self.store.meta.dtype))
+        self.raise_if_failed()
+        early = release is not None and self.codec in _COPYING_CODECS
+        future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation,
+                                  functools.partial(release, states) if early else None)
+        after = [functools.partial(release, states)] if release is not None and not early else []
+        self.queue.put((future, len(token_ids), raw, after + ([committed] if committed else [])))
 
     def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
-                    ) -> None:
+                    committed=None) -> None:
         """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
         read back a piece at a time to checksum and check them, then renamed into the state files
-        at its commit. It holds none of the bound (`buffer_bytes`) but the piece being read."""
+        at its commit. It holds no buffer, only the piece being read. `committed()` is called
+        once it is committed."""
         self.raise_if_failed()
         future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
-        self.queue.put((future, len(token_ids), 0, spill.nbytes, None))
+        self.queue.put((future, len(token_ids), spill.nbytes, [committed] if committed else []))
 
-    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> Record:
+    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> tuple[Record, int]:
         start = time.time()
         meta = self.store.meta
         fp8 = self.codec == FP8
@@ -149,7 +162,7 @@ class Writer:
             spill.discard()
             raise
         self.encodes.append((start, time.time()))
-        return record
+        return record, 0
 
     def _piece_bytes(self, itemsize: int) -> int:
         """A spill file's read-back piece: 1/32 of the bound, at most `_PIECE_BYTES`, whole items."""
@@ -182,12 +195,21 @@ class Writer:
                 bad.append(layer)
         return checksum, bad
 
-    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
+    def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation,
+                release) -> tuple[Record, int]:
+        """The sample's record, and the bytes of its encoded copy counted in the ledger until its
+        commit (those of a codec that copies, whose buffer `release` gives back here)."""
         start = time.time()
         record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask,
                                       prefix, generation)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
-        return record
+        held = 0
+        if release is not None:
+            release()  # first: the buffer given back makes room for its copy
+            if self.ledger is not None:
+                held = record.nbytes
+                self.ledger.hold(held)
+        return record, held
 
     def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
         dtype = self.store.meta.dtype
@@ -225,15 +247,14 @@ class Writer:
                     if item is _DONE:
                         done = True
                         break
-                    future, num_tokens, size_in_memory, num_raw, release = item
-                    if release:
-                        releases.append(release)
-                    record = future.result()
+                    future, num_tokens, num_raw, after_commit = item
+                    releases += after_commit
+                    record, num_held = future.result()
+                    held += num_held
                     records.append(record)
                     size += record.nbytes
                     tokens += num_tokens
                     raw += num_raw
-                    held += size_in_memory
                     referred += num_raw * record.num_prefix // max(1, num_tokens)  # stored by others
                     if size >= self.batch_bytes:
                         break
@@ -252,10 +273,13 @@ class Writer:
             self.written.put(_DONE)
 
     def _commit_loop(self) -> None:
+        next_trim = time.monotonic() + memory.TRIM_EVERY_S
         try:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
                 appended, tokens, raw, referred, held, releases = item
+                if self.commit_delay:
+                    time.sleep(self.commit_delay)
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
@@ -264,11 +288,13 @@ class Writer:
                 self.nbytes += nbytes
                 self.raw_bytes += raw - referred
                 self.referred_bytes += referred
+                if held:
+                    self.ledger.drop(held)
                 for release in releases:
                     release()
-                with self.space:
-                    self.in_flight -= held
-                    self.space.notify_all()
+                if time.monotonic() >= next_trim:
+                    memory.return_freed_memory()
+                    next_trim = time.monotonic() + memory.TRIM_EVERY_S
         except BaseException as e:
             self._fail(e)
             while self.written.get() is not _DONE:

@@ -3,12 +3,14 @@
 (corecap/trace/views.py) sit above it.
 
 trace.json is {"version": 1, "start", "end", "steps", "chunks", "encodes", "writes", "commits",
-"workers"}, all times time.time() seconds (one clock: the driver and its workers share a host).
+"workers", "sink"}, all times time.time() seconds (one clock: the driver and its workers share a host).
 Steps are the driver's schedule → execute_model → sample_tokens → update_from_output (workers:
 each worker's own counts, `corecap_stats`); chunks are one engine step's capture on its way
 worker copy (t_copy → t_ready) → wire (→ t_recv) → reassembly (→ t_done); encodes are the
 samples' checksums and compression; writes put a batch of states into the state files; commits
-make a batch durable (fdatasync, then the LMDB transaction of its headers).
+make a batch durable (fdatasync, then the LMDB transaction of its headers); sink is the sink
+process's memory in bytes: its bound (--buffer-gb), the most its buffers for states held at once,
+and its resident memory before its first chunk and at its peak (optional: none in older traces).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _MAX_NUMBER = 2**53
 
 
 def write_trace(store_path: str, start: float, end: float, steps, chunks, commits, encodes=(), writes=(),
-                workers=()) -> None:
+                workers=(), sink: dict | None = None) -> None:
     """The run's timeline, next to the data: <store>/trace.json, written whole or not at all."""
     record = {
         "version": TRACE_VERSION,
@@ -48,6 +50,7 @@ def write_trace(store_path: str, start: float, end: float, steps, chunks, commit
         "encodes": list(encodes),
         "writes": list(writes),
         "workers": list(workers),
+        "sink": dict(sink or {}),
     }
     tmp = os.path.join(store_path, "trace.json.tmp")
     with open(tmp, "wb") as f:
@@ -110,6 +113,9 @@ def check_trace(trace, where: str) -> None:
                    + ["cuda_alloc_retries", "cuda_peak_gb"] * ("cuda_alloc_retries" in stats))
         if not all(_is_number(stats.get(f)) for f in numbers):
             raise CorecapError(f"{where}: workers[{i}] has {', '.join(numbers)}, not all numbers")
+    sink = trace.setdefault("sink", {})
+    if not isinstance(sink, dict) or not all(_is_number(v) for v in sink.values()):
+        raise CorecapError(f"{where}: 'sink' is not an object of numbers")
     for key, fields in _FIELDS.items():
         records = trace.get(key)
         if not isinstance(records, list):

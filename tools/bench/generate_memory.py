@@ -1,10 +1,11 @@
 """The sink's peak RSS in `corecap run --max-tokens N --buffer-gb B` as the number of prompts doubles
-(issue 33): while responses are being written the sink holds each one whole until it ends, and
-`--buffer-gb` bounds how many are in flight (corecap/generation.py, ResponseBudget), so with a B
-small enough to bind, the peak should stay flat in the number of prompts, under B plus a fixed base.
+(issue 33): the sink holds each sample whole in a buffer from its first chunk until its commit, and
+`--buffer-gb` bounds those buffers, the free ones and the encoded copies together (the driver
+admits a sample only while they fit: corecap/sink/budget.py), so with a B small enough to bind,
+the peak should stay flat in the number of prompts, under the sink's idle RSS + B + the ring.
 
     flock /tmp/corecap-engine.lock python -m tools.bench.generate_memory [--prompts 8,64,128,256]
-        [--buffer-gb 0.05] [--max-tokens 256] [--control] [--repeat 2] [--out DIR] [--dir DIR]
+        [--buffer-gb 0.05|default] [--max-tokens 256] [--control] [--repeat 2] [--out DIR] [--dir DIR]
 
 The demo model (corecap/demo.py) with every layer captured (1-8 and prenorm: 9 rows of 128 bf16,
 2,304 bytes a token in the sink's buffers), prompts of 256-1,024 random tokens (the first P of one
@@ -13,8 +14,10 @@ Each run is the one-run arm of that module (a fresh `corecap run`, its processes
 0.2 s); `--control` adds a run of the largest P with corecap's default --buffer-gb (40% of the
 memory available), to show what the bound holds back. Every result is a JSON line in
 OUT/bench_generate_memory_cpu.jsonl: the sink's, workers' and driver's peak RSS (the sink's
-RssAnon too: its own allocations, without the shared libraries' pages), the run's engine
-line (its "sink buffers" figure) and its last lines ("responses in flight: at most K at once").
+RssAnon too: its own allocations, without the shared libraries' pages; and RssShmem: the ring's
+pages it touched), the sink's own figures from the run's trace ("sink_own": its RSS before its
+first chunk, its VmHWM, the most its buffers held), the run's engine line (its "sink buffers"
+figure) and its last lines ("samples in the sink: at most K at once").
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ LENGTHS = (256, 1024)
 
 
 def budget_line(rec: dict) -> str:
-    return next((line for line in rec.get("lines", []) if line.startswith("responses in flight")), "")
+    """The run's line on what the bound held back (its wording before 2026-12-05 too)."""
+    starts = ("samples in the sink", "responses in flight")
+    return next((line for line in rec.get("lines", []) if line.startswith(starts)), "")
 
 
 def main() -> None:
@@ -41,7 +46,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prompts", default="8,64,128,256", help="comma-separated numbers of prompts")
-    ap.add_argument("--buffer-gb", type=float, default=0.05)
+    ap.add_argument("--buffer-gb", type=lambda x: None if x == "default" else float(x), default=0.05,
+                    help="corecap's --buffer-gb, or 'default' for corecap's own (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--control", action="store_true", help="also the largest P with the default --buffer-gb")
     ap.add_argument("--repeat", type=int, default=2)
@@ -83,7 +89,8 @@ def main() -> None:
             if "failed" not in rec:
                 table.append(
                     f"{repeat}\t{num_prompts}\t{buffer_gb}\tsink {rec['sink_peak_rss_mib']} MiB "
-                    f"(RssAnon {rec['sink_peak_anon_mib']} MiB)\t"
+                    f"(RssAnon {rec['sink_peak_anon_mib']} MiB, RssShmem {rec['sink_peak_shmem_mib']} MiB; "
+                    f"its own: {rec['sink_own']})\t"
                     f"workers {rec['worker_peak_rss_gb']} GiB\tdriver {rec['driver_peak_rss_gb']} GiB\t"
                     f"{rec['generated_tok_s']:,.0f} generated tok/s\t{budget_line(rec) or '(no request held back)'}"
                 )

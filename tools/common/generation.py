@@ -143,6 +143,8 @@ def run_corecap(setup: Setup, data: str, store: str, generate: bool) -> dict:
         "sink_peak_rss_gb": role_peak(peaks, "sink"),
         "sink_peak_rss_mib": role_peak_mib(peaks, "sink"),
         "sink_peak_anon_mib": role_peak_mib(peaks, "sink", anon=True),
+        "sink_peak_shmem_mib": role_peak_mib(peaks, "sink", shmem=True),
+        "sink_own": sink_memory_mib(trace),
         "worker_peak_rss_gb": role_peak(peaks, "worker"),
         "driver_peak_rss_gb": role_peak(peaks, "driver"),
         "peak_rss_gb_by_process": peaks.largest_gb(4),
@@ -202,34 +204,40 @@ def read_ids(data: str) -> list[list[int]]:
         return [json.loads(line)["input_ids"] for line in f]
 
 
+def sink_memory_mib(trace: dict) -> dict:
+    """The sink's own figures in the run's trace (corecap/trace/timeline.py, "sink"), in MiB:
+    --buffer-gb, the most its buffers for states held, its RSS before its first chunk and its VmHWM."""
+    return {k: round(v / 2**20, 1) for k, v in trace.get("sink", {}).items()}
+
+
 def role_peak(peaks: RssPeaks, role: str) -> float | None:
     """The largest peak RSS (GiB) of one role in `corecap run`'s tree (role_peak_mib)."""
     mib = role_peak_mib(peaks, role)
     return None if mib is None else round(mib / 1024, 2)
 
 
-def role_peak_mib(peaks: RssPeaks, role: str, anon: bool = False) -> float | None:
-    """The largest peak RSS (MiB; anon: of RssAnon) of one role in `corecap run`'s tree: the driver
+def role_peak_mib(peaks: RssPeaks, role: str, anon: bool = False, shmem: bool = False) -> float | None:
+    """The largest peak RSS (MiB; anon: of RssAnon; shmem: of RssShmem) of one role in `corecap run`'s tree: the driver
     is the `corecap run` process, vLLM's workers title themselves VLLM::Worker, the sink is the one
     other process started by multiprocessing (the resource tracker aside). A process is named by
     pid: a worker is a `spawn_main` process too until it sets its title, and importing vLLM
     there (~665 MiB on the CPU) must not count as the sink's."""
-    names = peaks.anon_mib if anon else peaks.mib
+    names = peaks.anon_mib if anon else peaks.shmem_mib if shmem else peaks.mib
     roles: dict[str, set[str]] = {}
     for name in peaks.mib:
-        roles.setdefault(name.split(" ", 1)[0], set()).add(_role(name))
-    found = [mib for name, mib in names.items() if _pid_role(roles[name.split(" ", 1)[0]]) == role]
+        roles.setdefault(name.split(" ", 1)[0], set()).add(process_role(name))
+    found = [mib for name, mib in names.items() if pid_role(roles[name.split(" ", 1)[0]]) == role]
     return round(max(found), 1) if found else None
 
 
-def _pid_role(roles: set[str]) -> str:
+def pid_role(roles: set[str]) -> str:
     for role in ("worker", "driver", "sink"):
         if role in roles:
             return role
     return "other"
 
 
-def _role(name: str) -> str:
+def process_role(name: str) -> str:
     if "VLLM" in name or "Worker" in name:
         return "worker"
     if "corecap run" in name:

@@ -36,12 +36,14 @@ class RssPeaks:
     """`with RssPeaks(processes, interval) as peaks:` ... `peaks.mib` maps each name that
     `processes()` gave to the largest RSS seen under it, in MiB; `peaks.anon_mib` to the largest
     of its RssAnon (Linux: private anonymous pages, what the process allocated itself, without the
-    shared libraries' and shared memory's pages that RSS counts too; absent elsewhere)."""
+    shared libraries' and shared memory's pages that RSS counts too; absent elsewhere), and
+    `peaks.shmem_mib` to the largest of its RssShmem (the shared-memory pages it touched: the ring's)."""
 
     def __init__(self, processes: Callable[[], Iterable[tuple[str, int]]], interval: float = 0.2):
         self.processes, self.interval = processes, interval
         self.mib: dict[str, float] = {}
         self.anon_mib: dict[str, float] = {}
+        self.shmem_mib: dict[str, float] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -67,9 +69,10 @@ class RssPeaks:
                 except psutil.Error:
                     continue
                 self.mib[name] = max(self.mib.get(name, 0.0), mib)
-                anon = _anon_mib(pid)
-                if anon is not None:
-                    self.anon_mib[name] = max(self.anon_mib.get(name, 0.0), anon)
+                for field, peaks in (("RssAnon", self.anon_mib), ("RssShmem", self.shmem_mib)):
+                    value = status_mib(pid, field)
+                    if value is not None:
+                        peaks[name] = max(peaks.get(name, 0.0), value)
             self._done.wait(self.interval)
 
     def largest_gb(self, n: int) -> list[tuple[float, str]]:
@@ -77,12 +80,12 @@ class RssPeaks:
         return sorted(((round(mib / 1024, 2), name) for name, mib in self.mib.items()), reverse=True)[:n]
 
 
-def _anon_mib(pid: int) -> float | None:
-    """RssAnon of /proc/PID/status in MiB (None where there is none)."""
+def status_mib(pid: int, field: str) -> float | None:
+    """A field of /proc/PID/status (RssAnon, RssShmem, ...) in MiB (None where there is none)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None
