@@ -235,11 +235,21 @@ class Engine:
         return None
 
     def _exit_code(self, pid: int) -> int | None:
-        """A dead worker's exit status, from vLLM's handle on its process (None: not known)."""
-        for worker in getattr(self.executor, "workers", None) or []:
-            if worker.proc.pid == pid:
-                return worker.proc.exitcode
-        return None
+        """A dead worker's exit status (None: not known within _DEATH_SETTLE_S): from vLLM's
+        handle on its process, else from what `_ensure_worker_termination` noted (vLLM's monitor
+        may have reaped it and dropped the handles). A killed worker looks dead in /proc a
+        moment before its status is readable (worker_deaths.py), hence the wait."""
+        deadline = time.monotonic() + _DEATH_SETTLE_S
+        while True:
+            for worker in getattr(self.executor, "workers", None) or []:
+                if worker.proc.pid == pid and worker.proc.exitcode is not None:
+                    return worker.proc.exitcode
+            for _, dead_pid, exitcode in getattr(self.executor, "corecap_deaths", []):
+                if dead_pid == pid:
+                    return exitcode
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def interrupt(self, reason: str) -> None:
         """From another thread: end a step that waits on the workers with CorecapError(reason),
