@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from corecap.sink.budget import Released, StatesBudget
-from corecap.sink.buffers import BufferPool
+from corecap.sink.buffers import BufferPool, size_class
 
 MIB = 1 << 20
 TOKEN_BYTES = 1024
@@ -19,10 +19,10 @@ def test_a_buffer_costs_its_size_class_and_a_long_sample_of_given_tokens_that_st
     budget = StatesBudget(MIB, TOKEN_BYTES, Released())
     for num_tokens in (1, 100, 300, 511):
         cost = budget.cost(num_tokens, final=True)
-        assert cost == BufferPool.size_class(num_tokens * TOKEN_BYTES)
+        assert cost == size_class(num_tokens * TOKEN_BYTES)
         assert num_tokens * TOKEN_BYTES <= cost <= max(4096, 1.25 * num_tokens * TOKEN_BYTES)
     assert budget.cost(600, final=True) == 0  # more than half of the bound: streams to disk (sink/stream.py)
-    assert budget.cost(600, final=False) == BufferPool.size_class(600 * TOKEN_BYTES)  # a response never streams
+    assert budget.cost(600, final=False) == size_class(600 * TOKEN_BYTES)  # a response never streams
 
 
 def test_room_comes_back_only_when_the_sink_commits_the_sample():
@@ -78,7 +78,7 @@ def test_free_buffers_go_whichever_classes_were_reused_before():
     pool.give(again)
     pool.give(fresh)
     assert pool.total_bytes <= 2 * MIB and not pool.lent
-    assert BufferPool.size_class(32 * MIB) == 32 * MIB and BufferPool.size_class(32 * MIB + 1) == 40 * MIB
+    assert size_class(32 * MIB) == 32 * MIB and size_class(32 * MIB + 1) == 40 * MIB
 
 
 def test_an_encoded_copy_held_until_its_commit_counts_and_lets_free_buffers_go():

@@ -43,8 +43,6 @@ class BufferPool:
         self.peak_bytes = 0  # of lent + free + held, the most at any time
         self.lock = threading.Lock()
 
-    size_class = staticmethod(size_class)
-
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = int(np.prod(shape)) * dtype.itemsize
         size = size_class(nbytes)
