@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -42,11 +40,7 @@ def references(checkpoint, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("kimi-k25-data")
     rows = tiny_models.rows()
     data = write_jsonl(workdir / "data.jsonl", rows)
-    refs = str(workdir / "refs.pt")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "tiny_models.py")
-    subprocess.run([sys.executable, script, "reference", checkpoint, data, refs, "float32"],
-                   check=True, timeout=600, capture_output=True)
-    return rows, data, torch.load(refs)
+    return rows, data, tiny_models.reference_in_a_process(checkpoint, data, str(workdir / "refs.pt"))
 
 
 def test_the_checkpoint_is_in_the_release_layout(checkpoint):

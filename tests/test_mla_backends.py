@@ -8,7 +8,6 @@ of backends against vLLM's own selection and classes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -81,11 +80,7 @@ def model_and_references(tmp_path_factory):
     model = tiny_models.build("deepseek_v3", str(workdir / "model"), overrides={"num_experts_per_tok": 4})
     rows = tiny_models.rows()
     data = write_jsonl(workdir / "data.jsonl", rows)
-    refs = str(workdir / "refs.pt")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "tiny_models.py")
-    subprocess.run([sys.executable, script, "reference", model, data, refs, "float32"],
-                   check=True, timeout=600, capture_output=True)
-    return model, data, rows, torch.load(refs)
+    return model, data, rows, tiny_models.reference_in_a_process(model, data, str(workdir / "refs.pt"))
 
 
 def _why_not_here(backend: mla_backends.MlaBackend, dtype: str) -> str | None:

@@ -9,8 +9,6 @@ where it has them, the capture matches HF transformers run on the DEQUANTIZED we
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -181,11 +179,7 @@ def test_runnable_quantizations_match_hf_on_dequantized_weights(scheme, arch, tm
     work = tmp_path_factory.mktemp(f"run-{arch}-{scheme}")
     rows = tiny_models.rows()
     data = write_jsonl(work / "data.jsonl", rows)
-    refs = str(work / "refs.pt")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "tiny_models.py")
-    subprocess.run([sys.executable, script, "reference", deq, data, refs, "float32"], check=True, timeout=600,
-                   capture_output=True)
-    refs = torch.load(refs)
+    refs = tiny_models.reference_in_a_process(deq, data, str(work / "refs.pt"))
     cfg = build(model=quant, data=data, store=str(work / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
                 dtype=DTYPE[scheme], **ENGINE_ARGS.get(arch, {}))
     summary = run(cfg, log=lambda line: None)

@@ -15,6 +15,8 @@ decoder layer, taken with a forward hook (the pre-norm final state).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 NUM_LAYERS = 4
@@ -173,6 +175,17 @@ def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> No
             }
     torch.save(refs, out)
 
+
+
+def reference_in_a_process(model_dir: str, data: str, out: str, dtype: str = "float32") -> dict:
+    """`reference`'s states, computed by this file run as a script in a process of its own (so
+    that transformers' model leaves none of its memory or threads to the test's engines), then
+    loaded from `out`."""
+    import torch
+
+    subprocess.run([sys.executable, os.path.abspath(__file__), "reference", model_dir, data, out, dtype],
+                   check=True, timeout=600, capture_output=True)
+    return torch.load(out)
 
 if __name__ == "__main__":
     if sys.argv[1] == "reference":
