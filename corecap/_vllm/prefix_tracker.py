@@ -9,7 +9,10 @@ vLLM's cached hashes a subset of the hashes the sink knows: the sink knows every
 tracker counts, and before it stops counting one (more than `max_blocks`: least recently used
 first) it removes that hash from vLLM's prefix cache (`KVCacheManager.evict_blocks`: a block in
 use stays allocated to its request, it only stops being a cache hit). Both happen between two
-`schedule()` calls, so no later hit can name a block the sink has forgotten. vLLM evicting a
+`schedule()` calls, so no later hit can name a block the sink has forgotten. With async
+scheduling a response's block may be completed by a step scheduled before the token that ends it
+is sampled, so before vLLM can hash it: that block is told and counted once its hash is known,
+after the output that brings the token (`after_update`), before vLLM caches it. vLLM evicting a
 block on its own needs no message: the sink forgets it when the bound drops it. The bound is,
 unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached: the
 sink keeps no states of its own for a hash (corecap/sink/prefix_cache.py), only who produced it.
@@ -64,8 +67,7 @@ class PrefixTracker:
                 if told is not None and i >= told:  # a response's block: its hash is new to the sink
                     self.actions.append(("hash", req_id, i, h))
                     told = self.num_told[req_id] = i + 1
-                self.counts[h] = self.counts.get(h, 0) + 1
-                self.counts.move_to_end(h)
+                self._count(h)
         for new in scheduler_output.scheduled_new_reqs:
             num_blocks = new.num_computed_tokens // bs
             if not num_blocks:
@@ -79,6 +81,29 @@ class PrefixTracker:
                 self.counts.move_to_end(h)
             self.actions.append(("hits", new.req_id, num_blocks))
             self.num_hit_tokens += num_blocks * bs
+        self._bound()
+
+    def after_update(self) -> None:
+        """After `update_from_output`: the blocks of a response that a step already scheduled
+        completes (num_computed_tokens counts the steps in flight) and whose hash vLLM now knows,
+        the sampled token that ends them having come (async scheduling; without it a block's hash
+        is known when the step completing it is scheduled, and `after_schedule` tells it)."""
+        bs, requests = self.block_size, self.scheduler.requests
+        for req_id, told in list(self.num_told.items()):
+            request = requests.get(req_id)
+            end = 0 if request is None else min(len(request.block_hashes), request.num_computed_tokens // bs)
+            for i in range(told, end):
+                self.actions.append(("hash", req_id, i, request.block_hashes[i]))
+                self._count(request.block_hashes[i])
+                self.num_told[req_id] = i + 1
+        self._bound()
+
+    def _count(self, block_hash: bytes) -> None:
+        """One more production of the block (the sink counts the same)."""
+        self.counts[block_hash] = self.counts.get(block_hash, 0) + 1
+        self.counts.move_to_end(block_hash)
+
+    def _bound(self) -> None:
         while len(self.counts) > self.max_blocks:
             h, count = self.counts.popitem(last=False)
             self._evict(h)

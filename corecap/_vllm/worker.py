@@ -57,7 +57,8 @@ class CaptureExtension:
         slot_bytes = (config.scheduler_config.max_num_batched_tokens * len(spec["layers"])
                       * config.model_config.get_hidden_size() * itemsize)
         spec = {**spec, "slot_bytes": slot_bytes if spec.get("ring", True) else 0,
-                "ipc_path": sink_address(config, spec)}
+                "ipc_path": sink_address(config, spec),
+                "async_scheduling": bool(config.scheduler_config.async_scheduling)}
         try:
             tap = _Tap(runner, spec, rank=self.rank)
             pipeline_stage(runner, tap)
@@ -127,6 +128,7 @@ class _Tap:
         self.num_steps = 0
         self.armed = False
         self.pending = None  # this step's states, until the step's output has reached the host
+        self.async_scheduling = spec.get("async_scheduling", False)
         self.pause_at_step, self.pause_file = spec.get("pause_at_step", 0), spec.get("pause_file", "")
         self.captured = False  # in the current execute_model
         self.sender_rank = spec.get("sender_rank", 0)
@@ -190,8 +192,11 @@ class _Tap:
         """Flush the step's states once its sampled tokens are on the host. Synchronous runners
         return them from sample_tokens; the V2 runner returns an `AsyncModelRunnerOutput` whose
         `get_output` (called by vLLM's worker process before replying, when async scheduling is
-        off) waits for them. Also flushed: before the next forward pass (when nobody fetched the
-        output), and after an execute_model that answers without a sampling phase."""
+        off) waits for them. With async scheduling on, vLLM's worker calls `get_output` on a thread
+        of its own while the next step runs here: flushed at once instead, from this thread (the
+        sender's order is the steps'), the output's copy to the host already issued on its own
+        stream. Also flushed: before the next forward pass (when nobody fetched the output), and
+        after an execute_model that answers without a sampling phase."""
         execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
         def flushing_execute_model(scheduler_output, *args, **kwargs):
@@ -210,7 +215,7 @@ class _Tap:
             if self.pending is None:
                 return output
             get_output = getattr(output, "get_output", None)
-            if get_output is None:
+            if get_output is None or self.async_scheduling:
                 self.flush()
             else:
 

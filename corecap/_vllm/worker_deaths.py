@@ -12,10 +12,12 @@ ended the rest (`dead_on_their_own`); those are the cause.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
 
+SETTLE_S = 1.0  # how long the driver waits for a dying worker's exit status (`dead_on_their_own`)
 # SIGKILL from outside, with nobody asking, is nearly always the kernel's OOM killer.
 _OUT_OF_MEMORY_HINT = (
     "likely out of memory (the kernel's OOM killer; `dmesg` shows it): lower --gpu-memory-utilization "
@@ -62,3 +64,33 @@ def first_killed(deaths: list[tuple[int | None, int, int]], during: str = "") ->
         if exitcode < 0:
             return describe(rank, pid, exitcode, during)
     return None
+
+
+def noted(executors: list) -> list:
+    """The worker deaths the executors noted (`_ensure_worker_termination`). A worker that dies
+    once the workers are up (the KV cache's setup, warm-up) is noted by vLLM's monitor thread,
+    which may still be at it when the driver's RPC has failed: wait for it, a little."""
+    deadline = time.monotonic() + 2 * SETTLE_S
+    while time.monotonic() < deadline and any(
+        getattr(e, "is_failed", False) and not hasattr(e, "corecap_deaths") for e in executors
+    ):
+        time.sleep(0.05)
+    return [death for e in executors for death in getattr(e, "corecap_deaths", [])]
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
+    and that nobody reaped yet, which is how a dead worker of ours first looks."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state, after the name
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

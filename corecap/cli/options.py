@@ -43,6 +43,9 @@ _ENGINE_OPTIONS = (
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
                  help="vLLM's prefix caching, kept exact by corecap (default: on, off for models with sliding-window "
                       "or hybrid attention)."),
+    click.option("--async-scheduling/--no-async-scheduling", default=None,
+                 help="vLLM's async scheduling: the next step is scheduled while this one runs, its sampled tokens "
+                      "filled in on the device (default: vLLM's, on with a GPU; off with pipeline parallelism)."),
 )
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None,
@@ -105,6 +108,7 @@ _ENGINE_NAMES = {
     "model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "dtype", "quantization", "kv_cache_dtype",
     "trust_remote_code", "load_format", "enforce_eager", "model_impl", "seed", "enable_prefix_caching",
+    "async_scheduling",
 }
 _PASS_THROUGH = dict(ignore_unknown_options=True, allow_extra_args=True)
 

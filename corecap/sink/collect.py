@@ -160,6 +160,9 @@ class Collector:
                 or p.covered[end:].any()):
             raise CorecapError(f"sample {p.key!r}: the states received for its response are of other tokens "
                                "than the response's")
+        if p.block_hashes is not None and len(p.block_hashes) != end // self.block_size:
+            raise CorecapError(f"prefix cache: sample {p.key!r} ends with {end // self.block_size} full blocks, "
+                               f"the hashes of {len(p.block_hashes)} known (corecap/_vllm/prefix_tracker.py)")
         p.token_ids = np.concatenate([p.token_ids, np.asarray(token_ids, np.int32)])
         mask = np.zeros(prompt, np.uint8) if p.loss_mask is None else p.loss_mask
         p.loss_mask = np.concatenate([mask, np.ones(len(token_ids), np.uint8)])
