@@ -81,8 +81,6 @@ def noted(executors: list) -> list:
 def alive(pid: int) -> bool:
     """Whether the process runs. os.kill(pid, 0) alone succeeds on a zombie: a worker that died
     and that nobody reaped yet, which is how a dead worker of ours first looks."""
-    import os
-
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state, after the name
