@@ -67,6 +67,22 @@ def test_corecap_asks_for_a_backend_only_where_vllms_would_refuse_the_dtype():
     assert mla_backends.corecap_choice("bfloat16", has_amx=True) is None  # AMX_MLA, vLLM's choice
 
 
+@pytest.mark.parametrize("has_amx", [False, True])
+def test_amx_mla_asked_for_without_amx_is_named_in_the_engine_line(has_amx, monkeypatch, tmp_path):
+    """vLLM runs CPU_MLA for --attention-backend AMX_MLA on a CPU without AMX, without a word:
+    corecap's engine line says so (the configuration only; no weight loads)."""
+    from corecap._vllm import build_vllm_config, effective_settings, environment
+    from corecap.config import EngineOptions
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx)
+    model = tiny_models.build("deepseek_v3", str(tmp_path / "model"))
+    with environment():
+        config = build_vllm_config(EngineOptions(dtype="bfloat16", extra_args=("--attention-backend", "AMX_MLA")), model)
+    line = effective_settings(config)
+    named = "attention CPU_MLA (AMX_MLA asked for: this CPU has no AMX tiles, and vLLM runs CPU_MLA in its place)"
+    assert (named in line) == (not has_amx), line
+
+
 # --- one engine per backend and dtype the machine runs --------------------------------------------
 
 

