@@ -77,7 +77,8 @@ def test_amx_mla_asked_for_without_amx_is_named_in_the_engine_line(has_amx, monk
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx)
     model = tiny_models.build("deepseek_v3", str(tmp_path / "model"))
     with environment():
-        config = build_vllm_config(EngineOptions(dtype="bfloat16", extra_args=("--attention-backend", "AMX_MLA")), model)
+        options = EngineOptions(dtype="bfloat16", extra_args=("--attention-backend", "AMX_MLA"))
+        config = build_vllm_config(options, model)
     line = effective_settings(config)
     named = "attention CPU_MLA (AMX_MLA asked for: this CPU has no AMX tiles, and vLLM runs CPU_MLA in its place)"
     assert (named in line) == (not has_amx), line

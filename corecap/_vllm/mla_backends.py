@@ -7,8 +7,9 @@ newer) and takes bfloat16 weights only. vLLM picks AMX_MLA whenever the CPU has 
 CPU_MLA is asked for by name, and AMX_MLA then refuses float32 weights once they have loaded
 (issue 34). So for a float32 model on such a CPU corecap asks for CPU_MLA itself, before any
 weight loads (`corecap_choice`). Asked for on a CPU without AMX, AMX_MLA is not an error in
-vLLM: it runs CPU_MLA instead, which corecap's engine line says (`runs_instead`). tests/test_mla_backends.py checks this table against vLLM's
-classes and runs each backend the machine has against HF; README "Architectures" has it as a table.
+vLLM: it runs CPU_MLA instead, which corecap's engine line says (`runs_instead`).
+tests/test_mla_backends.py checks this table against vLLM's classes and runs each backend the
+machine has against HF; README "Architectures" has it as a table.
 """
 
 from __future__ import annotations
