@@ -273,13 +273,13 @@ def test_request_seeds_are_stable_across_processes_and_differ_by_key():
 LIVENESS = 600  # seconds a run may take here before the test calls it a hang
 
 
-def _cli(tiny_model, data: str, store: str) -> list[str]:
+def _cli(tiny_model, data: str, store: str, *extra: str) -> list[str]:
     import sys
 
     return [
         sys.executable, "-m", "corecap.cli", "run", "--model", tiny_model, "--data", data, "--store", store,
         "--max-tokens", "24", "--temperature", "0.8", "--seed", "3", "--dtype", "float32", "--batch", "2",
-        "--max-num-batched-tokens", "64", "--enforce-eager", "--layers", "0,4,prenorm", "--no-progress",
+        "--max-num-batched-tokens", "64", "--enforce-eager", "--layers", "0,4,prenorm", "--no-progress", *extra,
     ]
 
 
@@ -307,7 +307,11 @@ def _num_committed(store: str) -> int:
 
 @pytest.mark.engine
 @pytest.mark.full
-def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupted_run(tiny_model, tmp_path):
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupted_run(tiny_model, tmp_path,
+                                                                                     scheduling):
+    """`async`: the killed run and its rerun with --async-scheduling, the reference without it:
+    the same responses (sampled at temperature 0.8, seeded per key) either way."""
     import os
     import signal
     import subprocess
@@ -319,7 +323,8 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
-    run = subprocess.Popen(_cli(tiny_model, data, killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    extra = ("--async-scheduling",) if scheduling == "async" else ()
+    run = subprocess.Popen(_cli(tiny_model, data, killed, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            start_new_session=True)
     deadline = time.monotonic() + LIVENESS
     while _num_committed(killed) < 4 and run.poll() is None and time.monotonic() < deadline:
@@ -328,7 +333,7 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     run.wait(60)
     before = _stored(killed)
     assert 4 <= len(before) < len(rows), f"the kill came at {len(before)} of {len(rows)} committed samples"
-    subprocess.run(_cli(tiny_model, data, killed), check=True, capture_output=True, timeout=LIVENESS)
+    subprocess.run(_cli(tiny_model, data, killed, *extra), check=True, capture_output=True, timeout=LIVENESS)
     after, expected = _stored(killed), _stored(reference)
     assert sorted(after) == sorted(expected) == sorted(r["id"] for r in rows)
     for key, stored in before.items():

