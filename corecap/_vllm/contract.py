@@ -136,7 +136,7 @@ def _scheduler(source: Source):
         # Engine._one_step_more lowers a request's max_tokens so that schedule() (its async
         # scheduling check) runs no step after the one in flight
         lacks("Request.__init__ sets no", {"max_tokens"}, method_of(request, "__init__").self_attributes()),
-        lacks("Request has no", {"num_output_tokens"}, {m for m in ("num_output_tokens",) if request.has(m)}),
+        None if request.has("num_output_tokens") else "Request has no num_output_tokens",
         lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"},
                method_of(scheduler, "schedule").names()),
         signature_problem("Scheduler.schedule", method_of(scheduler, "schedule"), {"self"}),
