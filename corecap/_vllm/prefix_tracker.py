@@ -92,10 +92,12 @@ class PrefixTracker:
         for req_id, told in list(self.num_told.items()):
             request = requests.get(req_id)
             end = 0 if request is None else min(len(request.block_hashes), request.num_computed_tokens // bs)
+            if end <= told:
+                continue
             for i in range(told, end):
                 self.actions.append(("hash", req_id, i, request.block_hashes[i]))
                 self._count(request.block_hashes[i])
-                self.num_told[req_id] = i + 1
+            self.num_told[req_id] = end
         self._bound()
 
     def _count(self, block_hash: bytes) -> None:
