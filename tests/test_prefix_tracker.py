@@ -101,3 +101,42 @@ def test_same_step_hits_count_the_blocks_produced_in_that_step():
 def test_hybrid_kv_caches_are_refused():
     with pytest.raises(CorecapError, match="2 groups"):
         PrefixTracker(_scheduler(_Pool(), groups=2), max_blocks=1)
+
+
+def test_a_response_block_dropped_before_vllm_caches_it_leaves_the_cache_at_the_next_update():
+    """Async scheduling: the step feeding a response's final token T is scheduled before T is
+    sampled; T's output makes its block's hash known (`after_update` counts it), and vLLM caches
+    the block only at the next output. A bound that drops the hash in between must evict it then."""
+    pool = _Pool()
+    scheduler = _scheduler(pool)
+    tracker = PrefixTracker(scheduler, max_blocks=2)
+    _request(scheduler, "r", [b"p"])
+    tracker.told("r", 1)
+    assert _step(scheduler, tracker, {"r": 4}, {"r": 0}) == []  # the prompt's block p, as vLLM caches it
+    pool.cached[b"p"] = [0]
+    assert _step(scheduler, tracker, {"r": 4}, {}) == []  # feeds T, not yet sampled: no hash for block 1
+    scheduler.requests["r"].block_hashes.append(b"B")  # T's output: vLLM hashes the block it ends
+    tracker.after_update()
+    assert tracker.take_actions() == [("hash", "r", 1, b"B")] and b"B" not in pool.cached
+    _request(scheduler, "o", [b"o1", b"o2"])  # the next step: two blocks of another prompt
+    actions = _step(scheduler, tracker, {"o": 8}, {"o": 0})
+    assert actions == [("drop", b"p", 1), ("drop", b"B", 1)] and pool.log == [("evicted", b"p")]
+    pool.cached[b"B"] = [1]  # the output of the step that fed T: vLLM caches B now
+    tracker.forget(["r"])  # the response is complete
+    tracker.after_update()
+    assert b"B" not in pool.cached and pool.log[-1] == ("evicted", b"B") and tracker.take_actions() == []
+    assert tracker.num_evicted == 2
+
+
+def test_a_dropped_hash_counted_again_stays_in_vllms_cache():
+    pool = _Pool()
+    scheduler = _scheduler(pool)
+    tracker = PrefixTracker(scheduler, max_blocks=1)
+    _request(scheduler, "a", [b"1", b"2"])
+    _step(scheduler, tracker, {"a": 4}, {"a": 0})
+    assert _step(scheduler, tracker, {"a": 4}, {}) == [("drop", b"1", 1)]
+    _request(scheduler, "b", [b"1"])  # computes block 1 again: the sink knows its producer again
+    _step(scheduler, tracker, {"b": 4}, {"b": 0})
+    pool.cached[b"1"] = [2]
+    tracker.after_update()
+    assert pool.cached == {b"1": [2]}

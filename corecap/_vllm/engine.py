@@ -334,7 +334,7 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.forget(done)
             timing.finished += done
-        if self.prefix is not None and self.responses:
+        if self.prefix is not None:
             self.prefix.after_update()
         self.num_unfinished -= len(timing.finished)
         for req_id in timing.finished:

@@ -12,7 +12,8 @@ use stays allocated to its request, it only stops being a cache hit). Both happe
 `schedule()` calls, so no later hit can name a block the sink has forgotten. With async
 scheduling a response's block may be completed by a step scheduled before the token that ends it
 is sampled, so before vLLM can hash it: that block is told and counted once its hash is known,
-after the output that brings the token (`after_update`), before vLLM caches it. vLLM evicting a
+after the output that brings the token (`after_update`), before vLLM caches it (one output later:
+a hash the bound drops in between is evicted again then). vLLM evicting a
 block on its own needs no message: the sink forgets it when the bound drops it. The bound is,
 unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached: the
 sink keeps no states of its own for a hash (corecap/sink/prefix_cache.py), only who produced it.
@@ -52,6 +53,7 @@ class PrefixTracker:
         # for the sink, in order: ("hits", req_id, n), ("drop", hash, count), ("hash", req_id, i, hash)
         self.actions: list[tuple] = []
         self.num_told: dict[str, int] = {}  # generating request → the block hashes the sink knows of it
+        self.dropped: list[bytes] = []  # hashes the bound dropped since the last after_update
         self.num_hit_tokens = 0
         self.num_evicted = 0
 
@@ -87,7 +89,18 @@ class PrefixTracker:
         """After `update_from_output`: the blocks of a response that a step already scheduled
         completes (num_computed_tokens counts the steps in flight) and whose hash vLLM now knows,
         the sampled token that ends them having come (async scheduling; without it a block's hash
-        is known when the step completing it is scheduled, and `after_schedule` tells it)."""
+        is known when the step completing it is scheduled, and `after_schedule` tells it).
+
+        Such a block is counted before vLLM caches it: it caches the block in the
+        `update_from_output` of the step that feeds the token, one output later. Had the bound
+        dropped its hash in between, `_evict` found nothing to evict, and vLLM would then cache a
+        block the sink has forgotten; so every hash dropped since the last call, unless counted
+        again since, leaves vLLM's cache now, that update having run. Called after every update,
+        with or without responses left: the last response's block is cached by its own."""
+        dropped, self.dropped = self.dropped, []
+        for h in dropped:
+            if h not in self.counts:
+                self._evict(h)
         bs, requests = self.block_size, self.scheduler.requests
         for req_id, told in list(self.num_told.items()):
             request = requests.get(req_id)
@@ -109,6 +122,7 @@ class PrefixTracker:
         while len(self.counts) > self.max_blocks:
             h, count = self.counts.popitem(last=False)
             self._evict(h)
+            self.dropped.append(h)
             self.actions.append(("drop", h, count))
 
     def told(self, req_id: str, num_hashes: int) -> None:
