@@ -97,7 +97,7 @@ def _engine_args(source: Source):
         None if source.cls("vllm.usage.usage_lib.UsageContext").has("LLM_CLASS")
         else "UsageContext.LLM_CLASS is gone (corecap takes the LLM class's defaults)",
         signature_problem("EngineArgs.create_engine_config", method_of(engine_args, "create_engine_config"),
-                           {"self", "usage_context"}),
+                          {"self", "usage_context"}),
     )
 
 
@@ -109,7 +109,7 @@ def _engine_core(source: Source):
     init = method_of(core, "__init__")
     return first(
         lacks("EngineCore.__init__ no longer sets", {"scheduler", "model_executor", "request_block_hasher"},
-               init.self_attributes()),
+              init.self_attributes()),
         signature_problem("EngineCore", init, {"self", "vllm_config", "executor_class", "log_stats"}),
     )
 
@@ -118,7 +118,7 @@ def _engine_core(source: Source):
         "SamplingParams")
 def _request(source: Source):
     missing = lacks("SamplingParams has no field", {"max_tokens", "temperature", "detokenize"},
-                     source.cls("vllm.sampling_params.SamplingParams").fields())
+                    source.cls("vllm.sampling_params.SamplingParams").fields())
     if missing:
         return f"SamplingParams(max_tokens=1, temperature=0.0, detokenize=False) fails: {missing}"
     passed = {"self", "request_id", "prompt_token_ids", "sampling_params", "pooling_params", "arrival_time",
@@ -132,23 +132,23 @@ def _scheduler(source: Source):
     scheduler = source.cls("vllm.v1.core.sched.scheduler.Scheduler")
     method_of(scheduler, "has_requests")
     request = source.cls("vllm.v1.request.Request")
+    schedule = method_of(scheduler, "schedule")
     return first(
         # Engine._one_step_more lowers a request's max_tokens so that schedule() (its async
         # scheduling check) runs no step after the one in flight
         lacks("Request.__init__ sets no", {"max_tokens"}, method_of(request, "__init__").self_attributes()),
         None if request.has("num_output_tokens") else "Request has no num_output_tokens",
-        lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"},
-               method_of(scheduler, "schedule").names()),
-        signature_problem("Scheduler.schedule", method_of(scheduler, "schedule"), {"self"}),
+        lacks("Scheduler.schedule reads no", {"max_tokens", "num_output_placeholders"}, schedule.names()),
+        signature_problem("Scheduler.schedule", schedule, {"self"}),
         signature_problem("Scheduler.get_grammar_bitmask", method_of(scheduler, "get_grammar_bitmask"),
-                           {"self", "scheduler_output"}),
+                          {"self", "scheduler_output"}),
         signature_problem("Scheduler.update_from_output", method_of(scheduler, "update_from_output"),
-                           {"self", "scheduler_output", "model_runner_output"}),
+                          {"self", "scheduler_output", "model_runner_output"}),
         lacks("SchedulerOutput has no field", {"num_scheduled_tokens", "total_num_scheduled_tokens"},
-               source.cls("vllm.v1.core.sched.output.SchedulerOutput").fields()),
+              source.cls("vllm.v1.core.sched.output.SchedulerOutput").fields()),
         lacks("EngineCoreOutputs has no field", {"outputs"}, source.cls("vllm.v1.engine.EngineCoreOutputs").fields()),
         lacks("EngineCoreOutput has no field", {"request_id", "finish_reason"},
-               source.cls("vllm.v1.engine.EngineCoreOutput").fields()),
+              source.cls("vllm.v1.engine.EngineCoreOutput").fields()),
     )
 
 
@@ -188,7 +188,7 @@ def _executor(source: Source):
         return "MultiprocExecutor no longer sets is_failed (how corecap tells a dead worker)"
     method_of(executor, "shutdown")
     problem = signature_problem("MultiprocExecutor.collective_rpc", method_of(executor, "collective_rpc"),
-                                 {"self", "method", "args"})
+                                {"self", "method", "args"})
     pool = executor.method("_start_workers_concurrently")
     if problem or (pool is None and "ThreadPoolExecutor" not in text):
         return problem
@@ -316,9 +316,9 @@ def runner_v2_problem(source: Source, qualname: str) -> str | None:
     return first(
         _reads_aux_flag(cls),
         lacks("ExecuteModelState has no field", {"input_batch", "hidden_states", "aux_hidden_states"},
-               source.cls("vllm.v1.worker.gpu.model_runner.ExecuteModelState").fields()),
+              source.cls("vllm.v1.worker.gpu.model_runner.ExecuteModelState").fields()),
         lacks("the V2 InputBatch has no field", {"req_ids", "num_scheduled_tokens", "input_ids", "positions"},
-               source.cls("vllm.v1.worker.gpu.input_batch.InputBatch").fields()),
+              source.cls("vllm.v1.worker.gpu.input_batch.InputBatch").fields()),
     )
 
 
