@@ -60,7 +60,9 @@ def run_child(module: str, args: list[str], timeout: float,
 
 
 def append_jsonl(path: str, record: dict) -> None:
-    """One result a line, appended: a benchmark interrupted keeps what it measured."""
+    """One result a line, appended: a benchmark interrupted keeps what it measured. The folder is
+    made if missing (a child's record, or a failed one's, must not be lost to a mistyped `--out`)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 

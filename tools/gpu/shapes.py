@@ -14,7 +14,7 @@ Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,
 1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
 prompts), qwen3moe (Qwen3-30B-A3B, 1,024-token prompts), dsv3 (DeepSeek-V3 / Kimi-K2's 61 layers
 with 16 routed experts, 1,024-token prompts; dsv3-seed: the same with the seed's --max-num-seqs 4
---max-model-len 2048, given to plain vLLM too; dsv3-h100: its experts half as wide, to fit an
+--max-model-len 2048, given to plain vLLM too; dsv3-h100: its experts a sixth as wide, to fit an
 80 GB H100), 8b-a (the 8b model on issue 19's
 dataset (a): a 2,048-token prompt shared by all, then a unique 256-1,024-token tail; rates
 count every sample's tokens, cached or not). Prompt counts give each corecap run
@@ -121,9 +121,12 @@ SHAPES["tiny-a"] = dict(SHAPES["tiny"], config={**SHAPES["tiny"]["config"], "max
 # The seed's command (issue 34 item 7): its engine limits, given to plain vLLM and corecap alike.
 SHAPES["dsv3-seed"] = dict(SHAPES["dsv3"], engine={"max_num_seqs": 4, "max_model_len": 2048})
 # dsv3 for an 80 GB H100, where dsv3's 87.6 GiB of bf16 weights do not load (CUDA out of memory,
-# 2026-12-05): the same 61 layers, attention and router, its 16 routed experts half as wide (768):
-# 30.7B parameters, 57.3 GiB, counted with transformers' DeepseekV3ForCausalLM on the meta device.
-SHAPES["dsv3-h100"] = dict(SHAPES["dsv3"], config={**SHAPES["dsv3"]["config"], "moe_intermediate_size": 768})
+# 2026-12-05): the same 61 layers, attention and router, its 16 routed experts a sixth as wide
+# (256): 19.9B parameters, 37.1 GiB, counted with transformers' DeepseekV3ForCausalLM on the meta
+# device. At 768 wide (57.3 GiB) vLLM's profile left -2.63 GiB for the KV cache under corecap's
+# defaults (beside 4.81 GiB of CUDA graphs; 2026-12-05), and one sequence of the model's 163,840
+# tokens needs ~10.7 GiB of MLA cache (576 bf16 values a token a layer).
+SHAPES["dsv3-h100"] = dict(SHAPES["dsv3"], config={**SHAPES["dsv3"]["config"], "moe_intermediate_size": 256})
 CORECAP_FLAGS = {"corecap": [], "corecap-fp8": ["--store-dtype", "fp8"], "corecap-raw": ["--codec", "raw"],
                  "corecap-fp8q": ["--quantization", "fp8"], "corecap-pc": ["--enable-prefix-caching"]}
 
@@ -270,7 +273,8 @@ def run_each(module: str, args, out: str) -> None:
                "--dir", args.dir]
         rc, err = run_bounded(cmd, args.timeout, env=child_env())
         ok = rc == 0
-        print(f"{run}: {'ok' if ok else 'FAILED'} in {time.time() - t:.0f}s", flush=True)
+        last = next((line for line in reversed((err or "").splitlines()) if line.strip()), "")
+        print(f"{run}: {'ok' if ok else 'FAILED: ' + last[-300:]} in {time.time() - t:.0f}s", flush=True)
         if not ok:
             append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
 
