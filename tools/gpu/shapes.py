@@ -272,11 +272,13 @@ def run_each(module: str, args, out: str) -> None:
         cmd = [sys.executable, "-m", module, "--one", run if ":" in run else f":{run}", "--out", args.out,
                "--dir", args.dir]
         rc, err = run_bounded(cmd, args.timeout, env=child_env())
-        ok = rc == 0
-        last = next((line for line in reversed((err or "").splitlines()) if line.strip()), "")
-        print(f"{run}: {'ok' if ok else 'FAILED: ' + last[-300:]} in {time.time() - t:.0f}s", flush=True)
-        if not ok:
-            append_jsonl(out, {"run": run, "failed": True, "stderr_tail": (err or "")[-3000:]})
+        if rc == 0:
+            print(f"{run}: ok in {time.time() - t:.0f}s", flush=True)
+            continue
+        tail = (err or "")[-3000:]
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+        print(f"{run}: FAILED: {last[-300:]} in {time.time() - t:.0f}s", flush=True)
+        append_jsonl(out, {"run": run, "failed": True, "stderr_tail": tail})
 
 
 if __name__ == "__main__":
