@@ -6,6 +6,13 @@ that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, du
 
     PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.archs \
         [--archs gemma3,mixtral,qwen2_moe,gpt_oss,qwen3_next] [--out DIR]
+    ... python3 -m tools.gpu.archs --archs mixtral@w4a16-experts,mixtral@fp8-block,mixtral@nvfp4
+
+`ARCH@SCHEME` runs a quantized checkpoint as it ships (tests/support/quantized.py's SCHEMES, built
+from that tiny model): corecap captures the quantized checkpoint, and HF runs the checkpoint of
+its dequantized weights (what the quantized one represents, as tests/test_quantized.py compares
+on a CPU that has the kernels). The GPU's kernels compute in bf16 (INT4 and FP4 weight-only
+Marlin on Hopper; FP8 blocks also quantize the activations, per token group of 128).
 
 The models are those of the CPU suite, widened to head_dim 64 (hidden 128, 2 heads) because
 the GPU's attention kernels are built for head sizes from 64 up. For each architecture the
@@ -43,12 +50,26 @@ WIDER = {"hidden_size": 128, "head_dim": 64}
 ENGINE_ARGS = {"qwen3_next": ["--gdn-prefill-backend", "triton"]}
 
 
+QUANTIZED = os.path.join(os.path.dirname(TINY_MODELS), "quantized.py")
+
+
+def checkpoints(name: str, work: str) -> tuple[str, str]:
+    """(the checkpoint corecap captures, the one HF is run on) for `ARCH` or `ARCH@SCHEME`."""
+    arch, _, scheme = name.partition("@")
+    if not scheme:
+        model = tiny_models.build(arch, os.path.join(work, "model"), overrides=WIDER)
+        return model, model
+    subprocess.run([sys.executable, QUANTIZED, scheme, arch, os.path.join(work, "model"), json.dumps(WIDER)],
+                   check=True, timeout=600, capture_output=True)
+    return os.path.join(work, "model", "quantized"), os.path.join(work, "model", "dequantized")
+
+
 def one_arch(name: str, work: str) -> dict:
     import torch
 
     from corecap.store import Store
 
-    model = tiny_models.build(name, os.path.join(work, "model"), overrides=WIDER)
+    model, reference = checkpoints(name, work)
     rows = tiny_models.rows()
     data = os.path.join(work, "data.jsonl")
     with open(data, "w") as f:
@@ -57,16 +78,17 @@ def one_arch(name: str, work: str) -> dict:
     refs = {}
     for dtype in ("float32", "bfloat16"):
         out = os.path.join(work, f"refs-{dtype}.pt")
-        subprocess.run([sys.executable, TINY_MODELS, "reference", model, data, out, dtype],
+        subprocess.run([sys.executable, TINY_MODELS, "reference", reference, data, out, dtype],
                        check=True, timeout=600, capture_output=True)
         refs[dtype] = torch.load(out)
     store = os.path.join(work, "store")
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
            "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64",
-           *ENGINE_ARGS.get(name, ())]
+           *ENGINE_ARGS.get(name.partition("@")[0], ())]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+    rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1),
+           "hf_weights": "dequantized" if reference != model else "the same"}
     lines = (proc.stdout + proc.stderr).splitlines()
     rec["engine_line"] = next((line for line in lines if line.startswith("engine:")), "")
     if proc.returncode != 0:

@@ -5,7 +5,8 @@ per mode, the same clocks):
 
 - dsv2lite-w4a16: DeepSeek-V2-Lite's shape, compressed-tensors W4A16 pack-quantized INT4 groups of
   32 on the MoE experts only (Kimi-K2.5's layout and `ignore` list);
-- dsv2lite-fp8: the same shape, FP8 128x128 blocks (`quant_method: fp8`, DeepSeek-V3's own);
+- dsv2lite-fp8: the same shape (its dense MLP 11,008 wide: see QUANTIZED), FP8 128x128 blocks
+  (`quant_method: fp8`, DeepSeek-V3's own);
 - 8b-fp8: Llama-3-8B's shape, FP8 blocks;
 - 8b-nvfp4: Llama-3-8B's shape, compressed-tensors NVFP4 (W4A4; on Hopper vLLM falls back to its
   weight-only Marlin FP4 kernel).
@@ -34,8 +35,15 @@ from tools.common.child import ROOT
 from tools.gpu import shapes
 
 BUILDER = os.path.join(ROOT, "tests", "support", "quantized.py")
-QUANTIZED = {"dsv2lite-w4a16": ("dsv2lite", "w4a16-experts"), "dsv2lite-fp8": ("dsv2lite", "fp8-block"),
-             "8b-fp8": ("8b", "fp8-block"), "8b-nvfp4": ("8b", "nvfp4")}
+# NAME: (base shape, scheme, config overrides). dsv2lite-fp8's dense MLP is 11,008 wide, not
+# DeepSeek-V2-Lite's 10,944: FP8 blocks quantize each activation in groups of 128 along its last
+# dimension, and plain vLLM 0.26 failed on the 10,944-wide shape in `per_token_group_quant_fp8`'s
+# assert that the last dimension divides by 128 (H200, 2026-12-05; the log cut the assert's own
+# message). 10,944 (85.5 x 128) is the shape's only quantized input width that does not divide;
+# DeepSeek-V3's own 18,432 is 144 x 128.
+QUANTIZED = {"dsv2lite-w4a16": ("dsv2lite", "w4a16-experts", {}),
+             "dsv2lite-fp8": ("dsv2lite", "fp8-block", {"intermediate_size": 11008}),
+             "8b-fp8": ("8b", "fp8-block", {}), "8b-nvfp4": ("8b", "nvfp4", {})}
 # The tiny real checkpoints of --dry-run, widened as tools/gpu/archs.py widens them (head_dim 64,
 # the GPU's smallest) and to hidden 128: one FP8 block across, four INT4 groups, eight NVFP4 groups.
 DRY = {"w4a16-experts": ("deepseek_v3", {}), "fp8-block": ("mixtral", {"hidden_size": 128, "head_dim": 64}),
@@ -49,9 +57,9 @@ def quantization_config(scheme: str) -> dict:
 
 def register() -> None:
     """Each quantized run's shape in shapes.SHAPES: the base shape's config with the quantization."""
-    for name, (base, scheme) in QUANTIZED.items():
+    for name, (base, scheme, overrides) in QUANTIZED.items():
         shape = shapes.SHAPES[base]
-        config = {**shape["config"], "quantization_config": quantization_config(scheme)}
+        config = {**shape["config"], **overrides, "quantization_config": quantization_config(scheme)}
         shapes.SHAPES[name] = dict(shape, config=config)
 
 

@@ -206,6 +206,7 @@ def mode_corecap(args) -> dict:
     nbytes = rates["committed_bytes"]
     name = f"trace_{args.shape}_{args.mode}_{time.strftime('%H%M%S')}.json"
     shutil.copy(os.path.join(store, "trace.json"), os.path.join(args.out, name))
+    memory = memory_lines(_log(store))
     shutil.rmtree(store, ignore_errors=True)
     os.remove(data)
     return {
@@ -218,7 +219,7 @@ def mode_corecap(args) -> dict:
         "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
         "largest_child_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
         "peak_rss_gb_by_process": peaks.largest_gb(4),
-        "workers": trace.get("workers", []),
+        "workers": trace.get("workers", []), "memory_lines": memory,
     }
 
 
@@ -227,12 +228,26 @@ def engine_flags(engine: dict) -> list[str]:
     return [arg for key, value in engine.items() for arg in ("--" + key.replace("_", "-"), str(value))]
 
 
-def _log_tail(store: str) -> str:
+def _log(store: str) -> str:
     try:
         with open(os.path.join(store, "corecap.log"), errors="replace") as f:
-            return f.read()[-3000:]
+            return f.read()
     except OSError:
         return ""
+
+
+def _log_tail(store: str) -> str:
+    return _log(store)[-3000:]
+
+
+MEMORY_WORDS = ("Model loading took", "KV cache memory", "CUDA graph memory", "KV cache size", "Maximum concurrency",
+                "Graph capturing finished", "torch.compile took")
+
+
+def memory_lines(log: str) -> list[str]:
+    """vLLM's lines in a corecap run's log on where the GPU's memory went (weights, compile, graphs,
+    KV cache), kept in its record. (Plain vLLM's go to its child's stdout, which is not kept.)"""
+    return [line.strip()[-200:] for line in log.splitlines() if any(w in line for w in MEMORY_WORDS)]
 
 
 MODES = {"dd": mode_dd, "plain": mode_plain, "plain-fp8q": mode_plain, **{m: mode_corecap for m in CORECAP_FLAGS}}
