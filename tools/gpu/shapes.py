@@ -177,7 +177,10 @@ def mode_plain(args) -> dict:
             "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens,
             "max_num_seqs": c.scheduler_config.max_num_seqs,
             "async_scheduling": c.scheduler_config.async_scheduling,
-            "prefix_caching": c.cache_config.enable_prefix_caching}
+            "prefix_caching": c.cache_config.enable_prefix_caching,
+            # what vLLM left for the KV cache, as corecap's record has it in `memory_lines` ("GPU
+            # KV cache size: N tokens"): vLLM's own log lines go to this child's stdout, not kept
+            "kv_cache_tokens": (c.cache_config.num_gpu_blocks or 0) * c.cache_config.block_size}
 
 
 def mode_corecap(args) -> dict:
@@ -246,7 +249,7 @@ MEMORY_WORDS = ("Model loading took", "KV cache memory", "CUDA graph memory", "K
 
 def memory_lines(log: str) -> list[str]:
     """vLLM's lines in a corecap run's log on where the GPU's memory went (weights, compile, graphs,
-    KV cache), kept in its record. (Plain vLLM's go to its child's stdout, which is not kept.)"""
+    KV cache), kept in its record (plain vLLM's record has `kv_cache_tokens`)."""
     return [line.strip()[-200:] for line in log.splitlines() if any(w in line for w in MEMORY_WORDS)]
 
 
