@@ -7,7 +7,7 @@
 # prefix, without site-packages but pip) and the wheels .ci/run installs, in parts that each fit
 # one `run` call beside the project's files:
 #
-#   bash tools/amx/make_kit.sh          # here: .amxkit/c00, c01, ... (ignored by git), ~5 min
+#   bash tools/amx/make_kit.sh          # here: .amxkit/c00, c01, ... (ignored by git), ~2 min
 #
 # then one `run` call per part, back to back (the machine is released 30 s after a call):
 #   carry [".amxkit/c00"]:  mkdir -p /root/amxkit && cp -r .amxkit/c00 /root/amxkit/
