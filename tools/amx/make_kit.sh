@@ -52,8 +52,9 @@ for part in "$KIT"/kit.tar.part*; do
     mkdir -p "$dir" && mv "$part" "$dir/"
     n=$((n + 1))
 done
-cp "$KIT/kit.sha256" "$(printf '%s/c%02d' "$KIT" $((n - 1)))/"
-echo "$n" > "$(printf '%s/c%02d' "$KIT" $((n - 1)))/parts"
+last=$dir  # the last part also holds the checksum and the count remote_run.sh checks
+cp "$KIT/kit.sha256" "$last/"
+echo "$n" > "$last/parts"
 rm -rf "$KIT/build" "$KIT/kit.tar"
 du -sh "$KIT"/c*
-echo "$n parts: carry each of $KIT/c00 .. $(printf 'c%02d' $((n - 1))) in a call of its own"
+echo "$n parts: carry each of $KIT/c00 .. $last in a call of its own"

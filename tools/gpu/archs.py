@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from tools.common.child import ROOT
+from tools.gpu import quantized
 
 # The tests' tiny models, run here as a file: tests/support/ holds what tests share (tests/ before).
 _PLACES = (os.path.join(ROOT, "tests", "support", "tiny_models.py"), os.path.join(ROOT, "tests", "tiny_models.py"))
@@ -50,18 +51,13 @@ WIDER = {"hidden_size": 128, "head_dim": 64}
 ENGINE_ARGS = {"qwen3_next": ["--gdn-prefill-backend", "triton"]}
 
 
-QUANTIZED = os.path.join(os.path.dirname(TINY_MODELS), "quantized.py")
-
-
-def checkpoints(name: str, work: str) -> tuple[str, str]:
-    """(the checkpoint corecap captures, the one HF is run on) for `ARCH` or `ARCH@SCHEME`."""
-    arch, _, scheme = name.partition("@")
+def checkpoints(arch: str, scheme: str, work: str) -> tuple[str, str]:
+    """(the checkpoint corecap captures, the one HF is run on): the tiny `arch`, or its `scheme`
+    quantization and the checkpoint of its dequantized weights."""
     if not scheme:
         model = tiny_models.build(arch, os.path.join(work, "model"), overrides=WIDER)
         return model, model
-    subprocess.run([sys.executable, QUANTIZED, scheme, arch, os.path.join(work, "model"), json.dumps(WIDER)],
-                   check=True, timeout=600, capture_output=True)
-    return os.path.join(work, "model", "quantized"), os.path.join(work, "model", "dequantized")
+    return quantized.build_tiny(scheme, arch, os.path.join(work, "model"), WIDER)
 
 
 def one_arch(name: str, work: str) -> dict:
@@ -69,7 +65,8 @@ def one_arch(name: str, work: str) -> dict:
 
     from corecap.store import Store
 
-    model, reference = checkpoints(name, work)
+    arch, _, scheme = name.partition("@")
+    model, reference = checkpoints(arch, scheme, work)
     rows = tiny_models.rows()
     data = os.path.join(work, "data.jsonl")
     with open(data, "w") as f:
@@ -84,11 +81,11 @@ def one_arch(name: str, work: str) -> dict:
     store = os.path.join(work, "store")
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
            "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64",
-           *ENGINE_ARGS.get(name.partition("@")[0], ())]
+           *ENGINE_ARGS.get(arch, ())]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
     rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1),
-           "hf_weights": "dequantized" if reference != model else "the same"}
+           "hf_weights": "dequantized" if scheme else "the same"}
     lines = (proc.stdout + proc.stderr).splitlines()
     rec["engine_line"] = next((line for line in lines if line.startswith("engine:")), "")
     if proc.returncode != 0:

@@ -63,6 +63,14 @@ def register() -> None:
         shapes.SHAPES[name] = dict(shape, config=config)
 
 
+def build_tiny(scheme: str, arch: str, path: str, overrides: dict) -> tuple[str, str]:
+    """tests/support/quantized.py's tiny `arch` quantized by `scheme` under `path`, run as a script:
+    (the quantized checkpoint, the checkpoint of its dequantized weights)."""
+    subprocess.run([sys.executable, BUILDER, scheme, arch, path, json.dumps(overrides)], check=True,
+                   capture_output=True, timeout=600)
+    return os.path.join(path, "quantized"), os.path.join(path, "dequantized")
+
+
 def dry_run(out: str) -> None:
     register()
     with tempfile.TemporaryDirectory() as work:
@@ -70,11 +78,9 @@ def dry_run(out: str) -> None:
             with open(os.path.join(shapes.model_dir(work, name), "config.json")) as f:
                 print(f"{name}: config.json quantization_config {json.load(f)['quantization_config']}")
         for scheme, (arch, overrides) in DRY.items():
-            path = os.path.join(work, f"tiny-{scheme}")
-            subprocess.run([sys.executable, BUILDER, scheme, arch, path, json.dumps(overrides)], check=True,
-                           capture_output=True, timeout=600)
-            files = sorted(os.listdir(os.path.join(path, "quantized")))
-            print(f"tiny {arch} {scheme} {overrides}: built {path}/quantized ({', '.join(files)}) "
+            quantized, _ = build_tiny(scheme, arch, os.path.join(work, f"tiny-{scheme}"), overrides)
+            files = sorted(os.listdir(quantized))
+            print(f"tiny {arch} {scheme} {overrides}: built {quantized} ({', '.join(files)}) "
                   "and its dequantized twin")
 
 
