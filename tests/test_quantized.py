@@ -64,7 +64,7 @@ def test_fp8_blocks_and_nvfp4_decompress_to_the_reference(tmp_path_factory):
     q, d = _tensors(quant), _tensors(deq)
     w = q["model.layers.0.self_attn.q_proj.weight"]
     scale = q["model.layers.0.self_attn.q_proj.weight_scale_inv"]
-    assert w.dtype == torch.float8_e4m3fn and scale.shape == (1, 1)  # 64 x 64: one partial 128 x 128 block
+    assert w.dtype == torch.float8_e4m3fn and scale.shape == (1, 1)  # 128 x 128: one block
     assert torch.equal(w.float() * scale, d["model.layers.0.self_attn.q_proj.weight"])
     assert "model.layers.0.block_sparse_moe.gate.weight_scale_inv" not in q  # the router stays float
 
@@ -75,6 +75,12 @@ def test_fp8_blocks_and_nvfp4_decompress_to_the_reference(tmp_path_factory):
     values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
     scale = q[f"{base}.weight_scale"].float().repeat_interleave(16, dim=1) / q[f"{base}.weight_global_scale"]
     assert torch.allclose(values * scale, d[f"{base}.weight"], rtol=1e-6, atol=0)
+    # the shards vLLM fuses share one global scale (it keeps one per fused layer); others have their own
+    layer, expert = "model.layers.0.self_attn", "model.layers.0.block_sparse_moe.experts.1"
+    qkv = [q[f"{layer}.{p}_proj.weight_global_scale"] for p in "qkv"]
+    w13 = [q[f"{expert}.{w}.weight_global_scale"] for w in ("w1", "w3")]
+    assert torch.equal(qkv[0], qkv[1]) and torch.equal(qkv[0], qkv[2]) and torch.equal(w13[0], w13[1])
+    assert not torch.equal(w13[0], q[f"{expert}.w2.weight_global_scale"])
 
 
 def test_metadata_records_the_quantization(tmp_path_factory):

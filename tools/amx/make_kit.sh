@@ -32,11 +32,14 @@ python3 -m pip download -q -d "$KIT/build/wheels" --find-links /opt/wheels \
 rm -f "$KIT"/build/wheels/{triton,torchvision,torchaudio,torchcodec,ruff,corecap}-*
 
 # The interpreter at its own path (its libpython is found there), the standard library without
-# its tests, and pip to install the wheels with.
+# its tests, its C headers (torch.compile's Inductor builds its CPU kernels against them: without
+# them the compiled engines of tests/test_preflight.py failed on the GPU host, 2026-12-05,
+# "CppCompileError: C++ compile error"), and pip to install the wheels with.
 rel=${PREFIX#/}
 lib=$rel/lib/python$VERSION
 (cd / && {
     echo "$rel/bin/python$VERSION"; echo "$rel/lib/libpython$VERSION.so.1.0"
+    find "$rel/include/python$VERSION"
     find "$lib" \( -path "$lib/site-packages" -o -path "$lib/test" -o -name __pycache__ \) -prune -o -print
     find "$lib/site-packages/pip" -name __pycache__ -prune -o -print
 }) > "$KIT/build/files"

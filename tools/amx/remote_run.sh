@@ -5,9 +5,10 @@
 #
 # joins KITDIR/c*/kit.tar.part*, checks the sha256, puts the Python of make_kit's machine back at
 # its own path, installs the wheels and this checkout (editable) into it, says whether torch sees
-# AMX, runs `corecap doctor`, then pytest with the arguments given (default: the whole of the
-# test files that choose or refuse by AMX, `--full`). AMX_ROOT=DIR puts that Python under DIR
-# instead of / (to try the kit on the machine that made it without touching its own Python).
+# AMX, runs `corecap doctor`, then pytest with the arguments given (default: each of the test
+# files that choose or refuse by AMX in a pytest of its own, `--full`). AMX_ROOT=DIR puts that
+# Python under DIR instead of / (to try the kit on the machine that made it without touching its
+# own Python).
 set -euo pipefail
 KITDIR=$1
 shift
@@ -30,9 +31,18 @@ fi
 "$PY" -m pip install -q --no-index --no-deps --no-warn-script-location "$WORK"/wheels/*.whl
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
 rm -rf "$WORK"
-echo "amx_tile flags: $(grep -c amx_tile /proc/cpuinfo || true)"
+echo "amx_tile flags: $(grep -c amx_tile /proc/cpuinfo || true); C++ compiler (Inductor's): $(command -v g++ || echo none)"
 "$PY" -c "import torch; print('torch', torch.__version__, 'AMX tiles:', torch.cpu._is_amx_tile_supported())"
 "$PY" -m corecap.cli doctor
-[ $# -gt 0 ] || set -- --full tests/test_mla_backends.py tests/test_worker_errors.py tests/test_quantized.py \
-    tests/test_options.py tests/test_kimi.py
-"$PY" -m pytest -q -p no:cacheprovider -rs "$@"
+if [ $# -gt 0 ]; then
+    exec "$PY" -m pytest -q -p no:cacheprovider -rs "$@"
+fi
+# One pytest a file, so that each file's failures are printed as soon as it ends: a run cut short
+# by the device's time still says why the files before failed (2026-12-05, a run stopped 320 s in
+# had printed only its progress dots).
+rc=0
+for file in tests/test_mla_backends.py tests/test_worker_errors.py tests/test_quantized.py tests/test_options.py \
+        tests/test_kimi.py; do
+    "$PY" -m pytest -q -p no:cacheprovider -rs --full "$file" || rc=1
+done
+exit $rc

@@ -44,6 +44,11 @@ BUILDER = os.path.join(ROOT, "tests", "support", "quantized.py")
 QUANTIZED = {"dsv2lite-w4a16": ("dsv2lite", "w4a16-experts", {}),
              "dsv2lite-fp8": ("dsv2lite", "fp8-block", {"intermediate_size": 11008}),
              "8b-fp8": ("8b", "fp8-block", {}), "8b-nvfp4": ("8b", "nvfp4", {})}
+# corecap flags a run needs beyond the mode's. NVFP4's dummy weights (random packed values, FP8
+# group scales and global scales) make non-finite states: corecap refused them on an H100
+# (2026-12-05, "NaN/Inf in the captured states at layers [2, 16, 29, 32]") where plain vLLM, which
+# checks nothing, ran; `--nonfinite store` keeps and flags them, so the run does the same work.
+CORECAP_FLAGS = {"8b-nvfp4": ["--nonfinite", "store"]}
 # The tiny real checkpoints of --dry-run, widened as tools/gpu/archs.py widens them (head_dim 64,
 # the GPU's smallest) and to hidden 128: one FP8 block across, four INT4 groups, eight NVFP4 groups.
 DRY = {"w4a16-experts": ("deepseek_v3", {}), "fp8-block": ("mixtral", {"hidden_size": 128, "head_dim": 64}),
@@ -60,7 +65,7 @@ def register() -> None:
     for name, (base, scheme, overrides) in QUANTIZED.items():
         shape = shapes.SHAPES[base]
         config = {**shape["config"], **overrides, "quantization_config": quantization_config(scheme)}
-        shapes.SHAPES[name] = dict(shape, config=config)
+        shapes.SHAPES[name] = dict(shape, config=config, corecap_flags=CORECAP_FLAGS.get(name, []))
 
 
 def build_tiny(scheme: str, arch: str, path: str, overrides: dict) -> tuple[str, str]:

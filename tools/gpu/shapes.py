@@ -194,7 +194,7 @@ def mode_corecap(args) -> dict:
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
            "--store", store,
            "--layers", SHAPES[args.shape]["layers"], "--load-format", "dummy", *CORECAP_FLAGS[args.mode],
-           *engine_flags(SHAPES[args.shape].get("engine", {}))]
+           *SHAPES[args.shape].get("corecap_flags", ()), *engine_flags(SHAPES[args.shape].get("engine", {}))]
     t0 = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
         with RssPeaks(process_tree(child.pid), interval=0.2) as peaks:
