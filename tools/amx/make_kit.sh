@@ -32,9 +32,9 @@ python3 -m pip download -q -d "$KIT/build/wheels" --find-links /opt/wheels \
 rm -f "$KIT"/build/wheels/{triton,torchvision,torchaudio,torchcodec,ruff,corecap}-*
 
 # The interpreter at its own path (its libpython is found there), the standard library without
-# its tests, its C headers (torch.compile's Inductor builds its CPU kernels against them: without
-# them the compiled engines of tests/test_preflight.py failed on the GPU host, 2026-12-05,
-# "CppCompileError: C++ compile error"), and pip to install the wheels with.
+# its tests, its C headers (torch.compile's Inductor builds its CPU kernels against Python's: the
+# compiled engine of tests/test_preflight.py failed on the GPU host with a kit without them,
+# 2026-12-05, "CppCompileError: C++ compile error", g++ being there), and pip.
 rel=${PREFIX#/}
 lib=$rel/lib/python$VERSION
 (cd / && {
