@@ -26,10 +26,17 @@ LAYERS = (*range(N + 1), PRENORM)
 BUILT: dict[tuple[str, str], tuple[str, str]] = {}  # (scheme, arch) -> (quantized, dequantized), built once
 
 
+# FP8 runs in bfloat16 (DTYPE below), where a near tie between two experts' scores flips a token's
+# routing and moves its state far from HF's float32, legitimately (tests/test_mla_backends.py saw
+# 0.25 with top-2 of 4): its tiny models route every token to all 4 experts, as that test's do.
+# Routing itself is checked in float32 (tests/test_architectures.py, the INT4 cases here).
+OVERRIDES = {"fp8-block": {"num_experts_per_tok": 4}}
+
+
 def _built(scheme: str, arch: str, tmp_path_factory) -> tuple[str, str]:
     if (scheme, arch) not in BUILT:
         path = str(tmp_path_factory.mktemp(f"{arch}-{scheme}"))
-        BUILT[scheme, arch] = quantized.build_checkpoints(scheme, arch, path)
+        BUILT[scheme, arch] = quantized.build_checkpoints(scheme, arch, path, OVERRIDES.get(scheme))
     return BUILT[scheme, arch]
 
 
