@@ -125,21 +125,20 @@ def _fp4_round(x):
 def _fused_layer(name: str) -> str:
     """The fused layer whose shard weight `name` is (its own name if none)."""
     for pattern, fused in _FUSED:
-        if re.search(pattern, name):
-            return re.sub(pattern, fused, name)
+        layer, found = re.subn(pattern, fused, name)
+        if found:
+            return layer
     return name
 
 
 def _nvfp4_global_scales(weights: dict) -> dict:
     """Each NVFP4 weight's global scale: FP8_MAX * FP4_MAX over the largest magnitude of its fused
     layer's shards, so that q/k/v, gate/up and an expert's w1/w3 share one."""
+    layers = {name: _fused_layer(name) for name, w in weights.items() if w.dim() == 2 and _linear(name)}
     amax: dict[str, float] = {}
-    for name, w in weights.items():
-        if w.dim() == 2 and _linear(name):
-            layer = _fused_layer(name)
-            amax[layer] = max(amax.get(layer, 0.0), w.float().abs().max().item())
-    return {name: _FP8_MAX * _FP4_MAX / amax[_fused_layer(name)]
-            for name, w in weights.items() if w.dim() == 2 and _linear(name)}
+    for name, layer in layers.items():
+        amax[layer] = max(amax.get(layer, 0.0), weights[name].float().abs().max().item())
+    return {name: _FP8_MAX * _FP4_MAX / amax[layer] for name, layer in layers.items()}
 
 
 def _nvfp4(w, global_scale: float):
