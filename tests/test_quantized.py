@@ -90,6 +90,32 @@ def test_fp8_blocks_and_nvfp4_decompress_to_the_reference(tmp_path_factory):
     assert not torch.equal(w13[0], q[f"{expert}.w2.weight_global_scale"])
 
 
+def test_fp8_activations_quantize_every_linear_input_but_the_routers_and_lm_head():
+    """tools/gpu/archs.py's FP8-activation band: inside the context, a linear layer (a module's or a
+    fused expert's slice through F.linear) sees its input rounded to e4m3 per group of 128 with the
+    group's own scale; the router and lm_head see it exact; outside, nothing changes."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.q_proj, model.lm_head = torch.nn.Linear(256, 8, bias=False), torch.nn.Linear(256, 8, bias=False)
+    model.mlp = torch.nn.Module()
+    model.mlp.gate = torch.nn.Linear(256, 4, bias=False)
+    experts = torch.randn(4, 8, 256)
+    x = torch.randn(3, 256) * torch.tensor([1.0] * 128 + [1e-3] * 128)  # two groups, scales 1000x apart
+    groups = x.view(3, 2, 128)
+    scale = groups.abs().amax(-1, keepdim=True) / 448.0
+    rounded = ((groups / scale).to(torch.float8_e4m3fn).float() * scale).view(3, 256)
+    assert not torch.equal(rounded, x)
+    linear = torch.nn.functional.linear
+    expected = {"q_proj": linear(rounded, model.q_proj.weight), "expert": linear(rounded, experts[1]),
+                "gate": linear(x, model.mlp.gate.weight), "lm_head": linear(x, model.lm_head.weight)}
+    exact_q = linear(x, model.q_proj.weight)
+    with quantized.fp8_activations(model):
+        got = {"q_proj": model.q_proj(x), "expert": torch.nn.functional.linear(x, experts[1]),
+               "gate": model.mlp.gate(x), "lm_head": model.lm_head(x)}
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert torch.nn.functional.linear is linear and torch.equal(model.q_proj(x), exact_q)
+
+
 def test_metadata_records_the_quantization(tmp_path_factory):
     described = {scheme: model_identity(_built(scheme, "mixtral", tmp_path_factory)[0], "auto").quantization
                  for scheme in ("w4a16-experts", "fp8-block", "nvfp4")}

@@ -13,6 +13,8 @@ Three layouts, each as its producer writes it:
 
     python tests/support/quantized.py SCHEME ARCH DIR [OVERRIDES_JSON]
     python tests/support/quantized.py config SCHEME      (prints its quantization_config)
+    python tests/support/quantized.py reference-fp8-activations MODEL DATA OUT
+                                            (tiny_models.reference with FP8 activations, below)
 
 writes DIR/float (tiny_models.build of ARCH with config OVERRIDES_JSON), DIR/quantized and
 DIR/dequantized. tools/ run it as a script (tools do not import tests; tools/gpu/archs.py does the
@@ -219,7 +221,46 @@ def quantize(scheme: str, float_dir: str, quant_dir: str, dequant_dir: str) -> t
     return quant_dir, dequant_dir
 
 
-if __name__ == "__main__" and sys.argv[1] == "config":
+def fp8_activations(model):
+    """A context in which every linear layer of `model` but the routers and lm_head quantizes its
+    input as vLLM's FP8 block kernels do on the GPU (W8A8: per token, in groups of 128 along the
+    last dimension, to float8_e4m3fn with a float32 scale of the group's largest magnitude / 448),
+    then computes in the model's dtype: what HF on the dequantized weights lacks. Through
+    torch.nn.functional.linear, which HF's fused MoE experts call on slices of their weights."""
+    import contextlib
+
+    import torch
+
+    unquantized = {p.untyped_storage().data_ptr() for name, module in model.named_modules()
+                   if re.fullmatch(_ROUTERS, name) or name.endswith("lm_head") for p in module.parameters()}
+    real = torch.nn.functional.linear
+
+    def quantize(x):
+        groups = x.float().unflatten(-1, (-1, 128))
+        scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / _FP8_MAX
+        return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
+
+    def linear(x, weight, bias=None):
+        if weight.untyped_storage().data_ptr() not in unquantized:
+            x = quantize(x)
+        return real(x, weight, bias)
+
+    @contextlib.contextmanager
+    def patched():
+        torch.nn.functional.linear = linear
+        try:
+            yield
+        finally:
+            torch.nn.functional.linear = real
+
+    return patched()
+
+
+if __name__ == "__main__" and sys.argv[1] == "reference-fp8-activations":
+    import tiny_models
+
+    tiny_models.reference(*sys.argv[2:5], prepare=fp8_activations)
+elif __name__ == "__main__" and sys.argv[1] == "config":
     print(json.dumps(quantization_config(sys.argv[2])))
 elif __name__ == "__main__":
     build_checkpoints(sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -145,7 +145,12 @@ def stacked(ref: dict, layers):
 _WRAPPERS = {"kimi_k25": "Kimi_K25ForConditionalGeneration"}
 
 
-def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> None:
+def reference(model_dir: str, data: str, out: str, dtype: str = "float32", prepare=None) -> None:
+    """HF's states of every row of `data` (every hidden state and the last layer's output before the
+    final norm) into `out`. `prepare(model)`, if given, is called on the loaded model first and its
+    return value is entered as a context around the forward passes (quantized.py's FP8 activations)."""
+    import contextlib
+
     import torch
     import transformers
 
@@ -165,7 +170,7 @@ def reference(model_dir: str, data: str, out: str, dtype: str = "float32") -> No
     refs = {}
     with open(data) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    with torch.no_grad():
+    with torch.no_grad(), (prepare(model) if prepare else contextlib.nullcontext()):
         for row in rows:
             ids = torch.tensor([row["input_ids"]])
             hidden = model(ids, output_hidden_states=True).hidden_states

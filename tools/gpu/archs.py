@@ -17,7 +17,10 @@ Marlin on Hopper; FP8 blocks also quantize the activations, per token group of 1
 The models are those of the CPU suite, widened to head_dim 64 (hidden 128, 2 heads) because
 the GPU's attention kernels are built for head sizes from 64 up. For each architecture the
 report has the worst relative error per sample and layer and per token against HF float32,
-per layer, and the same for HF's own bf16 run (what bf16 alone does to that model: the band).
+per layer, and the same for HF's own bf16 run (what bf16 alone does to that model: the band);
+for `@fp8-block` also HF float32 with its linear layers' inputs quantized as the GPU's FP8 kernels
+quantize them (tests/support/quantized.py `fp8_activations`: what FP8 activations alone do).
+`--hf-only` computes those bands alone, without corecap or a GPU (any machine).
 
 Writes gpu_archs.json to --out; one line per architecture on stdout.
 """
@@ -60,7 +63,7 @@ def checkpoints(arch: str, scheme: str, work: str) -> tuple[str, str]:
     return quantized.build_tiny(scheme, arch, os.path.join(work, "model"), WIDER)
 
 
-def one_arch(name: str, work: str) -> dict:
+def one_arch(name: str, work: str, hf_only: bool = False) -> dict:
     import torch
 
     from corecap.store import Store
@@ -78,14 +81,24 @@ def one_arch(name: str, work: str) -> dict:
         subprocess.run([sys.executable, TINY_MODELS, "reference", reference, data, out, dtype],
                        check=True, timeout=600, capture_output=True)
         refs[dtype] = torch.load(out)
+    bands = {"HF bf16 vs HF float32": refs["bfloat16"]}
+    if scheme == "fp8-block":  # the GPU's FP8 kernels quantize activations too: that alone, in float32
+        out = os.path.join(work, "refs-fp8-activations.pt")
+        subprocess.run([sys.executable, quantized.BUILDER, "reference-fp8-activations", reference, data, out],
+                       check=True, timeout=600, capture_output=True)
+        bands["HF float32 with FP8 activations vs HF float32"] = torch.load(out)
+    rec = {"arch": name, "hf_weights": "dequantized" if scheme else "the same",
+           "layers": [str(k) for k in layers]}
+    if hf_only:
+        rec["worst"] = worst_errors(rows, layers, refs["float32"], bands)
+        return rec
     store = os.path.join(work, "store")
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
            "--layers", ",".join(map(str, layers)), "--dtype", "bfloat16", "--batch", "4", "--max-batched-tokens", "64",
            *ENGINE_ARGS.get(arch, ())]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    rec = {"arch": name, "rc": proc.returncode, "seconds": round(time.time() - t, 1),
-           "hf_weights": "dequantized" if scheme else "the same"}
+    rec.update(rc=proc.returncode, seconds=round(time.time() - t, 1))
     lines = (proc.stdout + proc.stderr).splitlines()
     rec["engine_line"] = next((line for line in lines if line.startswith("engine:")), "")
     if proc.returncode != 0:
@@ -97,35 +110,45 @@ def one_arch(name: str, work: str) -> dict:
             pass
         return rec
     rec["summary"] = proc.stdout.strip().splitlines()[-1]
-    worst = {k: {"per_sample_layer": [0.0] * len(layers), "per_token": [0.0] * len(layers)}
-             for k in ("corecap bf16 vs HF float32", "HF bf16 vs HF float32")}
     with Store.open(store) as s:
         assert sorted(s.keys()) == sorted(r["id"] for r in rows), "keys differ"
+        captured = {}
         for r in rows:
             sample = s.get(r["id"])
             assert sample.input_ids.tolist() == r["input_ids"], r["id"]
-            ref = tiny_models.stacked(refs["float32"][r["id"]], layers)
-            for key, got in (("corecap bf16 vs HF float32", sample.hidden_states),
-                             ("HF bf16 vs HF float32", tiny_models.stacked(refs["bfloat16"][r["id"]], layers))):
-                per_sample, per_token = tiny_models.relative_errors(got, ref)
-                w = worst[key]
-                w["per_sample_layer"] = [max(a, float(b)) for a, b in zip(w["per_sample_layer"], per_sample)]
-                w["per_token"] = [max(a, float(b)) for a, b in zip(w["per_token"], per_token)]
-    rec["layers"] = [str(k) for k in layers]
-    rec["worst"] = worst
+            captured[r["id"]] = sample.hidden_states
+    rec["worst"] = worst_errors(rows, layers, refs["float32"], {"corecap bf16 vs HF float32": captured, **bands})
     return rec
+
+
+def worst_errors(rows, layers, ref, runs: dict) -> dict:
+    """For each run (its states by sample id: a stored sample's [layers, T, H], or a reference as
+    tiny_models.reference writes it), the worst relative error per sample and layer and per token
+    against `ref`, per layer."""
+    worst = {}
+    for key, states in runs.items():
+        w = worst[key] = {"per_sample_layer": [0.0] * len(layers), "per_token": [0.0] * len(layers)}
+        for r in rows:
+            got = states[r["id"]]
+            got = tiny_models.stacked(got, layers) if isinstance(got, dict) else got
+            per_sample, per_token = tiny_models.relative_errors(got, tiny_models.stacked(ref[r["id"]], layers))
+            w["per_sample_layer"] = [max(a, float(b)) for a, b in zip(w["per_sample_layer"], per_sample)]
+            w["per_token"] = [max(a, float(b)) for a, b in zip(w["per_token"], per_token)]
+    return worst
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--hf-only", action="store_true",
+                    help="HF's own bands alone (bf16, and FP8 activations for @fp8-block), no corecap run: any machine")
     args = ap.parse_args()
     results = []
     for name in args.archs.split(","):
         work = tempfile.mkdtemp(prefix=f"gpu-arch-{name}-")
         try:
-            rec = one_arch(name, work)
+            rec = one_arch(name, work, args.hf_only)
         except Exception as e:  # report and go on to the next architecture
             rec = {"arch": name, "exception": repr(e)[-2000:]}
         print("RESULT", json.dumps(rec), flush=True)
