@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On the machine the kit was carried to (tools/amx/make_kit.sh says how), from the project's root:
 #
-#   bash tools/amx/remote_run.sh KITDIR [pytest arguments]
+#   bash tools/amx/remote_run.sh KITDIR [--install-only | pytest arguments]
 #
 # joins KITDIR/c*/kit.tar.part*, checks the sha256, puts the Python of make_kit's machine back at
-# its own path, installs the wheels and this checkout (editable) into it, says whether torch sees
-# AMX, runs `corecap doctor`, then pytest with the arguments given (default: each of the test
-# files that choose or refuse by AMX in a pytest of its own, `--full`). AMX_ROOT=DIR puts that
+# its own path (make_kit's prefix, e.g. /root/.pyenv/versions/3.11.7/bin/python3.11: name that
+# interpreter in later commands), installs the wheels and this checkout (editable) into it, says
+# whether torch sees AMX, runs `corecap doctor`, then pytest with the arguments given (default:
+# each of the test files that choose or refuse by AMX, and test_architectures' DeepSeek-V3 cases,
+# in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores). AMX_ROOT=DIR puts that
 # Python under DIR instead of / (to try the kit on the machine that made it without touching its
 # own Python).
 set -euo pipefail
@@ -34,15 +36,27 @@ rm -rf "$WORK"
 echo "amx_tile flags: $(grep -c amx_tile /proc/cpuinfo || true); C++ compiler (Inductor's): $(command -v g++ || echo none)"
 "$PY" -c "import torch; print('torch', torch.__version__, 'AMX tiles:', torch.cpu._is_amx_tile_supported())"
 "$PY" -m corecap.cli doctor
-if [ $# -gt 0 ]; then
+if [ "${1:-}" = --install-only ]; then
+    echo "installed: $PY"
+    exit 0
+elif [ $# -gt 0 ]; then
     exec "$PY" -m pytest -q -p no:cacheprovider -rs "$@"
 fi
-# One pytest a file, so that each file's failures are printed as soon as it ends: a run cut short
-# by the device's time still says why the files before failed (2026-12-05, a run stopped 320 s in
-# had printed only its progress dots).
+# One pytest a selection, so that each one's failures are printed as soon as it ends: a run cut
+# short by the device's time still says why the ones before failed (2026-12-05, a run stopped
+# 320 s in had printed only its progress dots). With AMX_LOGS=DIR each also writes DIR/NAME.log
+# and DIR/done at the end (a run in the background, read by a later call). test_preflight first:
+# its compiled Llama is the one case not yet seen passing on an AMX CPU (docs/tests.md).
 rc=0
-for file in tests/test_mla_backends.py tests/test_worker_errors.py tests/test_quantized.py tests/test_options.py \
-        tests/test_kimi.py; do
-    "$PY" -m pytest -q -p no:cacheprovider -rs --full "$file" || rc=1
+logs=${AMX_LOGS:-}
+[ -z "$logs" ] || mkdir -p "$logs"
+for selection in tests/test_preflight.py tests/test_quantized.py tests/test_mla_backends.py \
+        tests/test_worker_errors.py tests/test_options.py tests/test_kimi.py tests/test_checkpoint.py \
+        "tests/test_architectures.py -k deepseek_v3"; do
+    name=$(basename "${selection%% *}" .py)
+    # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
+    "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection 2>&1 | tee ${logs:+"$logs/$name.log"} \
+        || rc=1
 done
+[ -z "$logs" ] || echo "rc=$rc" > "$logs/done"
 exit $rc
