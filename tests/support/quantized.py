@@ -100,6 +100,15 @@ def _int4_groups(w):
     return q.to(torch.int8).reshape(out_dim, in_dim), scale.squeeze(-1), (q * scale).reshape(out_dim, in_dim)
 
 
+def _fp8_round(x, dims):
+    """`x` in float8_e4m3fn with one float32 scale per group over `dims` (its largest magnitude /
+    448, kept as dims of size 1): (the fp8 values, the scales). A value is q * scale."""
+    import torch
+
+    scale = (x.abs().amax(dim=dims, keepdim=True) / _FP8_MAX).clamp(min=1e-12)
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
 def _fp8_blocks(w):
     """float8_e4m3fn per 128x128 block: (fp8 weight, float32 weight_scale_inv, dequantized)."""
     import torch
@@ -108,11 +117,9 @@ def _fp8_blocks(w):
     rows, cols = -(-out_dim // 128), -(-in_dim // 128)
     padded = torch.zeros(rows * 128, cols * 128)
     padded[:out_dim, :in_dim] = w
-    blocks = padded.reshape(rows, 128, cols, 128)
-    scale = (blocks.abs().amax(dim=(1, 3)) / _FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    deq = (q.float() * scale[:, None, :, None]).reshape(rows * 128, cols * 128)[:out_dim, :in_dim]
-    return q.reshape(rows * 128, cols * 128)[:out_dim, :in_dim].contiguous(), scale, deq.contiguous()
+    q, scale = _fp8_round(padded.reshape(rows, 128, cols, 128), (1, 3))
+    deq = (q.float() * scale).reshape(rows * 128, cols * 128)[:out_dim, :in_dim]
+    return q.reshape(rows * 128, cols * 128)[:out_dim, :in_dim].contiguous(), scale[:, 0, :, 0], deq.contiguous()
 
 
 def _fp4_round(x):
@@ -236,9 +243,8 @@ def fp8_activations(model):
     real = torch.nn.functional.linear
 
     def quantize(x):
-        groups = x.float().unflatten(-1, (-1, 128))
-        scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / _FP8_MAX
-        return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
+        q, scale = _fp8_round(x.float().unflatten(-1, (-1, 128)), -1)
+        return (q.float() * scale).flatten(-2).to(x.dtype)
 
     def linear(x, weight, bias=None):
         if weight.untyped_storage().data_ptr() not in unquantized:
