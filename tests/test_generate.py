@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from support import kill_loop
 from support.reference import NUM_LAYERS, SEED, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from corecap.config import PRENORM, SamplingOptions, build
 from corecap.errors import CorecapError
@@ -274,6 +275,9 @@ def test_request_seeds_are_stable_across_processes_and_differ_by_key():
 # --- kill -9 during generation, then the same command again ---------------------------------------
 
 LIVENESS = 600  # seconds a run may take here before the test calls it a hang
+# The step at which the killed run's worker waits: 8-9 of its 24 samples were committed by then here, with
+# either scheduling (sync: 4 at step 120; async takes about half the steps, and had 19 at step 240).
+KILL_AT_STEP = {"sync": 240, "async": 120}
 
 
 def _cli(tiny_model, data: str, store: str, *extra: str) -> list[str]:
@@ -327,13 +331,26 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
     extra = ("--async-scheduling",) if scheduling == "async" else ()
-    run = subprocess.Popen(_cli(tiny_model, data, killed, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           start_new_session=True)
-    deadline = time.monotonic() + LIVENESS
-    while _num_committed(killed) < 4 and run.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(run.pid, signal.SIGKILL)
-    run.wait(60)
+    # The killed run's worker waits at step KILL_AT_STEP (config.TestHooks, through a script, as no
+    # user can), so the kill lands mid-run on any machine: polled for its fourth commit instead, the
+    # kill could come after the last.
+    pause_file = str(tmp_path / "paused")
+    corecap_args = _cli(tiny_model, data, killed, *extra)[3:]
+    argv = kill_loop.paused_run_argv(str(tmp_path), KILL_AT_STEP[scheduling], pause_file, corecap_args)
+    stderr = tmp_path / "killed.stderr"
+    with open(stderr, "wb") as err:  # a file: a pipe nobody reads fills up and stalls the run
+        run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + LIVENESS
+        while not (os.path.exists(pause_file) and _num_committed(killed) >= 4):
+            assert run.poll() is None, (
+                f"the run exited (rc {run.returncode}) before its kill: {stderr.read_text()[-2000:]}")
+            assert time.monotonic() < deadline, f"no pause at step {KILL_AT_STEP[scheduling]} with 4 samples committed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait(60)
+    os.unlink(pause_file)
     before = _stored(killed)
     assert 4 <= len(before) < len(rows), f"the kill came at {len(before)} of {len(rows)} committed samples"
     subprocess.run(_cli(tiny_model, data, killed, *extra), check=True, capture_output=True, timeout=LIVENESS)
