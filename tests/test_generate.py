@@ -300,18 +300,6 @@ def _stored(store: str) -> dict[str, tuple]:
         return out
 
 
-def _num_committed(store: str) -> int:
-    import os
-
-    if not os.path.exists(os.path.join(store, "data.mdb")):
-        return 0
-    try:
-        with Store.open(store) as s:
-            return len(list(s.keys()))
-    except CorecapError:  # the store is being created
-        return 0
-
-
 @pytest.mark.engine
 @pytest.mark.full
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
@@ -319,10 +307,7 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
                                                                                      scheduling):
     """`async`: the killed run and its rerun with --async-scheduling, the reference without it:
     the same responses (sampled at temperature 0.8, seeded per key) either way."""
-    import os
-    import signal
     import subprocess
-    import time
 
     rng = np.random.default_rng(SEED + 7)
     rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
@@ -331,26 +316,10 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
     subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
     extra = ("--async-scheduling",) if scheduling == "async" else ()
-    # The killed run's worker waits at step KILL_AT_STEP (config.TestHooks, through a script, as no
-    # user can), so the kill lands mid-run on any machine: polled for its fourth commit instead, the
-    # kill could come after the last.
-    pause_file = str(tmp_path / "paused")
-    corecap_args = _cli(tiny_model, data, killed, *extra)[3:]
-    argv = kill_loop.paused_run_argv(str(tmp_path), KILL_AT_STEP[scheduling], pause_file, corecap_args)
-    stderr = tmp_path / "killed.stderr"
-    with open(stderr, "wb") as err:  # a file: a pipe nobody reads fills up and stalls the run
-        run = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + LIVENESS
-        while not (os.path.exists(pause_file) and _num_committed(killed) >= 4):
-            assert run.poll() is None, (
-                f"the run exited (rc {run.returncode}) before its kill: {stderr.read_text()[-2000:]}")
-            assert time.monotonic() < deadline, f"no pause at step {KILL_AT_STEP[scheduling]} with 4 samples committed"
-            time.sleep(0.05)
-    finally:
-        os.killpg(run.pid, signal.SIGKILL)
-        run.wait(60)
-    os.unlink(pause_file)
+    # The killed run's worker waits at step KILL_AT_STEP, killed there (kill_loop.kill_at_pause): polled
+    # for its fourth commit instead, the kill could come after the last.
+    cmd = kill_loop.RunCommand(tuple(_cli(tiny_model, data, killed, *extra)), killed, str(tmp_path))
+    kill_loop.kill_at_pause(cmd, "killed", KILL_AT_STEP[scheduling], committed=4, timeout=LIVENESS)
     before = _stored(killed)
     assert 4 <= len(before) < len(rows), f"the kill came at {len(before)} of {len(rows)} committed samples"
     subprocess.run(_cli(tiny_model, data, killed, *extra), check=True, capture_output=True, timeout=LIVENESS)

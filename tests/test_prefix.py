@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -183,8 +181,8 @@ def test_the_cache_was_used_and_evicted(on_run, tight_run, tp2_on_run, dp2_run):
 def test_kill_then_resume_with_caching_on(off_run, tiny_model, prefix_data, tmp_path):
     """SIGKILL mid-capture (the first samples committed), then the same command again: the store
     equals the caching-off one. The killed run's worker waits at step PAUSE_AT_STEP
-    (config.TestHooks, through a script, as no user can): polled for its third commit instead, a
-    run on CI had committed all 28 samples by the time the kill landed."""
+    (config.TestHooks, through a script, as no user can; kill_loop.kill_at_pause): polled for its
+    third commit instead, a run on CI had committed all 28 samples by the time the kill landed."""
     off_cfg, _ = off_run
     store = str(tmp_path / "killed")
     argv = (
@@ -193,21 +191,7 @@ def test_kill_then_resume_with_caching_on(off_run, tiny_model, prefix_data, tmp_
         "--max-num-seqs", "2", "--enforce-eager", "--enable-prefix-caching", "--block-size", str(BLOCK),
     )
     cmd = kill_loop.RunCommand(argv, store, str(tmp_path), {})
-    pause_file = str(tmp_path / "paused")
-    paused = kill_loop.RunCommand(tuple(kill_loop.paused_run_argv(str(tmp_path), PAUSE_AT_STEP, pause_file, argv[3:])),
-                                  store, str(tmp_path), {})
-    run = kill_loop.Run(paused, "killed")
-    deadline = time.monotonic() + 300  # liveness: a hang fails, no benchmark
-    while not (os.path.exists(pause_file) and kill_loop.num_committed(store) >= 3):
-        assert run.running(), f"the run ended before it was killed: {run.last_stderr_line()}"
-        assert time.monotonic() < deadline, f"no pause at step {PAUSE_AT_STEP} with 3 samples committed"
-        run.watch()
-        time.sleep(0.05)
-    run.signal_group(signal.SIGKILL)
-    run.wait(60)
-    run.remove_leaked_shm()
-    os.unlink(pause_file)
-    killed_at = kill_loop.num_committed(store)
+    killed_at = kill_loop.kill_at_pause(cmd, "killed", PAUSE_AT_STEP, committed=3, timeout=300)
     assert 3 <= killed_at < NUM_SAMPLES, f"{killed_at} of {NUM_SAMPLES} samples committed at the kill"
     outcome, _ = kill_loop.timed_run(cmd, "resumed", timeout=600)
     assert not outcome.failed, outcome.line()

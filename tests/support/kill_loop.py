@@ -266,6 +266,35 @@ def paused_run_argv(workdir: str, pause_at_step: int, pause_file: str, corecap_a
     return [sys.executable, script, str(pause_at_step), pause_file, *corecap_args]
 
 
+def kill_at_pause(cmd: RunCommand, name: str, pause_at_step: int, committed: int, timeout: float) -> int:
+    """Start `cmd` (a `corecap run`) with its worker waiting at step `pause_at_step`
+    (`paused_run_argv`), SIGKILL its whole group once it waits there and the store holds
+    `committed` samples, and remove the shared memory it left: a kill mid-run however fast the
+    machine (polled for commits alone, a run can finish before the kill lands). `timeout`: seconds
+    before a run that never gets there fails (liveness, not a benchmark). Returns the samples
+    committed at the kill."""
+    pause_file = os.path.join(cmd.workdir, f"{name}.paused")
+    run = Run(RunCommand(tuple(paused_run_argv(cmd.workdir, pause_at_step, pause_file, cmd.argv[3:])), cmd.store,
+                         cmd.workdir, cmd.env), name)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (os.path.exists(pause_file) and num_committed(cmd.store) >= committed):
+            if not run.running():
+                raise RuntimeError(f"{name}: the run exited (rc {run.proc.returncode}) before its kill: "
+                                   f"{run.stderr()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: no pause at step {pause_at_step} with {committed} samples committed "
+                                   f"in {timeout:.0f} s")
+            run.watch()
+            time.sleep(_POLL)
+    finally:
+        run.signal_group(signal.SIGKILL)
+        run.wait(60)
+        run.remove_leaked_shm()
+    os.unlink(pause_file)
+    return num_committed(cmd.store)
+
+
 def num_committed(store: str) -> int:
     """Samples committed to `store` so far (0 while it does not exist or is being created)."""
     try:
