@@ -47,7 +47,7 @@ fi
 # 320 s in had printed only its progress dots). With AMX_LOGS=DIR each also writes DIR/NAME.log
 # and DIR/done at the end (a run in the background, read by a later call). First the three that
 # the last AMX run (2026-12-06, on 92dd1d5) did not reach before the device time ended, DeepSeek-V3's
-# compiled case among them, the one case seen failing there since its fixes (docs/tests.md).
+# compiled case among them: it failed once in two runs there, cause not found (docs/tests.md).
 rc=0
 logs=${AMX_LOGS:-}
 [ -z "$logs" ] || mkdir -p "$logs"
