@@ -244,9 +244,8 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
     a script that hands it the test hook (config.TestHooks), as no user can."""
     before = kill_loop.num_committed(cmd.store)
     pause_file = os.path.join(cmd.workdir, f"{name}.paused")
-    argv = tuple(kill_loop.paused_run_argv(cmd.workdir, PAUSE_AT_STEP, pause_file, cmd.argv[3:]))
     observation = Observation()
-    with _started(replace(cmd, argv=argv), name) as run:
+    with _started(kill_loop.paused_run(cmd, PAUSE_AT_STEP, pause_file), name) as run:
         worker = _wait_for_pause(run, cmd.store, before, pause_file, observation)
         detail = interrupt(run, worker, pause_file)
         signal_at, t0 = run.elapsed(), time.monotonic()
@@ -401,7 +400,7 @@ def test_sigterm_during_the_shutdown_of_a_finished_run(inputs, tmp_path):
         workdir, model, str(few), str(tmp_path / "store"),
         layers="0,2,4,8", max_batched_tokens=32, max_len=MAX_TOKENS + 16, enforce_eager=True,
     )
-    with _started(replace(cmd, argv=(sys.executable, str(script), *cmd.argv[3:])), "sigterm-at-shutdown") as run:
+    with _started(replace(cmd, argv=(sys.executable, str(script), *cmd.corecap_args)), "sigterm-at-shutdown") as run:
         returncode = run.wait(600)
         leftovers = run.wait_group_gone(5)
         leftover_ipc = _leftover_ipc(run)

@@ -9,9 +9,7 @@ Two engine starts (the killed run, the rerun) and one HF forward over 32k tokens
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
+import sys
 
 import numpy as np
 import pytest
@@ -59,23 +57,14 @@ def _state_bytes(store: str) -> tuple[int, int]:
 
 
 def _kill_while_streaming(options: dict, workdir) -> dict:
-    """`corecap run` paused at PAUSE_AT_STEP (config.TestHooks, through a script, as no user can),
-    its short samples committed and the long one in its spill file; then SIGKILL to its group."""
-    pause_file = str(workdir / "paused")
-    proc = subprocess.Popen(kill_loop.paused_run_argv(str(workdir), PAUSE_AT_STEP, pause_file, _argv(options)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    """`corecap run` paused at PAUSE_AT_STEP (kill_loop.paused_until), its short samples committed
+    and the long one in its spill file; then SIGKILL to its group."""
     store = options["store"]
-    try:
-        deadline = time.monotonic() + LIVENESS
-        while not (os.path.exists(pause_file) and _spill_files(store) and kill_loop.num_committed(store) == 2):
-            assert proc.poll() is None, f"the paused run exited (rc {proc.returncode}) before streaming"
-            assert time.monotonic() < deadline, "no pause with the long sample streaming"
-            time.sleep(0.2)
+    cmd = kill_loop.RunCommand((sys.executable, "-m", "corecap.cli", *_argv(options)), store, str(workdir))
+    with kill_loop.paused_until(cmd, "streaming", PAUSE_AT_STEP,
+                                lambda: _spill_files(store) and kill_loop.num_committed(store) == 2,
+                                "the long sample streaming and the short ones committed", LIVENESS):
         spill_bytes = sum(os.path.getsize(os.path.join(store, n)) for n in _spill_files(store))
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(LIVENESS)
-    os.unlink(pause_file)
     with Store.open(store) as s:
         keys = sorted(s.keys())
     return dict(keys=keys, spill_bytes=spill_bytes, verified=verify_store(store).ok, state_bytes=_state_bytes(store))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import lmdb
 import numpy as np
@@ -73,6 +74,14 @@ class RunCommand:
     store: str
     workdir: str
     env: dict = field(default_factory=dict)
+
+    @property
+    def corecap_args(self) -> tuple[str, ...]:
+        """The command line after `PYTHON -m corecap.cli` (`run` and its options), for a script
+        that starts the CLI itself (`paused_run`); refuses a command line of another shape."""
+        if tuple(self.argv[1:3]) != ("-m", "corecap.cli"):
+            raise ValueError(f"not a `PYTHON -m corecap.cli ...` command line: {' '.join(self.argv[:4])}")
+        return tuple(self.argv[3:])
 
 
 class Run:
@@ -256,42 +265,51 @@ if __name__ == "__main__":  # vLLM's workers start by spawn, and import this mod
 """
 
 
-def paused_run_argv(workdir: str, pause_at_step: int, pause_file: str, corecap_args) -> list[str]:
-    """The argv of a `corecap run` (`corecap_args`, after `run`'s own name) whose workers pause
-    at step `pause_at_step` and touch `pause_file` (config.TestHooks, which no user can set): a
-    script in `workdir` hands the hook to the CLI."""
-    script = os.path.join(workdir, "paused_run.py")
+def paused_run(cmd: RunCommand, pause_at_step: int, pause_file: str) -> RunCommand:
+    """`cmd` (a `corecap run`) with its workers pausing at step `pause_at_step` and touching
+    `pause_file` (config.TestHooks, which no user can set): a script in its workdir hands the
+    hook to the CLI."""
+    script = os.path.join(cmd.workdir, "paused_run.py")
     with open(script, "w") as f:
         f.write(_PAUSED_RUN)
-    return [sys.executable, script, str(pause_at_step), pause_file, *corecap_args]
+    return replace(cmd, argv=(sys.executable, script, str(pause_at_step), pause_file, *cmd.corecap_args))
 
 
-def kill_at_pause(cmd: RunCommand, name: str, pause_at_step: int, committed: int, timeout: float) -> int:
-    """Start `cmd` (a `corecap run`) with its worker waiting at step `pause_at_step`
-    (`paused_run_argv`), SIGKILL its whole group once it waits there and the store holds
-    `committed` samples, and remove the shared memory it left: a kill mid-run however fast the
-    machine (polled for commits alone, a run can finish before the kill lands). `timeout`: seconds
-    before a run that never gets there fails (liveness, not a benchmark). Returns the samples
-    committed at the kill."""
+@contextlib.contextmanager
+def paused_until(cmd: RunCommand, name: str, pause_at_step: int, ready, waiting_for: str, timeout: float):
+    """Start `cmd` (a `corecap run`) with its workers waiting at step `pause_at_step`
+    (`paused_run`) and yield the Run once they wait there and `ready()` holds (`waiting_for`
+    says what it waits for, in the error of a run that never gets there); on leaving,
+    SIGKILL its whole group and remove the shared memory it left. A kill mid-run however fast
+    the machine: polled for commits alone, a run can finish before the kill lands. `timeout`:
+    seconds before a run that never gets there fails (liveness, not a benchmark)."""
     pause_file = os.path.join(cmd.workdir, f"{name}.paused")
-    run = Run(RunCommand(tuple(paused_run_argv(cmd.workdir, pause_at_step, pause_file, cmd.argv[3:])), cmd.store,
-                         cmd.workdir, cmd.env), name)
+    run = Run(paused_run(cmd, pause_at_step, pause_file), name)
     try:
         deadline = time.monotonic() + timeout
-        while not (os.path.exists(pause_file) and num_committed(cmd.store) >= committed):
+        while not (os.path.exists(pause_file) and ready()):
             if not run.running():
                 raise RuntimeError(f"{name}: the run exited (rc {run.proc.returncode}) before its kill: "
                                    f"{run.stderr()[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: no pause at step {pause_at_step} with {committed} samples committed "
-                                   f"in {timeout:.0f} s")
+                raise RuntimeError(f"{name}: no pause at step {pause_at_step} with {waiting_for} in {timeout:.0f} s")
             run.watch()
             time.sleep(_POLL)
+        yield run
     finally:
         run.signal_group(signal.SIGKILL)
         run.wait(60)
         run.remove_leaked_shm()
-    os.unlink(pause_file)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pause_file)
+
+
+def kill_at_pause(cmd: RunCommand, name: str, pause_at_step: int, committed: int, timeout: float) -> int:
+    """`paused_until` the store holds `committed` samples, then the kill. Returns the samples
+    committed at the kill."""
+    with paused_until(cmd, name, pause_at_step, lambda: num_committed(cmd.store) >= committed,
+                      f"{committed} samples committed", timeout):
+        pass
     return num_committed(cmd.store)
 
 
