@@ -64,10 +64,11 @@ def install_rotary(rotary_cls) -> None:
         def watched(self, positions, *args, **kwargs):
             cache = self.cos_sin_cache
             if cache.dtype == torch.float32 and type(self)._compute_cos_sin_cache is rotary_cls._compute_cos_sin_cache:
-                positions_f32 = torch.arange(cache.shape[0], dtype=torch.float32)
-                angles = (positions_f32[:, None] * self._compute_inv_freq(self.base)[None, :]).double()
-                ref = torch.cat((angles.cos(), angles.sin()), dim=-1)
-                err = (cache.double() - ref).abs().amax(dim=1)
+                if getattr(self, "_watch_reference", None) is None:  # once a module: the table should not change
+                    positions_f32 = torch.arange(cache.shape[0], dtype=torch.float32)
+                    angles = (positions_f32[:, None] * self._compute_inv_freq(self.base)[None, :]).double()
+                    self._watch_reference = torch.cat((angles.cos(), angles.sin()), dim=-1)
+                err = (cache.double() - self._watch_reference).abs().amax(dim=1)
                 if float(err.max()) >= THRESHOLD:
                     bad = int((err >= THRESHOLD).nonzero()[0])
                     report(f"rotary: {type(self).__name__} table {tuple(cache.shape)}, worst {float(err.max()):.2e},"
