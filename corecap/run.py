@@ -151,6 +151,8 @@ class _Capture:
         self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")
         network = f"off: the engine spans {self.cluster[0]} nodes" if self.cluster else self.engine.network_status()
         self.log(f"vLLM's workers in a private network namespace: {network}")
+        for line in self.engine.rotary_lines():
+            self.log(f"vLLM's rotary position table differed from its definition: {line}")
         self.log(f"capturing {plan.todo} samples")
         self.start = time.time()
         progress = Progress(plan.todo, cfg.progress, self.terminal)

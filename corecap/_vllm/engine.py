@@ -187,6 +187,11 @@ class Engine:
         """How the states travel from the workers to the sink (corecap/transport/ring.py)."""
         return next(w["ring"] for w in self.executor.corecap_workers if w["ring"] is not None)
 
+    def rotary_lines(self) -> list[str]:
+        """The rotary position tables a worker rebuilt (corecap/_vllm/rotary_tables.py), each
+        with its rank."""
+        return [f"rank {w['rank']}: {line}" for w in self.executor.corecap_workers for line in w["rotary"]]
+
     def worker_stats(self) -> list[dict]:
         """Per worker: steps captured, ring waits, CUDA allocator retries (`corecap_stats`)."""
         return self.executor.collective_rpc("corecap_stats")

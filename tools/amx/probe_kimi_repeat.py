@@ -39,7 +39,7 @@ def main(runs: int, compiled: bool, shuffle: bool) -> None:
             print(f"run {attempt}: order {[row['id'] for row in order]}", flush=True)
         cfg = build(model=checkpoint, data=data, store=str(work / f"store-{attempt}"), layers=LAYERS, batch=4,
                     max_batched_tokens=64, dtype="float32", enforce_eager=not compiled)
-        run(cfg, log=lambda line: None)
+        run(cfg, log=lambda line: print(f"run {attempt}: {line}", flush=True) if "rotary" in line else None)
         worst_of_run = 0.0
         with Store.open(cfg.store) as store:
             for row in rows:
