@@ -53,8 +53,8 @@ fi
 rc=0
 logs=${AMX_LOGS:-}
 [ -z "$logs" ] || mkdir -p "$logs"
-for selection in "tests/test_architectures.py -k deepseek_v3" tests/test_kimi.py tests/test_checkpoint.py \
-        tests/test_preflight.py tests/test_quantized.py tests/test_mla_backends.py \
+for selection in tests/test_rotary_tables.py "tests/test_architectures.py -k deepseek_v3" tests/test_kimi.py \
+        tests/test_checkpoint.py tests/test_preflight.py tests/test_quantized.py tests/test_mla_backends.py \
         tests/test_worker_errors.py tests/test_options.py; do
     name=$(basename "${selection%% *}" .py)
     # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
