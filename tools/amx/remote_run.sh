@@ -45,11 +45,10 @@ fi
 # One pytest a selection, so that each one's failures are printed as soon as it ends: a run cut
 # short by the device's time still says why the ones before failed (2026-12-05, a run stopped
 # 320 s in had printed only its progress dots). With AMX_LOGS=DIR each also writes DIR/NAME.log
-# and DIR/done at the end (a run in the background, read by a later call). First the two whose
-# float32 MLA captures there are, in some runs, ~1.2e-4 off HF's (2026-12-06: the tiny
-# Kimi-K2.5's eager capture in 5 of 18 runs, from each sample's token 64 on; test_architectures'
-# compiled DeepSeek-V3 in 1 of 3; docs/tests.md "On a CPU with AMX" says what is known), then
-# the rest.
+# and DIR/done at the end (a run in the background, read by a later call). First the rotary
+# tables' rebuild, then the two float32 MLA captures that it put right there (before it, ~1.2e-4
+# off HF's in about one engine in six, from each sample's token 64 on: docs/tests.md "On a CPU
+# with AMX"), then the rest.
 rc=0
 logs=${AMX_LOGS:-}
 [ -z "$logs" ] || mkdir -p "$logs"
