@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # On the machine the kit was carried to (tools/amx/make_kit.sh says how), from the project's root:
 #
-#   bash tools/amx/remote_run.sh KITDIR [--install-only | pytest arguments]
+#   bash tools/amx/remote_run.sh KITDIR [--install-only | --every-file | pytest arguments]
 #
 # joins KITDIR/c*/kit.tar.part*, checks the sha256, puts the Python of make_kit's machine back at
 # its own path (make_kit's prefix, e.g. /root/.pyenv/versions/3.11.7/bin/python3.11: name that
 # interpreter in later commands), installs the wheels and this checkout (editable) into it, says
 # whether torch sees AMX, runs `corecap doctor`, then pytest with the arguments given (default:
 # each of the test files that choose or refuse by AMX, and test_architectures' DeepSeek-V3 cases,
-# in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores). AMX_ROOT=DIR puts that
+# in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores; `--every-file`: every
+# tests/test_*.py so but test_export* and test_examples, which need the trainers the kit does not
+# carry). AMX_ROOT=DIR puts that
 # Python under DIR instead of / (to try the kit on the machine that made it without touching its
 # own Python).
 set -euo pipefail
@@ -39,7 +41,7 @@ echo "amx_tile flags: $(grep -c amx_tile /proc/cpuinfo || true); C++ compiler (I
 if [ "${1:-}" = --install-only ]; then
     echo "installed: $PY"
     exit 0
-elif [ $# -gt 0 ]; then
+elif [ $# -gt 0 ] && [ "$1" != --every-file ]; then
     exec "$PY" -m pytest -q -p no:cacheprovider -rs "$@"
 fi
 # One pytest a selection, so that each one's failures are printed as soon as it ends: a run cut
@@ -52,9 +54,13 @@ fi
 rc=0
 logs=${AMX_LOGS:-}
 [ -z "$logs" ] || mkdir -p "$logs"
-for selection in tests/test_rotary_tables.py "tests/test_architectures.py -k deepseek_v3" tests/test_kimi.py \
-        tests/test_checkpoint.py tests/test_preflight.py tests/test_quantized.py tests/test_mla_backends.py \
-        tests/test_worker_errors.py tests/test_options.py; do
+selections=(tests/test_rotary_tables.py "tests/test_architectures.py -k deepseek_v3" tests/test_kimi.py
+    tests/test_checkpoint.py tests/test_preflight.py tests/test_quantized.py tests/test_mla_backends.py
+    tests/test_worker_errors.py tests/test_options.py)
+if [ "${1:-}" = --every-file ]; then  # the whole suite, a file a pytest, but those that need the trainers
+    mapfile -t selections < <(ls tests/test_*.py | grep -v -e '^tests/test_export' -e '^tests/test_examples\.py$')
+fi
+for selection in "${selections[@]}"; do
     name=$(basename "${selection%% *}" .py)
     # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
     "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection 2>&1 | tee ${logs:+"$logs/$name.log"} \
