@@ -1,8 +1,9 @@
-"""corecap/_vllm/rotary_tables.py on vLLM's own rotary embedding, without an engine: a table off
-from position 64 on (what some engines built on a CPU with AMX: docs/tests.md) is rebuilt in
-place and named once however many layers share it; a table as defined, one on another device and
-one of a builder that takes arguments are left alone; the rebuild runs on one thread and puts the
-thread count back. CI runs this file on every vLLM release of its version matrix."""
+"""corecap/_vllm/rotary_tables.py on vLLM's own rotary embeddings (plain, and DeepSeek's YaRN
+that Kimi-K2.5 uses), without an engine: a table off from position 64 on (what some engines
+built on a CPU with AMX: docs/tests.md) is rebuilt in place and named once however many layers
+share it; a table as defined, one on another device and one of a builder that takes arguments
+are left alone; the rebuild runs on one thread and puts the thread count back. CI runs this file
+on every vLLM release of its version matrix."""
 
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ from corecap._vllm.rotary_tables import TOLERANCE, rebuild_off_tables
 pytestmark = pytest.mark.matrix
 
 
-def _rotary(max_positions: int = 512):
-    """vLLM's RotaryEmbedding, built as a model's constructor builds it (inside a config)."""
+def _rotary(kind: str = "plain"):
+    """vLLM's own rotary embedding, built as a model's constructor builds it (inside a config):
+    `plain` (Llama's, the tiny DeepSeek-V3's: 512 positions) or `yarn` (DeepSeek-V3's and
+    Kimi-K2.5's YaRN scaling: 128 original positions times 4)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
 
     with set_current_vllm_config(VllmConfig()):
-        return RotaryEmbedding(64, 64, max_positions, 10000.0, False, torch.float32)
+        if kind == "yarn":
+            return DeepseekScalingRotaryEmbedding(64, 64, 128, 10000.0, False, 4.0, torch.float32, mscale=1.0,
+                                                  mscale_all_dim=1.0)
+        return RotaryEmbedding(64, 64, 512, 10000.0, False, torch.float32)
 
 
 class _Decoder(torch.nn.Module):
@@ -33,15 +40,16 @@ class _Decoder(torch.nn.Module):
             layer.rotary_emb = rotary
 
 
-def test_an_off_table_is_rebuilt_in_place_and_named_once():
-    rotary = _rotary()
+@pytest.mark.parametrize("kind, name", [("plain", "RotaryEmbedding"), ("yarn", "DeepseekScalingRotaryEmbedding")])
+def test_an_off_table_is_rebuilt_in_place_and_named_once(kind, name):
+    rotary = _rotary(kind)
     table = rotary.cos_sin_cache
     held = table  # what a layer holding the table itself sees
     defined = rotary._compute_cos_sin_cache()
     table[64:] += 1.5e-4
     lines = rebuild_off_tables(_Decoder(rotary))
     assert len(lines) == 1
-    assert lines[0].startswith("layers.0.rotary_emb (RotaryEmbedding, (512, 64)): off by up to 1.5")
+    assert lines[0].startswith(f"layers.0.rotary_emb ({name}, (512, 64)): off by up to 1.5")
     assert "from position 64 on, rebuilt" in lines[0]
     assert rotary.cos_sin_cache is held
     assert torch.equal(held, defined)
