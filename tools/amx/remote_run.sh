@@ -49,7 +49,7 @@ fi
 # 320 s in had printed only its progress dots). With AMX_LOGS=DIR each also writes DIR/NAME.log
 # and DIR/done at the end (a run in the background, read by a later call). First the rotary
 # tables' rebuild, then the two float32 MLA captures that it put right there (before it, ~1.2e-4
-# off HF's in about one engine in six, from each sample's token 64 on: docs/tests.md "On a CPU
+# off HF's in some engines, 5 of 48, from each sample's token 64 on: docs/tests.md "On a CPU
 # with AMX"), then the rest.
 rc=0
 logs=${AMX_LOGS:-}
