@@ -31,11 +31,11 @@ def rebuild_off_tables(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         table = getattr(module, "cos_sin_cache", None)
         build = getattr(module, "_compute_cos_sin_cache", None)
-        if not isinstance(table, torch.Tensor) or table.device.type != "cpu" or not _takes_nothing(build) \
-                or id(module) in seen:
+        if id(module) in seen or not isinstance(table, torch.Tensor) or table.device.type != "cpu" \
+                or not _takes_nothing(build):
             continue
         seen.add(id(module))  # vLLM shares one rotary module between layers
-        rebuilt = _with_one_thread(build).to(table.dtype)
+        rebuilt = with_one_thread(build).to(table.dtype)
         if rebuilt.shape != table.shape:
             continue  # a table that is not the module's whole definition (built otherwise): not ours to judge
         err = (rebuilt.float() - table.float()).abs().amax(dim=-1)
@@ -56,7 +56,7 @@ def _takes_nothing(build) -> bool:
         return False
 
 
-def _with_one_thread(fn):
+def with_one_thread(fn):
     """fn() with torch's intra-op threads at one, so that this thread computes all of it.
     vLLM's CPU worker replaces `torch.set_num_threads` (it warns and does nothing after binding
     its threads); torch's own setter leaves the bound thread pool in place, and a team of one

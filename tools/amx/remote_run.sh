@@ -10,9 +10,8 @@
 # each of the test files that choose or refuse by AMX, and test_architectures' DeepSeek-V3 cases,
 # in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores; `--every-file`: every
 # tests/test_*.py so but test_export* and test_examples, which need the trainers the kit does not
-# carry). AMX_ROOT=DIR puts that
-# Python under DIR instead of / (to try the kit on the machine that made it without touching its
-# own Python).
+# carry). AMX_ROOT=DIR puts that Python under DIR instead of / (to try the kit on the machine that
+# made it without touching its own Python).
 set -euo pipefail
 KITDIR=$1
 shift
