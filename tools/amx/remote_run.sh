@@ -10,7 +10,8 @@
 # each of the test files that choose or refuse by AMX, and test_architectures' DeepSeek-V3 cases,
 # in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores; `--every-file`: every
 # tests/test_*.py so but test_export* and test_examples, which need the trainers the kit does not
-# carry). AMX_ROOT=DIR puts that Python under DIR instead of / (to try the kit on the machine that
+# carry; with AMX_STREAMS=4 AMX_LOGS=DIR, four at a time, each on a quarter of the cores: the end
+# of the file says how). AMX_ROOT=DIR puts that Python under DIR instead of / (to try the kit on the machine that
 # made it without touching its own Python).
 set -euo pipefail
 KITDIR=$1
@@ -59,11 +60,54 @@ selections=(tests/test_rotary_tables.py "tests/test_architectures.py -k deepseek
 if [ "${1:-}" = --every-file ]; then  # the whole suite, a file a pytest, but those that need the trainers
     mapfile -t selections < <(ls tests/test_*.py | grep -v -e '^tests/test_export' -e '^tests/test_examples\.py$')
 fi
-for selection in "${selections[@]}"; do
-    name=$(basename "${selection%% *}" .py)
-    # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
-    "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection 2>&1 | tee ${logs:+"$logs/$name.log"} \
-        || rc=1
+streams=${AMX_STREAMS:-1}
+if [ "$streams" -le 1 ]; then
+    for selection in "${selections[@]}"; do
+        name=$(basename "${selection%% *}" .py)
+        # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
+        "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection 2>&1 | tee ${logs:+"$logs/$name.log"} \
+            || rc=1
+    done
+    [ -z "$logs" ] || echo "rc=$rc" > "$logs/done"
+    exit $rc
+fi
+# AMX_STREAMS=N (N > 1, with AMX_LOGS): N pytests at a time, each on its own 1/N of the cores (its
+# affinity, which vLLM's CPU worker and corecap's replica placement both read, so each stream sees
+# a machine of that many cores), taking the next selection from one queue as it ends one. The
+# whole suite takes ~2,000 s on CI's 2 cores, more than a device session's 1,800 s: on the GPU
+# host's 16 cores, four streams of four. The files that held CI's slowest tests go first, so that
+# none of them starts last.
+[ -n "$logs" ] || { echo "AMX_STREAMS needs AMX_LOGS (each stream's output goes to its files)"; exit 2; }
+queue=$logs/queue
+slowest_first=(test_parallel test_faults test_generate test_architectures test_resume test_async_scheduling
+    test_long_samples test_preflight test_capture test_cli test_prefix)
+{
+    for name in "${slowest_first[@]}"; do printf '%s\n' "${selections[@]}" | grep -x "tests/$name\.py" || true; done
+    printf '%s\n' "${selections[@]}" | grep -v -x -f <(printf 'tests/%s.py\n' "${slowest_first[@]}") || true
+} > "$queue"
+mapfile -t cores < <("$PY" -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
+stream() {  # $1: this stream's cores, comma-separated
+    local selection name
+    while true; do
+        selection=$(flock "$queue.lock" sh -c 'head -n 1 "$0"; sed -i 1d "$0"' "$queue")
+        [ -n "$selection" ] || return 0
+        name=$(basename "${selection%% *}" .py)
+        # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
+        if taskset -c "$1" "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection > "$logs/$name.log" 2>&1
+        then echo "$name: $(grep . "$logs/$name.log" | tail -n 1)"
+        else echo "$name FAILED: $(grep . "$logs/$name.log" | tail -n 1)"; echo "$name" >> "$logs/failed"
+        fi
+    done
+}
+per=$(( ${#cores[@]} / streams ))
+for k in $(seq 0 $((streams - 1))); do
+    mine=$(printf '%s,' "${cores[@]:$((k * per)):$per}")
+    stream "${mine%,}" &
 done
-[ -z "$logs" ] || echo "rc=$rc" > "$logs/done"
+wait
+if [ -s "$logs/failed" ]; then
+    rc=1
+    while read -r name; do echo "=== $name"; cat "$logs/$name.log"; done < "$logs/failed"
+fi
+echo "rc=$rc" > "$logs/done"
 exit $rc
