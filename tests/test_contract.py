@@ -449,3 +449,52 @@ def test_untested_version_warns_and_goes_on(monkeypatch, tiny_model):
         config = checked_vllm_config(EngineOptions(max_model_len=64), tiny_model, log.append)
     assert log == [f"warning: {dist} 0.99.0 is untested: never tested with corecap; known to work: {known_good_line()}"]
     assert config.model_config.max_model_len == 65
+
+
+# --- CPython's AST-depth race (vllm_source.parse) ----------------------------------------------------
+
+
+RACE = "AST constructor recursion depth mismatch (before=156, after=176)"
+
+
+def _racing_parse(monkeypatch, failures: int, message: str = RACE) -> list[str]:
+    """ast.parse as corecap's vllm_source calls it: its first `failures` calls raise the
+    SystemError that CPython 3.11.7's AST race raises (or `message`), later ones parse. Anyone
+    else's calls (pytest's own) go straight through."""
+    import ast
+
+    real = ast.parse
+    calls = []
+
+    def parse(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") != "corecap._vllm.vllm_source":
+            return real(*args, **kwargs)
+        calls.append(args[1] if len(args) > 1 else "<unknown>")
+        if len(calls) <= failures:
+            raise SystemError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", parse)
+    return calls
+
+
+def test_the_contract_holds_through_cpythons_ast_race(monkeypatch):
+    """The race that failed one run's contract check on the AMX CPU (2026-12-06): each parse it
+    breaks is made again, and the check finds nothing moved."""
+    from corecap._vllm import vllm_source
+
+    calls = _racing_parse(monkeypatch, failures=vllm_source.AST_RACE_ATTEMPTS - 1)
+    assert _problems() == []
+    assert len(calls) > vllm_source.AST_RACE_ATTEMPTS and len(set(calls[:vllm_source.AST_RACE_ATTEMPTS])) == 1
+
+
+def test_a_parse_that_keeps_failing_or_fails_otherwise_is_not_hidden(monkeypatch):
+    from corecap._vllm import vllm_source
+
+    _racing_parse(monkeypatch, failures=vllm_source.AST_RACE_ATTEMPTS)
+    with pytest.raises(SystemError, match="AST constructor recursion depth mismatch"):
+        vllm_source.parse("x = 1")
+    calls = _racing_parse(monkeypatch, failures=1, message="some other interpreter error")
+    with pytest.raises(SystemError, match="some other interpreter error"):
+        vllm_source.parse("x = 1")
+    assert len(calls) == 1

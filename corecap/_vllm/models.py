@@ -27,6 +27,8 @@ from itertools import islice
 from vllm.distributed import get_pp_group
 from vllm.sequence import IntermediateTensors
 
+from corecap._vllm import vllm_source
+
 PREFIX = "Capture__"
 _MODELS = "vllm.model_executor.models"
 
@@ -61,7 +63,7 @@ def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds
 
 def _body(source: str) -> str:
     """A function's statements, as an AST dump without docstring or annotations."""
-    fn = ast.parse(textwrap.dedent(source)).body[0]
+    fn = vllm_source.parse(textwrap.dedent(source)).body[0]
     body = (fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
             else fn.body)
     args = [a.arg for a in fn.args.args] + ([f"**{fn.args.kwarg.arg}"] if fn.args.kwarg else [])
@@ -83,7 +85,7 @@ def _decoder_class(cls):
     """(module, name) of the decoder class `cls.__init__` builds as `self.model = Name(...)`."""
     module = inspect.getmodule(cls)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+        tree = vllm_source.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
     except (OSError, TypeError, SyntaxError):
         return module, None
     for node in ast.walk(tree):

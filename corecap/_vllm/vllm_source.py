@@ -25,6 +25,28 @@ from dataclasses import dataclass
 from corecap.errors import CorecapError
 
 
+
+# CPython before 3.11.8 (and 3.12.2) keeps one counter per interpreter while it builds an AST's
+# objects: a thread switch inside ast.parse (a garbage collection runs Python code) to another
+# thread's ast.parse leaves it off, and the parse raises this SystemError although the source is
+# fine (python/cpython gh-106905, fixed by GH-113035). Seen 2026-12-06 on Python 3.11.7, four
+# pytests side by side on the AMX CPU: the vLLM contract check reported "the installed vLLM does
+# not fit corecap: ... SystemError: AST constructor recursion depth mismatch (before=156,
+# after=176)". Parsing again gives the tree.
+_AST_RACE = "AST constructor recursion depth mismatch"
+AST_RACE_ATTEMPTS = 5
+
+
+def parse(text: str, filename: str = "<unknown>") -> ast.Module:
+    """ast.parse, again where CPython's AST-depth race (above) failed it."""
+    for _ in range(AST_RACE_ATTEMPTS - 1):
+        try:
+            return ast.parse(text, filename)
+        except SystemError as e:
+            if not str(e).startswith(_AST_RACE):
+                raise
+    return ast.parse(text, filename)
+
 class SourceMissing(Exception):
     """A module or class corecap's contract names is not in the installed vLLM's source."""
 
@@ -69,7 +91,7 @@ class Source:
                 raise SourceMissing(f"{module} is gone")
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-            self._modules[module] = (text, ast.parse(text, path))
+            self._modules[module] = (text, parse(text, path))
         return self._modules[module]
 
     def cls(self, qualname: str) -> ClassView:

@@ -71,38 +71,30 @@ if [ "$streams" -le 1 ]; then
     [ -z "$logs" ] || echo "rc=$rc" > "$logs/done"
     exit $rc
 fi
-# AMX_STREAMS=N (N > 1, with AMX_LOGS): N pytests at a time, each on its own 1/N of the cores (its
-# affinity, which vLLM's CPU worker and corecap's replica placement both read, so each stream sees
-# a machine of that many cores), taking the next selection from one queue as it ends one. The
+# AMX_STREAMS=N (N > 1, with AMX_LOGS outside /tmp, as root): N pytests at a time, each on its own
+# 1/N of the cores (its affinity, which vLLM's CPU worker and corecap's replica placement both
+# read, so each stream sees a machine of that many cores) and with its own /dev/shm and /tmp
+# (tools/amx/stream.sh says why), taking the next selection from one queue as it ends one. The
 # whole suite takes ~2,000 s on CI's 2 cores, more than a device session's 1,800 s: on the GPU
-# host's 16 cores, four streams of four. The files that held CI's slowest tests go first, so that
-# none of them starts last.
-[ -n "$logs" ] || { echo "AMX_STREAMS needs AMX_LOGS (each stream's output goes to its files)"; exit 2; }
+# host's 16 cores, four streams of four. The slowest files on four of its cores (2026-12-06,
+# 240-360 s each) go first, so that none of them starts last.
+case "$logs" in
+    "") echo "AMX_STREAMS needs AMX_LOGS (each stream's output goes to its files)"; exit 2 ;;
+    /tmp*|/dev/shm*) echo "AMX_LOGS=$logs: each stream has a /tmp and /dev/shm of its own; expected a directory elsewhere"
+        exit 2 ;;
+esac
 queue=$logs/queue
-slowest_first=(test_parallel test_faults test_generate test_architectures test_resume test_async_scheduling
-    test_long_samples test_preflight test_capture test_cli test_prefix)
+slowest_first=(test_architectures test_generate test_parallel test_faults test_resume test_cli test_prefix
+    test_capture test_async_scheduling test_preflight test_long_samples test_kimi test_quantized)
 {
     for name in "${slowest_first[@]}"; do printf '%s\n' "${selections[@]}" | grep -x "tests/$name\.py" || true; done
     printf '%s\n' "${selections[@]}" | grep -v -x -f <(printf 'tests/%s.py\n' "${slowest_first[@]}") || true
 } > "$queue"
 mapfile -t cores < <("$PY" -c "import os; print(*sorted(os.sched_getaffinity(0)), sep='\n')")
-stream() {  # $1: this stream's cores, comma-separated
-    local selection name
-    while true; do
-        selection=$(flock "$queue.lock" sh -c 'head -n 1 "$0"; sed -i 1d "$0"' "$queue")
-        [ -n "$selection" ] || return 0
-        name=$(basename "${selection%% *}" .py)
-        # shellcheck disable=SC2086  # a selection is a file and its pytest arguments
-        if taskset -c "$1" "$PY" -m pytest -q -p no:cacheprovider -rs --full $selection > "$logs/$name.log" 2>&1
-        then echo "$name: $(grep . "$logs/$name.log" | tail -n 1)"
-        else echo "$name FAILED: $(grep . "$logs/$name.log" | tail -n 1)"; echo "$name" >> "$logs/failed"
-        fi
-    done
-}
 per=$(( ${#cores[@]} / streams ))
 for k in $(seq 0 $((streams - 1))); do
     mine=$(printf '%s,' "${cores[@]:$((k * per)):$per}")
-    stream "${mine%,}" &
+    taskset -c "${mine%,}" unshare --mount --propagation private bash tools/amx/stream.sh "$PY" "$queue" "$logs" &
 done
 wait
 if [ -s "$logs/failed" ]; then
