@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from corecap.errors import CorecapError
 
 
-
-# CPython before 3.11.8 (and 3.12.2) keeps one counter per interpreter while it builds an AST's
-# objects: a thread switch inside ast.parse (a garbage collection runs Python code) to another
-# thread's ast.parse leaves it off, and the parse raises this SystemError although the source is
-# fine (python/cpython gh-106905, fixed by GH-113035). Seen 2026-12-06 on Python 3.11.7, four
-# pytests side by side on the AMX CPU: the vLLM contract check reported "the installed vLLM does
-# not fit corecap: ... SystemError: AST constructor recursion depth mismatch (before=156,
-# after=176)". Parsing again gives the tree.
+# CPython 3.11.7 (CI's and the kit's Python) keeps one recursion counter per interpreter while
+# it builds an AST's objects: where another thread's parse runs in between, the counter is off at
+# the end and ast.parse raises this SystemError although the source is fine (python/cpython
+# gh-106905; its fix, GH-113035, keeps a counter per call). Seen 2026-12-06 with four pytests side
+# by side on the AMX CPU: a run's contract check said "the installed vLLM does not fit corecap:
+# ... SystemError: AST constructor recursion depth mismatch (before=156, after=176)". Parsing
+# again gives the tree.
 _AST_RACE = "AST constructor recursion depth mismatch"
 AST_RACE_ATTEMPTS = 5
 
@@ -46,6 +45,7 @@ def parse(text: str, filename: str = "<unknown>") -> ast.Module:
             if not str(e).startswith(_AST_RACE):
                 raise
     return ast.parse(text, filename)
+
 
 class SourceMissing(Exception):
     """A module or class corecap's contract names is not in the installed vLLM's source."""

@@ -11,8 +11,8 @@
 # in a pytest of its own, `--full`; ~400 s on the GPU host's 16 cores; `--every-file`: every
 # tests/test_*.py so but test_export* and test_examples, which need the trainers the kit does not
 # carry; with AMX_STREAMS=4 AMX_LOGS=DIR, four at a time, each on a quarter of the cores: the end
-# of the file says how). AMX_ROOT=DIR puts that Python under DIR instead of / (to try the kit on the machine that
-# made it without touching its own Python).
+# of the file says how). AMX_ROOT=DIR puts that Python under DIR instead of / (to try the kit on
+# the machine that made it without touching its own Python).
 set -euo pipefail
 KITDIR=$1
 shift
