@@ -92,28 +92,25 @@ def test_the_comparison_judges_states_by_the_band_and_every_other_header_field_e
     import numpy as np
     import torch
 
-    from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
+    from support.verifier import VERIFIER_HIDDEN, write_captured_store
 
-    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 2, 16, 100)
-    meta = StoreMeta(format_version=FORMAT_VERSION, model=identity, layers=(0, 1), layer_meaning=LAYER_MEANING,
-                     dtype="float32", hidden_size=16, corecap_version="0", vllm_version="0")
-    states = {key: torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(n)) for n, key in enumerate("abc")}
     ones = np.ones(6, dtype=np.uint8)
+    captured = {key: (np.arange(6), ones, {layer: torch.randn(6, VERIFIER_HIDDEN, generator=torch.Generator()
+                                                               .manual_seed(2 * n + layer)) for layer in (0, 1)})
+                for n, key in enumerate("abc")}
 
-    def store(name: str, changed: dict[str, torch.Tensor], mask: np.ndarray = ones) -> str:
-        path = str(tmp_path / name)
-        with Store.create_or_open(path, meta) as s:
-            s.put_many([encode_sample(key, np.arange(6), changed.get(key, x), (0, 1), loss_mask=mask if key == "c"
-                                      else ones) for key, x in states.items()])
-        return path
+    def store(name: str, key: str = "a", scale: float = 1.0, mask: np.ndarray = ones) -> str:
+        ids, _, ref = captured[key]
+        changed = {**captured, key: (ids, mask, {layer: x * scale for layer, x in ref.items()})}
+        return write_captured_store(str(tmp_path / name), changed, "/m", layers=(0, 1))
 
-    reference = store("reference", {})
-    within = kill_loop.compare_stores(reference, store("within", {"b": states["b"] * (1 + 1e-7)}))
+    reference = store("reference")
+    within = kill_loop.compare_stores(reference, store("within", "b", scale=1 + 1e-7))
     assert within.ok and within.header_mismatches == [] and within.num_bit_identical == 2, within.line()
     assert 0 < within.max_rel <= kill_loop.TOLERANCE and within.worst_key == "b"
-    mask = kill_loop.compare_stores(reference, store("mask", {}, mask=np.arange(6, dtype=np.uint8) % 2))
+    mask = kill_loop.compare_stores(reference, store("mask", "c", mask=np.arange(6, dtype=np.uint8) % 2))
     assert not mask.ok and mask.header_mismatches == ["c: loss_mask"], mask.line()
-    beyond = kill_loop.compare_stores(reference, store("beyond", {"a": states["a"] * (1 + 1e-5)}))
+    beyond = kill_loop.compare_stores(reference, store("beyond", "a", scale=1 + 1e-5))
     assert not beyond.ok and beyond.header_mismatches == [] and beyond.max_rel > kill_loop.TOLERANCE
 
 
