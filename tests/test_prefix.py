@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -186,7 +187,7 @@ def test_kill_then_resume_with_caching_on(off_run, tiny_model, prefix_data, tmp_
     off_cfg, _ = off_run
     store = str(tmp_path / "killed")
     argv = (
-        "python3", "-m", "corecap.cli", "run", "--model", tiny_model, "--data", prefix_data, "--store", store,
+        sys.executable, "-m", "corecap.cli", "run", "--model", tiny_model, "--data", prefix_data, "--store", store,
         "--layers", "0,2,4,8,prenorm", "--dtype", "float32", "--max-batched-tokens", "32", "--max-len", "320",
         "--max-num-seqs", "2", "--enforce-eager", "--enable-prefix-caching", "--block-size", str(BLOCK),
     )
