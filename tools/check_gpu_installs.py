@@ -1,6 +1,6 @@
-"""Check README's GPU install lines ("Train a draft head": the table's `pip install ".[cuda]"`
+"""Check README's GPU install lines ("Export to a trainer": the table's `pip install ".[cuda]"`
 column) by pip's dependency resolution, in CPU-only virtual environments: what a trainer's line
-installs does not depend on a GPU being there, and no GPU machine here can reach PyPI.
+installs does not depend on a GPU being there.
 
     python3 tools/check_gpu_installs.py --vllm 0.34.0 0.33.0 0.26.0      # one release after another
 
@@ -13,14 +13,14 @@ the base (torch, vLLM and the nvidia-* packages must not move, nothing may be re
 `import torch, vllm, corecap` and the trainer's loader from examples/ imported (run_path, not
 run: there is no export to read). One verdict line per trainer and release at the end.
 
-pip runs as a new user's would: this machine's pip configuration (its local wheel directories and
-its torch cap) is set aside, so everything comes from PyPI. A pin of vLLM's that PyPI does not
+pip runs as a new user's would: the local pip configuration (local wheel directories, constraints)
+is set aside, so everything comes from PyPI. A pin of vLLM's that the index does not
 serve (vllm 0.34.0's flashinfer-python==0.7.3) is given a metadata-only stand-in wheel of that
 version declaring the next release's dependencies, so the rest resolves as it would for a user
 who has it; the output says when that happened.
 
 Not a CI test: each release downloads several GB of CUDA wheels (torch and ~30 nvidia packages)
-and unpacks them (README "Train a draft head" gives the date, the releases last checked and the
+and unpacks them (docs/benchmarks.md, "Install checks", gives the releases last checked and the
 wall time; the venvs are removed at the end unless --keep).
 """
 

@@ -1,2 +1,2 @@
-"""The scripts run on the lent H200 (`python -m tools.gpu.NAME`, with the kit of ../shared/gpukit on
-PYTHONPATH); results in docs/benchmarks.md."""
+"""The benchmarks and exactness checks that need a GPU (`python -m tools.gpu.NAME` on a machine
+with corecap and vLLM installed); results in docs/benchmarks.md."""

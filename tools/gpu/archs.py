@@ -4,7 +4,7 @@ from a seed by tests/support/tiny_models.py (random norm weights), every layer 0
 that test's dataset (batching, chunked prefill at 64 tokens, shared prefixes, duplicates, a
 1-token sample). DeepSeek-V3 has its own tool (tools/gpu/deepseek_exact.py: its routing flips).
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.archs \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.archs \
         [--archs gemma3,mixtral,qwen2_moe,gpt_oss,qwen3_next] [--out DIR]
     ... python3 -m tools.gpu.archs --archs mixtral@w4a16-experts,mixtral@fp8-block,mixtral@nvfp4
 
@@ -48,9 +48,9 @@ _spec.loader.exec_module(tiny_models)
 
 ARCHS = ("gemma3", "mixtral", "qwen2_moe", "gpt_oss", "qwen3_next")
 WIDER = {"hidden_size": 128, "head_dim": 64}
-# vLLM engine arguments an architecture needs on the GPU kit (../shared/gpukit carries no
-# flashinfer, which vLLM 0.26's gated-DeltaNet prefill picks by default on Hopper: without this
-# the worker's forward fails with "No module named 'flashinfer'")
+# vLLM engine arguments an architecture needs where flashinfer is not installed, which vLLM 0.26's
+# gated-DeltaNet prefill picks by default on Hopper: without this the worker's forward fails with
+# "No module named 'flashinfer'"
 ENGINE_ARGS = {"qwen3_next": ["--gdn-prefill-backend", "triton"]}
 
 

@@ -3,12 +3,10 @@ corecap vs HF transformers, on a Llama-3-8B-shaped model with dummy weights, 512
 random tokens, layers 2,16,29,32, prefix caching off; plus the disk's fsync'd sequential bandwidth
 (dd) and the store's, with corecap's commit pattern, against LMDB's.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.bench \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.bench \
         --modes dd,store,corecap,plain,extract,hf [--repeat 1] [--prompts 512] [--out DIR] [--dir DISK]
 
-(/root/vsite: where ../shared/gpukit's remote_install.sh unpacks vLLM.) --dir is the disk under
-test (default: the home directory, /root on the lent H200, where every figure in
-docs/benchmarks.md was measured): the model's config.json, the stores and dd's file go there.
+--dir is the disk under test (default: the home directory): the model's config.json, the stores and dd's file go there.
 
 A mode may carry its own prompt count, `corecap@1024` (for the peak-RSS-as-prompts-double check).
 `--dp N` (a multi-GPU machine): corecap runs N engine replicas, one per GPU, into one store

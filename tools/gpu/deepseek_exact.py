@@ -6,8 +6,8 @@ model as a Kimi-K2.5 checkpoint (KimiK25ForConditionalGeneration: a MoonViT towe
 projector beside it, in the Hub's layout, built by tests/support/kimi_k25.py), text samples
 only, against HF's own Kimi_K25ForConditionalGeneration reading the same files.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact [--out DIR] [--tp N]
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact [--out DIR] [--tp N]
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.deepseek_exact \
         --arch kimi_k25 --out $OUT
     python3 -m tools.gpu.deepseek_exact --arch ARCH --device cpu   # on a CPU: the same steps (no "vllm routing" ¹)
 

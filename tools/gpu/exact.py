@@ -2,7 +2,7 @@
 transformers on the same GPU, for a tiny Llama (head_dim 64), in bf16 and float32, on the V2 and
 V1 model runners; chunked prefill, shared prefixes, duplicate inputs and a 1-token sample included.
 
-    PYTHONPATH=/root/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.exact [--tp N] [--out DIR] \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.exact [--tp N] [--out DIR] \
         [--cases bfloat16,float32,bfloat16:v1,float32:highest]
 
 A case is a dtype, then optionally `:v1` (VLLM_USE_V2_MODEL_RUNNER=0), `:highest`

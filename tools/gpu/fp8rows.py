@@ -3,7 +3,7 @@
 payload to the bit? One JSON line per dtype and case, then the time one 1B-shaped step takes
 (4 layers x 16,384 tokens x 2,048, bf16) on the device.
 
-    PYTHONPATH=/root/vsite:/root/whl:$PWD python3 -m tools.gpu.fp8rows [--out DIR]
+    python3 -m tools.gpu.fp8rows [--out DIR]
 """
 
 from __future__ import annotations

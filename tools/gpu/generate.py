@@ -8,12 +8,11 @@ is timed are tools/common/generation.py's (shared with the CPU's tools/bench/gen
   one-run-sync  (not in the default arms) the one run with `--no-async-scheduling`: corecap's
             loop as it was before it took vLLM's async scheduling, for an A/B on one machine.
 
-    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.generate \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.generate \
         --shape 8b [--prompts N] [--max-tokens 512] [--arms generate,capture,one-run] [--out DIR] [--dir DIR]
     python -m tools.gpu.generate --cpu-smoke        # the tiny shape, 8 short prompts, 16 tokens (a CPU check)
 
-(/root/vsite, /root/whl: where ../shared/gpukit installs vLLM and the wheels.) Prompts: N of
-uniformly 256-1,024 random tokens (a fixed seed). Prefix caching is each tool's default; random
+Prompts: N of uniformly 256-1,024 random tokens (a fixed seed). Prefix caching is each tool's default; random
 prompts share no block. Results: one JSON line per arm in OUT/bench_generate.jsonl, the one run's
 `corecap trace` as OUT/trace_summary_SHAPE.txt and its trace.json xz-compressed; the last lines
 printed are the summary.

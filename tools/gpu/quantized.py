@@ -11,7 +11,7 @@ per mode, the same clocks):
 - 8b-nvfp4: Llama-3-8B's shape, compressed-tensors NVFP4 (W4A4; on Hopper vLLM falls back to its
   weight-only Marlin FP4 kernel).
 
-    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.quantized \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.quantized \
         --runs dsv2lite-w4a16:plain,dsv2lite-w4a16:corecap,dsv2lite-fp8:plain,dsv2lite-fp8:corecap,\
 8b-fp8:plain,8b-fp8:corecap,8b-nvfp4:plain,8b-nvfp4:corecap [--out DIR] [--dir DIR]
     python3 -m tools.gpu.quantized --dry-run      # on a CPU: writes the configs and builds the tiny

@@ -3,12 +3,11 @@
 --load-format dummy` and nothing else, against `LLM(model, load_format="dummy").generate(...,
 max_tokens=1)`. One process per mode; every result a JSON line in OUT/bench_shapes.jsonl.
 
-    PYTHONPATH=/root/vsite:/root/whl:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.shapes \
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.shapes \
         --runs 1b:plain,1b:corecap,1b:corecap-fp8,1b:corecap-raw,8b:plain,8b:corecap [--out DIR] [--dir DIR]
 
-(/root/vsite, /root/whl: where ../shared/gpukit installs vLLM and the wheels.) --dir holds the
-models' configs, the prompts, the store and dd's file (default: BENCH_SHAPES_ROOT, else
-~/shapes: /root/shapes on the lent H200, as measured).
+--dir holds the models' configs, the prompts, the store and dd's file (default:
+BENCH_SHAPES_ROOT, else ~/shapes).
 
 Shapes (configs of the public models, dummy weights): 8b (Llama-3-8B, 1,024 x 1,024 tokens),
 1b (Llama-3.2-1B, 256-token prompts), dsv2lite (DeepSeek-V2-Lite: MLA + MoE, 1,024-token
