@@ -4,7 +4,7 @@ reader, as its `examples/speculative_decoding/main.py` builds it for `data.offli
 
     python examples/load_mo.py train-mo
 
-README ("Train a draft head") shows its output on the quick start's store; tests/test_examples.py
+README ("Export to a trainer") shows its output on the quick start's store; tests/test_examples.py
 runs it.
 """
 

@@ -4,7 +4,7 @@ fed through its `FeatureDataLoader`, which yields `TrainBatch`es.
 
     python examples/load_sf.py train-sf
 
-README ("Train a draft head") shows its output on the quick start's store; tests/test_examples.py
+README ("Export to a trainer") shows its output on the quick start's store; tests/test_examples.py
 runs it.
 """
 

@@ -5,7 +5,7 @@ speculators) against HF's logits for the store's model.
 
     python examples/load_spec.py train-spec
 
-README ("Train a draft head") shows its output on the quick start's store; tests/test_examples.py
+README ("Export to a trainer") shows its output on the quick start's store; tests/test_examples.py
 runs it.
 """
 

@@ -1,4 +1,4 @@
-"""README's hand-off ("Train a draft head") as a user runs it: on the quick start's store (conftest's
+"""README's hand-off ("Export to a trainer") as a user runs it: on the quick start's store (conftest's
 `demo_store`: `corecap run` with no arguments), every `$ corecap export ...` and `$ python
 examples/...` line of that section runs as written, in order, and prints what README shows after
 it (an export's time and rates aside). The examples are the trainers' own loaders (speculators,
@@ -20,7 +20,7 @@ from support.cli import corecap
 pytestmark = pytest.mark.full  # the demo's engine run (shared with test_cli) and ~1 min of trainers' imports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTION = "## Train a draft head"
+SECTION = "## Export to a trainer"
 TIMING = re.compile(r"in [\d.]+s \([\d.]+ GB/s, [\d.]+ samples/s\)")
 
 

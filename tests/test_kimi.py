@@ -26,7 +26,7 @@ from corecap.store import Store
 
 N = tiny_models.NUM_LAYERS
 LAYERS = (*range(N + 1), PRENORM)
-TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-6 here (README "Architectures")
+TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-6 here (docs/capture.md, "Architectures")
 
 
 @pytest.fixture(scope="module")

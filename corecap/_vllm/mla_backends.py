@@ -9,7 +9,7 @@ CPU_MLA is asked for by name, and AMX_MLA then refuses float32 weights once they
 weight loads (`corecap_choice`). Asked for on a CPU without AMX, AMX_MLA is not an error in
 vLLM: it runs CPU_MLA instead, which corecap's engine line says (`runs_instead`).
 tests/test_mla_backends.py checks this table against vLLM's classes and runs each backend the
-machine has against HF; README "Architectures" has it as a table.
+machine has against HF; docs/capture.md, "Architectures", has it as a table.
 """
 
 from __future__ import annotations
