@@ -21,12 +21,10 @@ PRENORM = "prenorm"  # the residual stream after the last decoder layer, before 
 Layer = Union[int, str]  # an HF hidden_states index, or PRENORM
 DEFAULT_CODEC = "zstd-planes"  # corecap/store/codec.py
 FP8_CODEC = "fp8-e4m3-rowscale"  # `--store-dtype fp8`, lossy: corecap/store/fp8.py (store.FP8)
-# fp8's encode in the sink (torch ops, corecap/store/fp8.py quantize_fp8) got slower past 4
-# threads on the H200 host, where zstd-planes still gains to 8 (1B-shaped samples; measured:
-# docs/benchmarks.md, "fp8's encode on the H200 host's cores (issue 16)"). The workers quantise
-# now (corecap/store/fp8rows.py) and the sink's fp8 encode only regroups and checksums, with the
-# disk the bound on 4 threads (docs/benchmarks.md, "H200, 2026-12-02, fourth session: fp8
-# quantised by the workers"); the cap stays.
+# fp8's encode in the sink (torch ops, corecap/store/fp8.py quantize_fp8) gets slower past 4
+# threads on a 16-core host, where zstd-planes still gains to 8 (1B-shaped samples). The workers
+# quantise (corecap/store/fp8rows.py) and the sink's fp8 encode only regroups and checksums, with
+# the disk the bound on 4 threads (docs/benchmarks.md, "Quantized"); the cap stays.
 FP8_ENCODE_THREADS = 4
 
 # Engine arguments corecap sets itself: (vLLM's name, why).

@@ -125,7 +125,7 @@ CAPTURE_BUFFER_BYTES = 4 << 30  # --buffer-gb's default for a capture of given t
 # --buffer-gb's default with --max-tokens: this share of the memory available at start. The sink
 # holds every response in flight whole until it is committed, and a decode step runs as many
 # requests as fit: 4 GiB held an 8B model's 1,024 sequences to ~85 at once (docs/benchmarks.md,
-# "2026-12-04").
+# "Generation").
 GENERATION_MEMORY_SHARE = 0.4
 
 

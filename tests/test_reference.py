@@ -29,4 +29,5 @@ def test_api_reference_covers_every_export():
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "API")
     documented = {key.value for key in table.keys}
     missing = set(exported) - {"__version__"} - documented
-    assert not missing, f"tools/reference.py's API table lacks {sorted(missing)}: add them, then `python -m tools.reference`"
+    assert not missing, (f"tools/reference.py's API table lacks {sorted(missing)}: add them, "
+                         "then `python -m tools.reference`")

@@ -1,7 +1,7 @@
 """Runs that are interrupted, sharded or fed conversations end up with the same store as one
 uninterrupted run: keys, ids, masks and metadata exactly; hidden states within the float32 band
 (the batches differ, and this CPU engine is not batch-invariant: the measured difference is
-printed at the end of the session)."""
+printed at the end of the test session)."""
 
 from __future__ import annotations
 

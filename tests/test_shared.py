@@ -98,7 +98,7 @@ def test_a_fork_pins_what_the_main_process_holds():
 
 
 def test_a_tensor_sent_twice_is_copied_the_second_time():
-    """One lease a slot: the first copy in the main process dying must not free what the second
+    """One _Lease a slot: the first copy in the main process dying must not free what the second
     still reads."""
     pool = shared.Pool()
     a = pool.tensor((1024,), torch.float32).fill_(1)

@@ -68,7 +68,7 @@ def readme_gpu_lines(path: str) -> dict[str, list[str]]:
 
 
 def pip_env(find_links: str | None) -> dict[str, str]:
-    """A new user's pip: no config file (this machine's wheel directories, extra indexes, torch
+    """A new user's pip: no config file (the local wheel directories, extra indexes, torch
     cap), no PYTHONPATH (the checks must import what was installed), only PyPI and the stand-ins;
     no cache (every release downloads afresh, leaving nothing behind)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}

@@ -1,4 +1,4 @@
-"""Can this machine's vLLM run data parallel with expert parallelism (issue 37)? vLLM's own offline
+"""Can the installed vLLM run data parallel with expert parallelism (issue 37)? vLLM's own offline
 data-parallel pattern (its examples/offline_inference/data_parallel.py: one process per DP rank,
 VLLM_DP_* in the environment, one `LLM` each) with `enable_expert_parallel=True`, on a tiny MoE
 model built here from a fixed seed. Each rank greedily generates a few tokens; the script prints

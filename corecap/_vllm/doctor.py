@@ -4,11 +4,11 @@ any weights load.
 doctor reads vLLM's installed source (contract.py, vllm_source.py) and the installed packages'
 metadata (torchvision, torchaudio and torchcodec built for another torch break `import vllm`:
 versions.companion_problems), and imports neither vLLM nor torch, whose import takes many times
-longer (measured: docs/benchmarks.md, "`corecap doctor`'s import on the H200 (issue 21)"). The
+longer (measured: docs/versions.md, "How long doctor takes"). The
 checks that need vLLM's objects (live.py) run at the start of
 every run, where vLLM is imported anyway, and in `corecap doctor --deep`, which builds the engine
 configuration for a config.json alone (without `--model`: a small dense Llama, as vLLM would
-build it on this machine).
+build it on the machine doctor runs on).
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from corecap.errors import CorecapError
 from corecap.config import Layer
 from corecap._vllm import prefix_tracker, worker_deaths, worker_errors
 
-# Engine steps scheduled and sent to the workers ahead of their outputs. Two brought the H200's
-# steps to the pace of vLLM's own loop; one (strictly a step at a time) was slower there
-# (docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)", `corecap-serial`).
+# Engine steps scheduled and sent to the workers ahead of their outputs. Two keep a GPU's steps
+# at the pace of vLLM's own loop; one (strictly a step at a time) is slower (docs/benchmarks.md,
+# "Capture").
 STEPS_IN_FLIGHT = 2
 _DEAD_WORKER_GRACE_S = 10  # how long a failed step waits for vLLM's monitor to name a dead worker
 

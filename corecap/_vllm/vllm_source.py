@@ -1,6 +1,6 @@
 """vLLM's installed source, read with `ast` and never imported: what `corecap doctor` checks
 corecap's contract against without the cost of importing vLLM (torch, Inductor, transformers,
-...; measured: docs/benchmarks.md, "`corecap doctor`'s import on the H200 (issue 21)").
+...; measured: docs/versions.md, "How long doctor takes").
 
 `Source` finds the installed `vllm` package by `importlib.util.find_spec("vllm")`, which runs
 none of its code, and parses a module's file the first time a check asks for it. A class is

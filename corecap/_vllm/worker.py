@@ -20,8 +20,7 @@ only waits when the sender (corecap/_vllm/sender.py) is `MAX_IN_FLIGHT` steps be
 The copy is issued only once the step's sampled tokens have reached the host (`_Tap.flush`):
 both are device-to-host copies, and a step's states, far larger, issued first would hold the
 engine's few bytes of output, and so the end of every step, behind them (measured against the
-early order: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)",
-`corecap-earlycopy`).
+early order: docs/benchmarks.md, "Capture").
 
 A step that schedules tokens while the capture is armed and captures nothing means the tap no
 longer sees the runner's outputs (an attribute renamed in a new vLLM, say): the worker reports

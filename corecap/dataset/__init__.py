@@ -18,7 +18,7 @@ to index them. Each item is read in one LMDB read transaction and its states are
 committed, so an item is never torn (and its checksum is checked as it decodes).
 
 Each item opens the store, reads and closes it again (cheap against decoding an EAGLE-3-sized
-sample: docs/benchmarks.md, 'Figures that docstrings used to quote'): nothing is held open
+sample: docs/benchmarks.md, "Export"): nothing is held open
 between items, so a DataLoader worker, forked or
 spawned, never uses an LMDB environment opened by another process (LMDB forbids that across
 fork), and a `Store` of the same directory may be opened in this process between items (py-lmdb

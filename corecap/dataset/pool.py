@@ -3,7 +3,7 @@
 Every tensor a DataLoader worker returns goes through torch's pickler, which copies it into new
 shared memory (`UntypedStorage._share_fd_cpu_`) unless it is there already. For an EAGLE-3-sized
 sample (67 MB) that copy cost about what decoding it did (one thread; measured: docs/benchmarks.md,
-'Figures that docstrings used to quote'), most
+"Export"), most
 of it the first touch of the new pages (shared memory gets no huge pages by default: 4 KiB a
 fault). So `StoreDataset`, in a worker, decodes into a slot of this pool instead: a memfd the
 worker keeps mapped, its pages already in place after the first item, which the pickler sends to
@@ -15,7 +15,7 @@ A slot is reused for a later item only when nothing refers to the earlier one, i
 - in the main process, the tensor rebuilt from the descriptor views a memoryview of its own
   mapping, whose finalizer runs when the last tensor or storage using it dies and writes FREE into
   the slot's last page. The pickler wrote SENT there before sending, and sends a slot only while
-  it reads FREE: a tensor pickled again before then is copied the torch way (one lease a slot).
+  it reads FREE: a tensor pickled again before then is copied the torch way (one _Lease a slot).
 That tensor's storage is not torch's shared memory, so torch copies it if the trainer passes it on
 to another process: `share_memory_()` (which a torch.multiprocessing queue calls) moves it to new
 memory in place, as it does any tensor not in shared memory, and numpy arrays taken from it before

@@ -35,7 +35,7 @@ _scratch = threading.local()
 def scratch_tensor(shape: tuple[int, ...], dtype: torch.dtype, slot: int) -> torch.Tensor:
     """A tensor of exactly `shape` over this thread's reused buffer number `slot`. A fresh 64 MiB
     tensor costs more in page faults than copying a sample into it (measured: docs/benchmarks.md,
-    'Figures that docstrings used to quote'), and glibc maps every allocation that large anew.
+    "Export"), and glibc maps every allocation that large anew.
     The tensor's storage is exactly its
     own bytes, so torch.save writes no more than them; it is valid until the slot is reused."""
     nbytes = math.prod(shape) * dtype.itemsize

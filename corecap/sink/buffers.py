@@ -19,17 +19,16 @@ class BufferPool:
 
     A fresh buffer per sample is, above glibc's mmap threshold (32 MiB at most), a fresh mapping:
     every page faults and is zeroed on first touch, so reassembling a step into fresh buffers
-    was several times slower than into reused ones on a 2-core machine. On the H200 host, with
-    torch's default threads in the sink, the pool gained little: there something else dominated
-    (measured: docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)" and
-    'Figures that docstrings used to quote').
+    was several times slower than into reused ones on 2 cores. With torch's default threads
+    in the sink, the pool gained little on a 16-core GPU host: there something else dominated
+    (measured: docs/benchmarks.md, "Capture" and "Figures the code cites").
 
     The sink's memory for states is one count here against one bound, `limit_bytes` (--buffer-gb):
-    the buffers lent, the free ones kept for reuse, and the encoded copies that the writer holds
+    the buffers taken, the free ones kept for reuse, and the encoded copies that the writer holds
     until their commit in place of a buffer it gave back (`hold`/`drop`; corecap/sink/writer.py). A
     free buffer is kept only while the whole fits in the bound, and free ones are let go to make
     room for a fresh buffer or an encoded copy. The driver admits a sample only while the buffers of
-    those held fit (corecap/sink/budget.py), so what is lent or held stays within the bound and the
+    those held fit (corecap/sink/budget.py), so what is taken or held stays within the bound and the
     whole does too; `peak_bytes` is its high-water mark, which the run reports.
     `take` runs on the collector thread, `give` on the writer's commit thread."""
 
@@ -40,7 +39,7 @@ class BufferPool:
         self.free_bytes = 0
         self.lent_bytes = 0
         self.held_bytes = 0  # encoded copies awaiting their commit (`hold`)
-        self.peak_bytes = 0  # of lent + free + held, the most at any time
+        self.peak_bytes = 0  # of taken + free + held, the most at any time
         self.lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -96,7 +96,7 @@ class Collector:
     A chunk's copies (one per segment and layer, each a contiguous run) go to `copy_threads`
     threads: the sink runs torch single-threaded (sink.py), so this is where the copy of a
     step gets more than one core (two threads beat one even on a 2-core machine; measured:
-    docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)"). Samples are
+    docs/benchmarks.md, "Capture"). Samples are
     handed on once every copy of the chunk is done."""
 
     def __init__(
@@ -267,8 +267,8 @@ class Collector:
         the copy threads. A chunk of many (`wire.crc_per_layer`: a decode step) is one task a
         layer, which checks the layer's CRC and copies its runs of more than one token; then
         each one-token segment's rows are copied in one go: a task and a check a (layer,
-        segment) made a decode step's reassembly the sink's bottleneck on the H200
-        (docs/benchmarks.md, "2026-12-03: generation and capture in one run")."""
+        segment) made a decode step's reassembly the sink's bottleneck on a GPU
+        (docs/benchmarks.md, "Generation")."""
         rows = msg.state_rows()
         per_layer = wire.crc_per_layer(len(msg.header.segments))
         if per_layer:

@@ -33,7 +33,7 @@ def return_freed_memory() -> None:
     glibc keeps what its heaps once held, and gives each thread a heap of its own: the samples'
     byte planes and compressed payloads, freed by one thread and allocated by another, left the
     sink's resident memory growing with the number of samples well past what --buffer-gb bounds
-    (docs/benchmarks.md, "2026-12-05 (CPU): the sink's memory as the prompts double"). The commit
+    (docs/benchmarks.md, "Generation"). The commit
     thread calls this at most every TRIM_EVERY_S: the allocator's fast paths stay as they are
     (fixing its mmap threshold instead would map, fault in and unmap every large temporary)."""
     try:

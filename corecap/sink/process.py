@@ -1,6 +1,6 @@
 """The sink: a separate process that receives the workers' chunks, reassembles samples, encodes
 and commits them, so the data path never competes with the engine's step loop for the driver's
-GIL (its rate on the H200: docs/benchmarks.md, "Stored once (issue 19's second half; 2026-12-01)").
+GIL (its rate on a GPU: docs/benchmarks.md, "Capture").
 
 Driver ↔ sink talk over two IPC sockets in the run's private 0700 directory: the driver tells
 the sink which requests to expect (key, token ids, loss mask) and finally to finish or abort;
@@ -43,8 +43,7 @@ CAPTURE = "capture.sock"
 # The sink's parallelism is its own threads (encoders, copiers), each running torch with one
 # intra-op thread: with torch's default (a thread per core) every calling thread can get an
 # OpenMP team of its own, many times more threads than cores. Measured on the H200 host against
-# 16 torch threads and 1 copy thread (docs/benchmarks.md, "H200: the sink's thread settings and
-# the encode's cost (calls 12-18)").
+# 16 torch threads and 1 copy thread (docs/benchmarks.md, "Capture").
 _TORCH_THREADS = 1
 
 

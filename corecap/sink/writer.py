@@ -61,7 +61,7 @@ def all_finite(states: torch.Tensor) -> bool:
     """Whether no element is NaN or ±Inf. A sum is non-finite whenever an element is (NaN and Inf
     propagate through IEEE additions), and a finite sum settles it in one read of the states,
     without isfinite's mask, which is many times slower (measured: `python -m tools.bench.sink
-    --only check`; docs/benchmarks.md, "H200: the step loop at vLLM's own pace (calls 8-11)").
+    --only check`; docs/benchmarks.md, "Figures the code cites").
     Only a sum that overflowed is checked
     element by element, which float16's small range makes likelier (then as slow as before)."""
     if not states.is_floating_point():

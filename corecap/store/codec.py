@@ -24,7 +24,7 @@ against the buffer's own.
 Thread safety: all functions may be called from several threads at once. zstd contexts are not
 thread-safe, so each thread keeps its own compressor and decompressors (threading.local);
 zstandard, crc32 and the numpy plane copies release the GIL, so a thread pool over samples
-scales with free cores (measured: docs/codec.md; docs/benchmarks.md, 'Figures that docstrings used to quote').
+scales with free cores (measured: docs/codec.md; docs/benchmarks.md, "Figures the code cites").
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import zstandard
 
-try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, 'Figures that docstrings used to quote')
+try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, "Figures the code cites")
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
     from zlib import crc32
@@ -58,12 +58,12 @@ _ZSTD_PARAMS = zstandard.ZstdCompressionParameters(
 )
 # A large plane is first tried on one probe slice: mantissa planes are noise, and not running
 # zstd over them saves a share of the encode time on bf16 (measured: docs/codec.md, and the table
-# 'Figures that docstrings used to quote' in docs/benchmarks.md).
+# "Figures the code cites" in docs/benchmarks.md).
 _PROBE_BYTES = 1 << 17
 _PROBE_MIN_SAVING = 0.03
 # decode_into joins planes this many values at a time: small enough that the decompressed slices
 # stay in L2, large enough to keep per-slice overhead small (a range of sizes measured alike:
-# docs/benchmarks.md, 'Figures that docstrings used to quote').
+# docs/benchmarks.md, "Figures the code cites").
 _JOIN_BYTES = 1 << 17
 
 _local = threading.local()
@@ -135,7 +135,7 @@ def _split_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
     """[itemsize, n]: row k is byte k of every (little-endian) element. For 2-byte elements, a
     narrowing cast and a shift of the elements as words, faster than the strided copy of a
     transpose, which stays for 4-byte elements, where the shifts were slower (measured:
-    docs/benchmarks.md, 'Figures that docstrings used to quote')."""
+    docs/benchmarks.md, "Figures the code cites")."""
     if itemsize != 2:
         return np.ascontiguousarray(data.reshape(-1, itemsize).T)
     words = data.view("<u2")
@@ -182,7 +182,7 @@ def decode_into(buf, dtype: str, nbytes: int, codec: str, out: np.ndarray) -> in
     decoded bytes. zstd-planes planes are decompressed and joined a slice at a time, so the
     decompressed slices stay in cache and `out` is written once: into memory already touched,
     faster than a `decode` into fresh memory and its crc32 (measured: docs/benchmarks.md,
-    "StoreDataset's shared-memory pool", and 'Figures that docstrings used to quote')."""
+    "Export")."""
     itemsize = _declared(nbytes, dtype, codec)
     if out.dtype != np.uint8 or out.nbytes != nbytes or not out.flags.c_contiguous:
         raise ValueError(f"codec {codec!r}: out must be {nbytes} contiguous uint8 bytes, got {out.dtype} {out.shape}")

@@ -10,7 +10,7 @@ so no scaled error exceeds 16 = 448/28. Before rounding to the output dtype, eve
 (the second for rows with absmax >= 448 * 2^-126 ~ 5e-36; tinier rows use the floor scale and
 are off by at most 16 * 2^-126).
 On real activations the largest error sits at the second bound (measured: docs/codec.md; docs/benchmarks.md,
-'Figures that docstrings used to quote').
+"Figures the code cites").
 Rows must be finite; all-zero rows come back as zeros.
 
 Thread safety: all functions may be called from several threads at once.
@@ -62,8 +62,7 @@ def quantize_fp8(states: torch.Tensor) -> np.ndarray:
     boundary) to 448, as clamping first would (CPU torch gives NaN, or saturates, only from 464).
     Faster than the old per-layer formula (abs, amax, divide, clamp), per sample on one thread in
     CPU time; what is left is mostly torch's float32 → e4m3 cast, scalar on AVX2 (measured:
-    `python -m tools.bench.sink --only fp8`; docs/benchmarks.md, "CPU: fp8 encode per sample (fewer
-    bytes should mean faster)")."""
+    `python -m tools.bench.sink --only fp8`; docs/benchmarks.md, "Quantized")."""
     if states.dim() != 3 or states.dtype not in _MAGNITUDES:
         raise ValueError(f"fp8: expected a [L, T, H] bf16/fp16/fp32 tensor, got {states.dtype} {list(states.shape)}")
     num_layers, num_tokens, hidden = states.shape

@@ -2,8 +2,8 @@
 
 `--store-dtype fp8` stores `quantize_fp8`'s payload (corecap/store/fp8.py): e4m3 values
 [L, T, H], then float32 row scales [L, T]. Quantising in the sink cost more CPU per sample than
-zstd-planes, so on the H200's disk-bound 1B shape fewer bytes stored fewer tokens a second
-(docs/benchmarks.md). The workers quantise each step instead (`quantize_fp8_rows`, on the GPU
+zstd-planes, so on a disk-bound 1B shape fewer bytes stored fewer tokens a second
+(docs/benchmarks.md, "Quantized"). The workers quantise each step instead (`quantize_fp8_rows`, on the GPU
 where they run), so the ring, the wire and the sink's reassembly carry rows of H + 4 bytes (the
 row's codes, then its scale) instead of 2H (bf16) or 4H, and the writer only regroups the rows
 into the stored layout (`fp8_payload`) and checksums them. The formula is `quantize_fp8`'s, op

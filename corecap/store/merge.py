@@ -13,7 +13,7 @@ unchecked: a damaged input must not spread into OUT. Each copied record passes e
 needs no decoding (its header against its key, the metadata and its own input ids; its pointer
 against the committed end and the file; the crc32 over its stored bytes, or for zstd-planes its
 container's, which covers every byte after the container's head), which costs a crc32 pass
-(far faster than decoding: docs/benchmarks.md, 'Figures that docstrings used to quote');
+(far faster than decoding: docs/benchmarks.md, "Figures the code cites");
 `corecap verify` decodes. A damaged record
 refuses the merge with one line naming the input, the key and the field, and OUT is left as it
 was: every record is copied and checked before any of their headers is committed (a new OUT is

@@ -10,8 +10,7 @@ class Record:
     """One sample ready to commit: its header and its encoded states as buffers whose
     concatenation is the payload (the codec's parts: writing them one after another saves joining
     them, a copy of the whole payload that was a sizeable share of a bf16 encode; measured:
-    `python -m tools.bench.sink --only parts`, docs/benchmarks.md, "H200: the sink's thread
-    settings and the encode's cost (calls 12-18)")."""
+    `python -m tools.bench.sink --only parts`, docs/benchmarks.md, "Capture")."""
 
     key: str
     header: bytes

@@ -2,8 +2,8 @@
 
 LMDB copies a large value into private pages, writes them with write(2) and fsyncs data and meta
 pages once per commit, during which the disk idles between commits: well below the disk's
-`dd conv=fsync` rate on the H200 host (measured: docs/benchmarks.md, "Disk (call 4, mode `store`
-and `dd`)"). States are large and written once, so
+`dd conv=fsync` rate (measured: docs/benchmarks.md, "Capture", the disk against LMDB).
+States are large and written once, so
 they go to plain files `states-000000.bin`, `states-000001.bin`, ... (a new one every
 `SEGMENT_BYTES`), written sequentially; LMDB keeps the small part: headers, one `POINTER` per
 sample and the committed end of the files (`END`).

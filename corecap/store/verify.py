@@ -18,7 +18,7 @@ The two databases are walked together in key order inside one read transaction, 
 that is writing the store meanwhile is neither blocked nor seen half-way (LMDB readers see a
 snapshot). The walking thread reads each sample's header and states; a pool of threads decodes
 and checks them (decoding is most of the time: `python -m tools.bench.verify`; docs/benchmarks.md,
-"CPU: `corecap verify`'s rate"), with at most two samples
+"CPU"), with at most two samples
 per thread in flight, so memory stays at a few samples however large the store. Problems are
 reported in key order.
 """
@@ -196,7 +196,7 @@ def _check_states(states: torch.Tensor, layers: tuple[int, ...]) -> list[str]:
     layer settles both for nearly every layer: a finite sum means no NaN/Inf (they propagate
     through it, writer.all_finite), and a sum other than zero means some value is not zero.
     Only an overflowed or zero sum is looked at element by element (`python -m tools.bench.verify`;
-    docs/benchmarks.md, "CPU: `corecap verify`'s rate")."""
+    docs/benchmarks.md, "CPU")."""
     problems = []
     for i, layer in enumerate(layers):
         x = states[i]

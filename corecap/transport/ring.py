@@ -2,8 +2,7 @@
 
 Through a socket, a step's states (537 MB for 16,384 tokens x 4 layers x 4,096 x bf16) are
 copied into the kernel and out again: one ZeroMQ stream moved steps more slowly than the H200's
-GPU made them (measured: docs/benchmarks.md, "Where the time goes now (`corecap trace` on the
-call-6 traces)"). Instead, tensor-parallel rank 0 copies a
+GPU made them (measured: docs/benchmarks.md, "Capture"). Instead, tensor-parallel rank 0 copies a
 step's states from the device straight into a slot of a shared file in /dev/shm (registered
 with CUDA, so the copy is asynchronous), ZeroMQ carries only the header with the slot number,
 the sink reads the slot in place while reassembling, then hands the slot back over a socket

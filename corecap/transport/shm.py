@@ -6,7 +6,7 @@ ends by itself, by SIGTERM or with a dead worker has them unlinked on the way ou
 a dead worker's resource tracker). A run SIGKILLed with its whole process group (a job
 scheduler's hard limit, an OOM kill of its cgroup) cannot, and /dev/shm is RAM that stays taken
 until reboot: repeated kills in tests/support/kill_loop.py left gigabytes before the harness removed
-it (docs/benchmarks.md, 'Figures that docstrings used to quote').
+it (docs/benchmarks.md, "Figures the code cites").
 
 So while its engine starts, a run records every /dev/shm file its processes (the driver and its
 descendants) map in /dev/shm/corecap-shm-<pid namespace>-<pid>-<start time>.json, and removes
@@ -104,7 +104,7 @@ class ShmRecord:
     far recorded. `close()` when the run ends.
 
     Reading the processes' maps costs far more than listing a directory (docs/benchmarks.md,
-    'Figures that docstrings used to quote'), so the thread lists the directory every `interval`
+    "Figures the code cites"), so the thread lists the directory every `interval`
     seconds instead and reads the maps
     when a name appears, then again each tick while a new name is not yet accounted for (for up
     to a second: it may be another program's, or not mapped yet). A kill in the few tens of

@@ -36,8 +36,8 @@ WIRE_VERSION = 5  # 3: CRC-32s of every part; a layer may be "prenorm". 4: fp8 r
 
 # A chunk of this many segments or more (a decode step: a token for each of many requests) has one
 # CRC-32 a layer, over all its rows, instead of one a (layer, segment) run: thousands of small
-# checks a step were most of both ends' cost per request (docs/benchmarks.md, "2026-12-03:
-# generation and capture in one run"). Fewer segments (prefill chunks) keep one a run, so that a
+# checks a step were most of both ends' cost per request (docs/benchmarks.md,
+# "Generation"). Fewer segments (prefill chunks) keep one a run, so that a
 # damaged run names its request.
 PER_LAYER_SEGMENTS = 8
 

@@ -1,6 +1,6 @@
 """What the engine tests share: the tiny Llama's shape (conftest builds it from SEED), HF
 transformers' reference states for a sample, the worst errors measured (printed at the end of
-the session), the exactness dataset and the run logs of the shared runs."""
+the test session), the exactness dataset and the run logs of the shared runs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ NUM_LAYERS = 8
 VOCAB = 512
 MAX_POSITIONS = 512  # the tiny model's context: exact_run captures a sample of exactly this length
 
-# Worst relative errors seen per test case, printed at the end of the session (conftest).
+# Worst relative errors seen per test case, printed at the end of the test session (conftest).
 ERRORS: dict[str, dict[str, float]] = {}
 RUN_LOGS: dict[str, list[str]] = {}  # the log lines of the shared runs, by fixture
 

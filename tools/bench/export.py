@@ -1,4 +1,4 @@
-"""`corecap export`'s rate on this machine in every format, against the two things it may be bound
+"""`corecap export`'s rate on the machine it runs on, in every format, against the two things it may be bound
 by: the disk (dd's fsync'd sequential write rate, on the same file system, before and after the
 exports) and corecap's decode rate (each store's samples decoded on the same number of threads as
 the export's, nothing written). Each export runs in a fresh process (tools/bench/export_child.py)

@@ -1,5 +1,5 @@
 """Generation and capture in one run (`corecap run --max-tokens N`, issue 33) against the two-pass
-pipeline users run today, on this machine's CPU with the demo model (corecap/demo.py, the quick
+pipeline users run today, on the CPU it runs on, with the demo model (corecap/demo.py, the quick
 start's: 8 layers, hidden 128, real weights from a fixed seed). The arms, the sampling and how each
 is timed are tools/common/generation.py's, as on the H200 (tools/gpu/generate.py):
 

@@ -1,4 +1,4 @@
-"""The sink process's CPU work, piece by piece, on this machine's CPU:
+"""The sink process's CPU work, piece by piece, on the CPU it runs on:
 
   check        the writer's NaN/Inf check of one sample (4 layers x 1,024 tokens x 4,096, one
                torch thread as in the sink): torch.isfinite(x).all() vs writer.all_finite(x)
@@ -8,7 +8,7 @@
   parts        the pieces of that zstd-planes encode: check, checksum of the states, byte-plane
                split, each plane's compression, the codec's own checksum
   scaling      K threads encoding samples at once (`--encoders`): samples/s and ms per sample,
-               to see how many encode threads this machine's cores and memory carry
+               to see how many encode threads the machine's cores and memory carry
   scaling-1b   the same for Llama-3.2-1B's 256-token samples (4 x 256 x 2,048 bf16), the
                writer's zstd-planes encode and its fp8 one
   reassembly   the collector's take() of one 16,384-token chunk (4 x 4,096 bf16, 537 MB) into

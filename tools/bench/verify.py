@@ -1,4 +1,4 @@
-"""`corecap verify`'s rate on this machine: a store of EAGLE-3-sized samples (4 layers x 1,024
+"""`corecap verify`'s rate on the machine it runs on: a store of EAGLE-3-sized samples (4 layers x 1,024
 tokens x 4,096, bf16, random), written once, then verified with 1 thread and with the default
 number (`corecap verify --threads`); on one thread the time per sample is split into reading +
 decoding and the states checks (NaN/Inf, all-zero layers).

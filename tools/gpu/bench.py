@@ -230,8 +230,8 @@ def mode_corecap(args) -> dict:
     wall = time.perf_counter() - t0
     trace = traces.load(store)
     # From the moment corecap starts reading the dataset and adding requests, as plain vLLM's
-    # clock starts when generate() is called (calls 1-7 and the first calls of 2026-11-30's third
-    # session started at the first engine step: `*_from_first_step`, kept for comparison).
+    # clock starts when generate() is called (the rates from the first engine step are kept too,
+    # as `*_from_first_step`, for comparison).
     tokens = summary.num_tokens
     rates, from_first_step = traces.rates(trace, tokens, since="start"), traces.rates(trace, tokens)
     name = f"trace_{args.one}_{args.prompts}_{time.strftime('%H%M%S')}.json"  # one per run, repeats too
