@@ -48,12 +48,14 @@ _ENGINE_OPTIONS = (
                       "filled in on the device (default: vLLM's, on with a GPU; off with pipeline parallelism or "
                       "across nodes)."),
 )
+_LAYERS_OPTION = click.option(
+    "--layers", type=str, default=None,
+    help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N,prenorm).")
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None,
                  help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations "
                       "(default: the built-in demo dataset)."),
-    click.option("--layers", type=str, default=None,
-                 help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N,prenorm)."),
+    _LAYERS_OPTION,
     click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None,
                  help="Lossless codec for stored states (default: zstd-planes)."),
     click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
@@ -151,6 +153,23 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
         private_network=rest["private_network"],
         sampling=sampling,
         chat_template_kwargs=_template_kwargs(rest["chat_template_kwargs"]),
+    )
+
+
+def _serve_config(extra_args: list[str], options: dict):
+    """The frozen ServeConfig of `corecap serve`'s options."""
+    from corecap.config import EngineOptions, RunConfig, parse_layers
+    from corecap.serve.config import ServeConfig
+
+    engine = EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE_NAMES}, extra_args=tuple(extra_args))
+    layers = options["layers"]
+    run = RunConfig(data=None, store="", layers=parse_layers(layers) if layers is not None else None, engine=engine,
+                    buffer_bytes=None if options["buffer_gb"] is None else int(options["buffer_gb"] * 2**30),
+                    private_network=options["private_network"])
+    return ServeConfig(
+        run=run, host=options["host"], port=options["port"], api_key=options["api_key"],
+        served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],
+        hidden_states_path=options["hidden_states_path"], quota_bytes=int(options["hidden_states_quota_gb"] * 2**30),
     )
 
 
