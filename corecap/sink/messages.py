@@ -56,7 +56,7 @@ class Abort(msgspec.Struct, array_like=True, tag=3):
     pass
 
 
-class Done(msgspec.Struct, array_like=True, tag=4):
+class Done(msgspec.Struct, array_like=True, kw_only=True, tag=4):
     num_committed: int
     num_tokens: int
     nbytes: int

@@ -301,11 +301,13 @@ class _Loop:
         self.writer.close()
         w, c = self.writer, self.collector
         return Done(
-            w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
-            [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
-            [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, peak_rss(),
-            self.buffers.peak_bytes,
+            num_committed=w.num_committed, num_tokens=w.num_tokens, nbytes=w.nbytes, raw_bytes=w.raw_bytes,
+            num_incomplete=len(c.pending), flagged=w.flagged,
+            chunks=[dataclasses.asdict(t) for t in c.timings], commits=[dataclasses.asdict(t) for t in w.commits],
+            encodes=[{"start": a, "end": b} for a, b in w.encodes], writes=[dataclasses.asdict(t) for t in w.writes],
+            num_referring=c.num_referring, referred_bytes=w.referred_bytes, num_stored_whole=c.num_stored_whole,
+            num_streamed=c.num_streamed, rss_start=self.rss_start, rss_peak=peak_rss(),
+            buffers_peak=self.buffers.peak_bytes,
         )
 
     def _on_control(self, raw: bytes) -> None:
