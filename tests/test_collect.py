@@ -200,7 +200,7 @@ def test_a_hit_the_sink_cannot_place_is_an_error():
 
 
 def test_completed_blocks_are_those_whose_last_position_was_computed():
-    from corecap.sink.prefix_cache import completed_blocks
+    from corecap.transport.prefix_blocks import completed_blocks
 
     assert list(completed_blocks(0, 14, 4, 3)) == [0, 1, 2]
     assert list(completed_blocks(8, 13, 4, 3)) == [2]  # positions 8..12: block 2 ends at 11

@@ -42,7 +42,7 @@ from corecap.errors import CorecapError
 from corecap.store import FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 from corecap.store import codec as codecs, fp8
 from corecap.store import decode_header, input_fingerprint
-from corecap.store.codec import DTYPES
+from corecap.dtypes import DTYPES
 from corecap.store.format import Segment, header_crc
 from corecap.store.refs import layout, within
 from corecap.store.segments import END, POINTER, segment_path

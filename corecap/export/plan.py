@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from corecap.config import PRENORM, Layer, parse_layers
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.export.formats import FORMATS, LAYOUTS
 from corecap.export.layers import run_flag
-from corecap.store.codec import DTYPES
 from corecap.store.format import FP8 as FP8_CODEC
 from corecap.store.format import StoreMeta
 

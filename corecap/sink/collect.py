@@ -29,10 +29,11 @@ import torch
 from corecap.errors import CorecapError
 from corecap.sink import stream
 from corecap.sink.buffers import BufferPool
-from corecap.sink.prefix_cache import Producer, StatesCache, completed_blocks
+from corecap.sink.prefix_cache import Producer, StatesCache
 from corecap.store import refs
 from corecap.store.spill import SpillFile
 from corecap.transport import wire
+from corecap.transport.prefix_blocks import completed_blocks
 
 
 @dataclass

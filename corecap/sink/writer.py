@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from corecap.dtypes import DTYPES, crc32
 from corecap.errors import CorecapError
 from corecap.sink import memory
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
-from corecap.store.codec import DTYPES, crc32
 from corecap.store.format import spilled_record
 from corecap.store.fp8 import NonFiniteStates
 from corecap.store.spill import SpillFile

@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 import torch
 
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
 from corecap.store import codec as codecs, fp8, fp8rows
-from corecap.store.codec import DTYPES
 from corecap.store.generated import Generation
 from corecap.store.record import Record
 
@@ -191,7 +191,7 @@ def encode_sample(
     n = prefix[-1].end if prefix else 0
     states = (states[:, n:] if n and states.shape[1] == len(ids) else states).contiguous()
     rows = states.dtype == torch.uint8
-    assert not rows or (codec == FP8 and dtype in codecs.DTYPES), (codec, dtype)
+    assert not rows or (codec == FP8 and dtype in DTYPES), (codec, dtype)
     dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:
