@@ -40,8 +40,18 @@ def _log(message: str) -> None:
     click.echo(message, err=True)
 
 
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from corecap._vllm.versions import version_lines
+
+    click.echo("\n".join(version_lines(__version__)))
+    ctx.exit()
+
+
 @click.group()
-@click.version_option(__version__, prog_name="corecap")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show corecap's version and the vLLM and torch it runs on, and exit.")
 def main() -> None:
     """Capture an LLM's hidden states at chosen layers into a store (for EAGLE-3 draft heads)."""
 
