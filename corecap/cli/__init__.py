@@ -17,9 +17,8 @@ import time
 
 import click
 
-from corecap import __version__
 from corecap.cli.options import (
-    _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with,
+    _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with, print_version,
 )
 from corecap.errors import CorecapError
 
@@ -40,17 +39,8 @@ def _log(message: str) -> None:
     click.echo(message, err=True)
 
 
-def _print_version(ctx: click.Context, _param, value: bool) -> None:
-    if not value or ctx.resilient_parsing:
-        return
-    from corecap._vllm.versions import version_lines
-
-    click.echo("\n".join(version_lines(__version__)))
-    ctx.exit()
-
-
 @click.group()
-@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=print_version,
               help="Show corecap's version and the vLLM and torch it runs on, and exit.")
 def main() -> None:
     """Capture an LLM's hidden states at chosen layers into a store (for EAGLE-3 draft heads)."""

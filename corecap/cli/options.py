@@ -165,3 +165,14 @@ def _template_kwargs(text: str | None) -> tuple:
         raise CorecapError(f"--chat-template-kwargs {text!r}: "
                            "expected a JSON object, e.g. '{\"enable_thinking\": false}'")
     return tuple(value.items())
+
+
+def print_version(ctx: click.Context, _param, value: bool) -> None:
+    """`corecap --version`: corecap's, and the vLLM and torch it runs on (corecap/_vllm/versions.py)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from corecap import __version__
+    from corecap._vllm.versions import version_lines
+
+    click.echo("\n".join(version_lines(__version__)))
+    ctx.exit()
