@@ -209,7 +209,10 @@ class _Capture:
                 self.budget.reserve(cost)
                 response = None
                 if max_tokens:
-                    response = Response(len(ids), max_tokens, plan.stop_rule, request_seed(self.cfg.engine.seed, key))
+                    response = Response(
+                        num_prompt=len(ids), max_tokens=max_tokens, rule=plan.stop_rule,
+                        seed=request_seed(self.cfg.engine.seed, key),
+                    )
                 block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
                 sink.expect(req_id, key, ids, mask, block_hashes, max_tokens, cost)
                 added += len(ids) + max_tokens
@@ -257,8 +260,9 @@ class _Capture:
 
         nnodes, address, port = self.cluster
         identity = self.plan.identity
-        plan = nodes.Plan(msgspec.to_builtins(self.cfg.engine), identity.path, identity.config_hash,
-                          identity.weights_fingerprint, list(self.plan.layers))
+        plan = nodes.Plan(options=msgspec.to_builtins(self.cfg.engine), model=identity.path,
+                          config_hash=identity.config_hash, weights_fingerprint=identity.weights_fingerprint,
+                          layers=list(self.plan.layers))
         self.nodes = nodes.Leader(nnodes, address, port, plan, (__version__, vllm_version()), self.cfg.stall_timeout,
                                   self.log)
 

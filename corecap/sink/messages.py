@@ -8,7 +8,7 @@ import msgspec
 from corecap.store.generated import Generation
 
 
-class Expect(msgspec.Struct, array_like=True, tag=1):
+class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     req_id: str
     key: str
     token_ids: bytes  # int32 LE

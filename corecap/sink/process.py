@@ -53,7 +53,7 @@ def copy_threads() -> int:
     return min(4, max(2, (os.cpu_count() or 2) // 4))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkSpec:
     store: str
     ipc_dir: str
@@ -89,8 +89,9 @@ class Sink:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
         self.released = Released()
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size, self.released, commit_delay)
+        spec = SinkSpec(store=store, ipc_dir=self.dir, codec=codec, nonfinite=nonfinite, num_threads=num_threads,
+                        buffer_bytes=buffer_bytes, parent_pid=os.getpid(), tcp_address=tcp_address,
+                        block_size=block_size, released=self.released, commit_delay=commit_delay)
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -130,8 +131,8 @@ class Sink:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
         adds to `released` once the sample is committed (corecap/sink/budget.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new,
-                          reserved))
+        self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
+                          block_hashes=block_hashes, max_new=max_new, reserved=reserved))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))

@@ -37,7 +37,7 @@ FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store
 KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
-class ModelIdentity(msgspec.Struct, frozen=True):
+class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     architecture: str
     config_hash: str  # blake2b of the canonical config.json
@@ -50,7 +50,7 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     quantization: str | None = None
 
 
-class StoreMeta(msgspec.Struct, frozen=True):
+class StoreMeta(msgspec.Struct, frozen=True, kw_only=True):
     format_version: int
     model: ModelIdentity
     layers: tuple[Layer, ...]
@@ -117,7 +117,7 @@ class Segment(msgspec.Struct, array_like=True, frozen=True):
     end: int
 
 
-class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
+class SampleHeader(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     id: str
     num_tokens: int
     layers: tuple[Layer, ...]

@@ -63,7 +63,7 @@ class Segment(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_tokens: int
 
 
-class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
+class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1, kw_only=True):
     version: int
     rank: int
     step: int
