@@ -4,7 +4,9 @@ RunConfig they make."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 
 import click
 
@@ -156,23 +158,6 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
     )
 
 
-def _serve_config(extra_args: list[str], options: dict):
-    """The frozen ServeConfig of `corecap serve`'s options."""
-    from corecap.config import EngineOptions, RunConfig, parse_layers
-    from corecap.serve.config import ServeConfig
-
-    engine = EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE_NAMES}, extra_args=tuple(extra_args))
-    layers = options["layers"]
-    run = RunConfig(data=None, store="", layers=parse_layers(layers) if layers is not None else None, engine=engine,
-                    buffer_bytes=None if options["buffer_gb"] is None else int(options["buffer_gb"] * 2**30),
-                    private_network=options["private_network"])
-    return ServeConfig(
-        run=run, host=options["host"], port=options["port"], api_key=options["api_key"],
-        served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],
-        hidden_states_path=options["hidden_states_path"], quota_bytes=int(options["hidden_states_quota_gb"] * 2**30),
-    )
-
-
 def _template_kwargs(text: str | None) -> tuple:
     if text is None:
         return ()
@@ -184,3 +169,28 @@ def _template_kwargs(text: str | None) -> tuple:
         raise CorecapError(f"--chat-template-kwargs {text!r}: "
                            "expected a JSON object, e.g. '{\"enable_thinking\": false}'")
     return tuple(value.items())
+
+
+def print_version(ctx: click.Context, _param, value: bool) -> None:
+    """`corecap --version`: corecap's, and the vLLM and torch it runs on (corecap/_vllm/versions.py)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from corecap import __version__
+    from corecap._vllm.versions import version_lines
+
+    click.echo("\n".join(version_lines(__version__)))
+    ctx.exit()
+
+
+def _one_line_errors(fn):
+    """A command whose CorecapError is printed as one line, `corecap: error: ...`, exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CorecapError as e:
+            click.echo(f"corecap: error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper

@@ -36,6 +36,15 @@ class DeliverSpec:
     fp8: bool = False
 
 
+def deliver(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> tuple[int, str]:
+    """`write_sample`, with a write that fails (a full disk) reported, not raised: it fails that
+    request, not the sink. Returns (bytes written, "") or (0, why)."""
+    try:
+        return write_sample(spec, name, token_ids, states), ""
+    except OSError as e:
+        return 0, f"{os.path.join(spec.directory, name)}: {e.strerror or e}"
+
+
 def write_sample(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> int:
     """Write one sample's file (`states`: the stored layers [L_stored, T, H]); its size in bytes."""
     from safetensors.torch import save_file

@@ -8,7 +8,7 @@ import msgspec
 from corecap.store.generated import Generation
 
 
-class Expect(msgspec.Struct, array_like=True, tag=1):
+class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     req_id: str
     key: str
     token_ids: bytes  # int32 LE
@@ -56,7 +56,7 @@ class Abort(msgspec.Struct, array_like=True, tag=3):
     pass
 
 
-class Done(msgspec.Struct, array_like=True, tag=4):
+class Done(msgspec.Struct, array_like=True, kw_only=True, tag=4):
     num_committed: int
     num_tokens: int
     nbytes: int

@@ -30,7 +30,7 @@ from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
-from corecap.sink.deliver import DeliverSpec, write_sample
+from corecap.sink.deliver import DeliverSpec, deliver
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
@@ -54,7 +54,7 @@ def copy_threads() -> int:
     return min(4, max(2, (os.cpu_count() or 2) // 4))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkSpec:
     store: str
     ipc_dir: str
@@ -80,9 +80,8 @@ class Sink:
     ):
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
         worker of an engine whose last pipeline stage is on another node ('' : none).
-        `block_size`: vLLM's block size when its prefix caching is on (0: off). `deliver`: write
-        each sample to the file its key names instead of a store (`store` is then unused), and
-        report each as `Delivered` (`take_delivered`); `layers`: the captured layers then."""
+        `block_size`: vLLM's block size when its prefix caching is on (0: off). `deliver`: each
+        sample to the file its key names, no store (corecap/sink/deliver.py), captured at `layers`."""
         self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
         self.tcp_address = tcp_address
@@ -94,8 +93,10 @@ class Sink:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
         self.released = Released()
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size, self.released, commit_delay, deliver, tuple(layers))
+        spec = SinkSpec(store=store, ipc_dir=self.dir, codec=codec, nonfinite=nonfinite, num_threads=num_threads,
+                        buffer_bytes=buffer_bytes, parent_pid=os.getpid(), tcp_address=tcp_address,
+                        block_size=block_size, released=self.released, commit_delay=commit_delay, deliver=deliver,
+                        layers=tuple(layers))
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -136,8 +137,8 @@ class Sink:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
         adds to `released` once the sample is committed (corecap/sink/budget.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new,
-                          reserved))
+        self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
+                          block_hashes=block_hashes, max_new=max_new, reserved=reserved))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
@@ -157,16 +158,14 @@ class Sink:
         if self.result is None and not self.proc.is_alive():
             raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
 
-    def _receive(self) -> None:
-        """One message from the sink: a file delivered, or its final status."""
+    def _receive(self) -> None:  # a file delivered, or the sink's final status
         msg = self.decoder.decode(self.status.recv())
         if isinstance(msg, Delivered):
             self.delivered.append(msg)
         else:
             self.result = msg
 
-    def take_delivered(self) -> list[Delivered]:
-        """The files written since the last call (with `deliver`), each `Delivered`."""
+    def take_delivered(self) -> list[Delivered]:  # the files written since the last call
         delivered, self.delivered = self.delivered, []
         return delivered
 
@@ -310,12 +309,8 @@ class _Loop:
                         prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
 
     def _deliver(self, p) -> None:
-        """A sample every position of which is here, to its file (`corecap serve`). A write that
-        fails (a full disk) fails that request, not the sink: the server says so to its client."""
-        try:
-            nbytes, error = write_sample(self.spec.deliver, p.key, p.token_ids, p.stored_states()), ""
-        except OSError as e:
-            nbytes, error = 0, f"{os.path.join(self.spec.deliver.directory, p.key)}: {e.strerror or e}"
+        """A sample every position of which is here, to its file (`corecap serve`)."""
+        nbytes, error = deliver(self.spec.deliver, p.key, p.token_ids, p.stored_states())
         self.buffers.give(p.states)
         self.released.add(p.reserved)
         self.notify(Delivered(p.key, nbytes, error))
@@ -335,15 +330,18 @@ class _Loop:
             if os.getppid() != self.spec.parent_pid:
                 self.aborting = True  # the driver is gone: keep what is complete
         if self.writer is None:  # delivering: every sample is written, and reported, by now
-            return Done(0, 0, 0, 0, len(self.collector.pending), [], [], [], [], [])
+            return Done(num_committed=0, num_tokens=0, nbytes=0, raw_bytes=0, flagged=[], chunks=[], commits=[],
+                        encodes=[], writes=[], num_incomplete=len(self.collector.pending))
         self.writer.close()
         w, c = self.writer, self.collector
         return Done(
-            w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
-            [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
-            [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, peak_rss(),
-            self.buffers.peak_bytes,
+            num_committed=w.num_committed, num_tokens=w.num_tokens, nbytes=w.nbytes, raw_bytes=w.raw_bytes,
+            num_incomplete=len(c.pending), flagged=w.flagged,
+            chunks=[dataclasses.asdict(t) for t in c.timings], commits=[dataclasses.asdict(t) for t in w.commits],
+            encodes=[{"start": a, "end": b} for a, b in w.encodes], writes=[dataclasses.asdict(t) for t in w.writes],
+            num_referring=c.num_referring, referred_bytes=w.referred_bytes, num_stored_whole=c.num_stored_whole,
+            num_streamed=c.num_streamed, rss_start=self.rss_start, rss_peak=peak_rss(),
+            buffers_peak=self.buffers.peak_bytes,
         )
 
     def _on_control(self, raw: bytes) -> None:
