@@ -47,7 +47,7 @@ ALIASES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineOptions:
     """vLLM engine arguments. None: what vLLM's own `LLM` class would use on this device."""
 
@@ -121,7 +121,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "frequency_penalty")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingOptions:
     """`max_tokens` > 0: the model writes each sample's response and corecap captures it in the
     same run (corecap/generation.py). 0: the given tokens only (prefill)."""
@@ -158,7 +158,7 @@ class SamplingOptions:
         return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     data: str | None = None  # None: the built-in demo dataset
     store: str = "corecap.lmdb"

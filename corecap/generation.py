@@ -51,7 +51,7 @@ class StopRule:
         return 2 * max(map(len, self.stop), default=0) + 4
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Response:
     """One request's response as its tokens are sampled (corecap/_vllm/engine.py feeds it)."""
 
@@ -110,8 +110,8 @@ class Responses:
         self.num_tokens += len(response.token_ids)
         self.reasons[response.finish_reason] = self.reasons.get(response.finish_reason, 0) + 1
         return Generation(
-            response.num_prompt, len(response.token_ids), response.finish_reason, response.stop_reason, response.seed,
-            settings,
+            num_prompt=response.num_prompt, num_generated=len(response.token_ids), finish_reason=response.finish_reason,
+            stop=response.stop_reason, seed=response.seed, sampling=settings,
         )
 
     def line(self) -> str:
@@ -144,7 +144,7 @@ def turn_key(key: str, index: int) -> str:
     return f"{key}/turn-{index + 1}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Turn:
     """One answer of a conversation whose every assistant turn the model rewrites."""
 
@@ -203,7 +203,10 @@ class Conversations:
                 self.num_cut += 1
                 return
             max_tokens = min(self.max_tokens, room)
-        self.ready.append(Turn(turn_key(conversation.key, k), ids, max_tokens, conversation, k, answers))
+        self.ready.append(Turn(
+            key=turn_key(conversation.key, k), token_ids=ids, max_tokens=max_tokens, conversation=conversation, index=k,
+            answers=answers,
+        ))
 
     def line(self) -> str:
         if not self.num_cut:

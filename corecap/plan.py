@@ -21,7 +21,7 @@ from corecap.sink.buffers import size_class
 from corecap.store import FORMAT_VERSION, FP8, LAYER_MEANING, Store, StoreMeta
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """What a run knows before its engine starts."""
 
@@ -92,8 +92,9 @@ def prepare(cfg: RunConfig, log) -> Plan:
         f"{resume.total - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
     return Plan(
-        cfg, model_dir, data_path, read, committed, dataset, resume.todo, vllm_config, layers, identity, devices,
-        settings, stop_rule, resume.total, sink_bytes,
+        cfg=cfg, model_dir=model_dir, data_path=data_path, read=read, committed=committed, dataset=dataset,
+        todo=resume.todo, vllm_config=vllm_config, layers=layers, identity=identity, devices=devices,
+        sampling=settings, stop_rule=stop_rule, total=resume.total, buffer_bytes=sink_bytes,
     )
 
 
@@ -141,7 +142,7 @@ def token_bytes(plan: Plan) -> int:
 
 def _token_bytes(cfg: RunConfig, identity, vllm_config, layers) -> int:
     from corecap._vllm import Engine
-    from corecap.store.codec import DTYPES
+    from corecap.dtypes import DTYPES
     from corecap.store.fp8rows import ROW_EXTRA
 
     hidden = identity.hidden_size

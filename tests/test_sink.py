@@ -19,8 +19,10 @@ LIVENESS = 60  # seconds: fails a hang, not a slow machine
 @pytest.fixture
 def sink(tmp_path):
     path = str(tmp_path / "store")
-    meta = StoreMeta(FORMAT_VERSION, ModelIdentity("/m", "L", "c", "w", 8, 16, 100), (2,), LAYER_MEANING, "float32", 16,
-                     "0", "0")
+    meta = StoreMeta(format_version=FORMAT_VERSION, model=ModelIdentity(
+        path="/m", architecture="L", config_hash="c", weights_fingerprint="w", num_layers=8, hidden_size=16,
+        vocab_size=100,
+    ), layers=(2,), layer_meaning=LAYER_MEANING, dtype="float32", hidden_size=16, corecap_version="0", vllm_version="0")
     Store.create_or_open(path, meta).close()
     s = Sink(path, "raw", "stop", 1, 1 << 20)
     yield s
@@ -57,8 +59,10 @@ def test_the_sink_holds_the_writer_lock_from_its_start(sink, tmp_path):
     import time
 
     store = str(tmp_path / "store")
-    meta = StoreMeta(FORMAT_VERSION, ModelIdentity("/m", "L", "c", "w", 8, 16, 100), (2,), LAYER_MEANING, "float32", 16,
-                     "0", "0")
+    meta = StoreMeta(format_version=FORMAT_VERSION, model=ModelIdentity(
+        path="/m", architecture="L", config_hash="c", weights_fingerprint="w", num_layers=8, hidden_size=16,
+        vocab_size=100,
+    ), layers=(2,), layer_meaning=LAYER_MEANING, dtype="float32", hidden_size=16, corecap_version="0", vllm_version="0")
     deadline = time.monotonic() + LIVENESS
     while time.monotonic() < deadline:
         try:

@@ -31,12 +31,16 @@ from corecap.transport import wire
 LAYERS = (1, 3, 5)
 HIDDEN = 8
 ROW = HIDDEN * 4  # float32
-IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
+IDENTITY = ModelIdentity(path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+                         num_layers=8, hidden_size=HIDDEN, vocab_size=100)
 
 
 @pytest.fixture
 def path(tmp_path) -> str:
-    meta = StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0", "0", "zstd-planes")
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec="zstd-planes",
+    )
     Store.create_or_open(str(tmp_path / "s"), meta).close()
     return str(tmp_path / "s")
 
@@ -47,8 +51,10 @@ def _chunk(step: int, parts: list[tuple[str, np.ndarray, int]], states: torch.Te
     token_ids = np.concatenate([ids for _, ids, _ in parts]).astype(np.int32)
     positions = np.concatenate([np.arange(start, start + len(ids)) for _, ids, start in parts]).astype(np.int32)
     states = states.contiguous()
-    header = wire.Chunk(wire.WIRE_VERSION, 0, step, "float32", LAYERS, HIDDEN, len(token_ids), segments,
-                        crcs=wire.checksums(segments, token_ids, positions, states))
+    header = wire.Chunk(
+        version=wire.WIRE_VERSION, rank=0, step=step, dtype="float32", layers=LAYERS, hidden_size=HIDDEN,
+        num_tokens=len(token_ids), segments=segments, crcs=wire.checksums(segments, token_ids, positions, states),
+    )
     return wire.DecodedChunk(header, token_ids, positions, states)
 
 
@@ -209,7 +215,10 @@ def test_fp8_rows_stream_into_the_stored_fp8_payload(tmp_path):
     """The workers' rows (codes, then a scale) of a streamed sample land as fp8's stored payload
     (codes [L, T, H], then scales [L, T]): the same header checksum and decoded states as the same
     rows held and encoded whole, chunks out of order and one as one-token segments."""
-    meta = StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0", "0", FP8)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=FP8,
+    )
     path = str(tmp_path / "fp8")
     Store.create_or_open(path, meta).close()
     states = torch.randn(len(LAYERS), 30, HIDDEN)
@@ -235,7 +244,10 @@ def test_fp8_rows_stream_into_the_stored_fp8_payload(tmp_path):
 
 
 def test_a_nan_row_in_streamed_fp8_stops_and_names_its_layer(tmp_path):
-    meta = StoreMeta(FORMAT_VERSION, IDENTITY, LAYERS, LAYER_MEANING, "float32", HIDDEN, "0", "0", FP8)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=IDENTITY, layers=LAYERS, layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=HIDDEN, corecap_version="0", vllm_version="0", codec=FP8,
+    )
     path = str(tmp_path / "fp8")
     Store.create_or_open(path, meta).close()
     states = torch.randn(len(LAYERS), 30, HIDDEN)

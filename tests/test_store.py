@@ -17,7 +17,8 @@ from corecap.store import (
     FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, decode_sample, encode_sample,
 )
 
-IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
+IDENTITY = ModelIdentity(path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+                         num_layers=8, hidden_size=16, vocab_size=100)
 
 
 def _meta(**changes) -> StoreMeta:
@@ -71,7 +72,10 @@ def test_reopen_with_different_meta_is_refused(tmp_path):
     Store.create_or_open(path, _meta()).close()
     with pytest.raises(CorecapError, match="store has dtype='bfloat16', this run has 'float32'"):
         Store.create_or_open(path, _meta(dtype="float32"))
-    other = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "x" * 32, 8, 16, 100)
+    other = ModelIdentity(
+        path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="x" * 32, num_layers=8,
+        hidden_size=16, vocab_size=100,
+    )
     with pytest.raises(CorecapError, match="another model"):
         Store.create_or_open(path, _meta(model=other))
 

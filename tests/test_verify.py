@@ -23,7 +23,8 @@ from corecap.store.verify import verify_store
 
 LAYERS = (0, 2, 8)
 HIDDEN = 16
-IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, HIDDEN, 100)
+IDENTITY = ModelIdentity(path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+                         num_layers=8, hidden_size=HIDDEN, vocab_size=100)
 
 
 def _meta(codec: str, format_version: int = FORMAT_VERSION) -> StoreMeta:

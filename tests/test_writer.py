@@ -18,12 +18,16 @@ from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.sink import writer
 from corecap.sink.writer import NonFiniteError, Writer, all_finite
 
-IDENTITY = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
+IDENTITY = ModelIdentity(path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+                         num_layers=8, hidden_size=16, vocab_size=100)
 
 
 @pytest.fixture(params=["raw"])
 def store(tmp_path, request):
-    meta = StoreMeta(FORMAT_VERSION, IDENTITY, (2, 8), LAYER_MEANING, "float32", 16, "0", "0", request.param)
+    meta = StoreMeta(
+        format_version=FORMAT_VERSION, model=IDENTITY, layers=(2, 8), layer_meaning=LAYER_MEANING, dtype="float32",
+        hidden_size=16, corecap_version="0", vllm_version="0", codec=request.param,
+    )
     Store.create_or_open(str(tmp_path / "s"), meta).close()
     with Store.open_for_writing(str(tmp_path / "s")) as s:
         yield s

@@ -24,8 +24,12 @@ from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, S
 
 
 def build(path: str, num_samples: int) -> None:
-    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, 8, 16, 100)
-    meta = StoreMeta(FORMAT_VERSION, identity, (2, 4, 8), LAYER_MEANING, "bfloat16", 16, "0", "0", "zstd-planes")
+    identity = ModelIdentity(
+        path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32, num_layers=8,
+        hidden_size=16, vocab_size=100,
+    )
+    meta = StoreMeta(format_version=FORMAT_VERSION, model=identity, layers=(2, 4, 8), layer_meaning=LAYER_MEANING,
+                     dtype="bfloat16", hidden_size=16, corecap_version="0", vllm_version="0", codec="zstd-planes")
     with Store.create_or_open(path, meta) as store:
         store.put_many([
             encode_sample(f"k{i:04d}", np.arange(8 + i % 50), torch.randn(3, 8 + i % 50, 16).bfloat16(), (2, 4, 8),

@@ -34,7 +34,7 @@ _PROBE_CONFIG = {
 _PROBE = "a config.json alone (2-layer Llama, no weights)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Report:
     dist: str
     version: str
@@ -101,14 +101,23 @@ def doctor(model: str | None = None, deep: bool = False, started: float | None =
     t1 = time.perf_counter()
     what = model or _PROBE
     if not deep:
-        return Report(dist, version, results, what, False, t1 - t0, 0.0, t1 - t0, companions)
+        return Report(
+            dist=dist, version=version, results=results, model=what, deep=False, source_s=t1 - t0, import_s=0.0,
+            total_s=t1 - t0, companions=companions,
+        )
     problem = versions.vllm_import_problem()
     t2 = time.perf_counter()
     if problem:
         failed = results + [contract.Result("import vllm", problem)]
-        return Report(dist, version, failed, what, True, t1 - t0, t2 - t1, t2 - t0, companions)
+        return Report(
+            dist=dist, version=version, results=failed, model=what, deep=True, source_s=t1 - t0, import_s=t2 - t1,
+            total_s=t2 - t0, companions=companions,
+        )
     results = results + _live_results(source, model)
-    return Report(dist, version, results, what, True, t1 - t0, t2 - t1, time.perf_counter() - t0, companions)
+    return Report(
+        dist=dist, version=version, results=results, model=what, deep=True, source_s=t1 - t0, import_s=t2 - t1,
+        total_s=time.perf_counter() - t0, companions=companions,
+    )
 
 
 def _live_results(source: Source, model: str | None) -> list:

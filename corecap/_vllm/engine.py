@@ -31,7 +31,7 @@ STEPS_IN_FLIGHT = 2
 _DEAD_WORKER_GRACE_S = 10  # how long a failed step waits for vLLM's monitor to name a dead worker
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CaptureSpec:
     """What every worker's capture is told (corecap/_vllm/worker.py, `corecap_install`)."""
 
@@ -48,7 +48,7 @@ class CaptureSpec:
     fp8: bool = False  # `--store-dtype fp8`: the sending rank quantises each step (corecap/store/fp8rows.py)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepTiming:
     """Wall-clock phases of one engine step (time.time() seconds)."""
 

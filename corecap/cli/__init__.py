@@ -8,7 +8,6 @@ status 2; nothing already in a store is touched by a failed command.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -17,23 +16,12 @@ import time
 
 import click
 
-from corecap import __version__
 from corecap.cli.options import (
-    _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with,
+    _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _one_line_errors, _run_config,
+    _with, print_version,
 )
+from corecap.cli.serve import serve
 from corecap.errors import CorecapError
-
-
-def _one_line_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CorecapError as e:
-            click.echo(f"corecap: error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
 
 
 def _log(message: str) -> None:
@@ -41,7 +29,8 @@ def _log(message: str) -> None:
 
 
 @click.group()
-@click.version_option(__version__, prog_name="corecap")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=print_version,
+              help="Show corecap's version and the vLLM and torch it runs on, and exit.")
 def main() -> None:
     """Capture an LLM's hidden states at chosen layers into a store (for EAGLE-3 draft heads)."""
 
@@ -109,6 +98,7 @@ def run(ctx, store, verbose, **options) -> None:
         raise CorecapError(f"{error}; no store was made (this run's log: {runlog.path})")
     if error is not None:
         raise CorecapError(f"{error} (the traceback is in {runlog.path})" if internal else error)
+
 
 
 @main.command()
@@ -396,3 +386,5 @@ def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
         plot(record, plot_path, title=title)
         click.echo(f"wrote {plot_path}")
 
+
+main.add_command(serve)

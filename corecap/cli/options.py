@@ -4,7 +4,9 @@ RunConfig they make."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 
 import click
 
@@ -48,12 +50,14 @@ _ENGINE_OPTIONS = (
                       "filled in on the device (default: vLLM's, on with a GPU; off with pipeline parallelism or "
                       "across nodes)."),
 )
+_LAYERS_OPTION = click.option(
+    "--layers", type=str, default=None,
+    help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N,prenorm).")
 _CAPTURE_OPTIONS = (
     click.option("--data", type=str, default=None,
                  help="JSON Lines, JSON array or Parquet file of input_ids, text, messages or conversations "
                       "(default: the built-in demo dataset)."),
-    click.option("--layers", type=str, default=None,
-                 help="Comma-separated HF hidden_states indices and 'prenorm' (default: 2,N//2,N-3,N,prenorm)."),
+    _LAYERS_OPTION,
     click.option("--codec", type=click.Choice(["zstd-planes", "raw"]), default=None,
                  help="Lossless codec for stored states (default: zstd-planes)."),
     click.option("--store-dtype", type=click.Choice(["auto", "fp8"]), default="auto", show_default=True,
@@ -165,3 +169,28 @@ def _template_kwargs(text: str | None) -> tuple:
         raise CorecapError(f"--chat-template-kwargs {text!r}: "
                            "expected a JSON object, e.g. '{\"enable_thinking\": false}'")
     return tuple(value.items())
+
+
+def print_version(ctx: click.Context, _param, value: bool) -> None:
+    """`corecap --version`: corecap's, and the vLLM and torch it runs on (corecap/_vllm/versions.py)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from corecap import __version__
+    from corecap._vllm.versions import version_lines
+
+    click.echo("\n".join(version_lines(__version__)))
+    ctx.exit()
+
+
+def _one_line_errors(fn):
+    """A command whose CorecapError is printed as one line, `corecap: error: ...`, exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CorecapError as e:
+            click.echo(f"corecap: error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper

@@ -54,7 +54,7 @@ class Sample:
     points: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DatasetSummary:
     num_samples: int  # samples this run captures (whole or truncated)
     num_tokens: int  # their tokens, after truncation

@@ -59,7 +59,7 @@ MANIFEST = "corecap_manifest.jsonl"
 INFO = "corecap_export.json"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportSummary:
     out: str
     plan: ExportPlan
@@ -294,9 +294,9 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     for directory in layout.dirs():
         fsync_dir(directory)
     return ExportSummary(
-        out, plan, layout.num_rows, counts["tokens"], counts["kept"], counts["no_mask"], counts["nonfinite"],
-        counts["ineligible"],
-        counts["nbytes"], time.monotonic() - start,
+        out=out, plan=plan, num_samples=layout.num_rows, num_tokens=counts["tokens"], num_kept=counts["kept"],
+        num_no_mask=counts["no_mask"], num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
+        nbytes=counts["nbytes"], seconds=time.monotonic() - start,
     )
 
 

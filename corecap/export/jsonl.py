@@ -42,7 +42,7 @@ from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, prefixed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JsonlSummary:
     out: str
     num_samples: int
@@ -140,8 +140,10 @@ def _write(txn, store: Store, f, out: str, keys, num_rows: int, tokenizer, progr
         os.fsync(f.fileno())
     finally:
         progress.close()
-    return JsonlSummary(out, num_rows, num_tokens, num_generated, num_unknown, os.fstat(f.fileno()).st_size,
-                        time.monotonic() - start)
+    return JsonlSummary(
+        out=out, num_samples=num_rows, num_tokens=num_tokens, num_generated=num_generated, num_unknown=num_unknown,
+        nbytes=os.fstat(f.fileno()).st_size, seconds=time.monotonic() - start,
+    )
 
 
 def sample_line(key: str, header: SampleHeader, ids: np.ndarray, tokenizer) -> dict:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from corecap.config import PRENORM, Layer, parse_layers
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.export.formats import FORMATS, LAYOUTS
 from corecap.export.layers import run_flag
-from corecap.store.codec import DTYPES
 from corecap.store.format import FP8 as FP8_CODEC
 from corecap.store.format import StoreMeta
 
@@ -23,7 +23,7 @@ FP8 = "fp8"  # --dtype fp8: speculators' per-token fp8 files (corecap/export/fp8
 EXPORT_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}  # what a layout's write() is given
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportPlan:
     fmt: str
     aux_layers: tuple[int, ...]
@@ -90,7 +90,8 @@ def plan_export(meta: StoreMeta, path: str, fmt: str, aux_layers: str | None = N
         notes.append(f"warning: the store holds lossy fp8 states ({FP8_CODEC}): "
                      "exported dequantized, not the captured values")
     positions = tuple(stored.index(k) for k in aux + plan_finals(final))
-    return ExportPlan(fmt, aux, final, positions, dtype, tuple(notes), meta.hidden_size, meta.model.path)
+    return ExportPlan(fmt=fmt, aux_layers=aux, final_layer=final, positions=positions, dtype=dtype, notes=tuple(notes),
+                      hidden_size=meta.hidden_size, model_path=meta.model.path)
 
 
 def plan_finals(final: Layer | None) -> tuple[Layer, ...]:

@@ -29,13 +29,14 @@ import torch
 from corecap.errors import CorecapError
 from corecap.sink import stream
 from corecap.sink.buffers import BufferPool
-from corecap.sink.prefix_cache import Producer, StatesCache, completed_blocks
+from corecap.sink.prefix_cache import Producer, StatesCache
 from corecap.store import refs
 from corecap.store.spill import SpillFile
 from corecap.transport import wire
+from corecap.transport.prefix_blocks import completed_blocks
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Pending:
     key: str
     token_ids: np.ndarray
@@ -79,7 +80,7 @@ class _Pending:
         return self.states if self.states.shape[1] == len(self.token_ids) else self.states[:, : len(self.token_ids)]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ChunkTiming:
     step: int
     num_tokens: int
@@ -137,7 +138,7 @@ class Collector:
         the driver's bytes for it, handed back with it (`_Pending.reserved`)."""
         capacity = len(token_ids) + max_new
         self.pending[req_id] = _Pending(
-            key, token_ids, loss_mask, covered=np.zeros(capacity, bool),
+            key=key, token_ids=token_ids, loss_mask=loss_mask, covered=np.zeros(capacity, bool),
             block_hashes=None if block_hashes is None else list(block_hashes),
             producer=Producer(key, len(token_ids)) if self.block_size else None,
             capacity=capacity, received=np.zeros(capacity, np.int32) if max_new else None, final=not max_new,
@@ -355,8 +356,10 @@ class Collector:
                 for i in completed_blocks(start, start + n, self.block_size, len(p.block_hashes or ())):
                     served += self._produce(p, i)
         self._complete([r[0] for r in runs] + served)
-        self.timings.append(ChunkTiming(h.step, h.num_tokens, msg.states.nbytes, h.t_copy, h.t_ready, t_recv,
-                                        time.time()))
+        self.timings.append(ChunkTiming(
+            step=h.step, num_tokens=h.num_tokens, nbytes=msg.states.nbytes, t_copy=h.t_copy, t_ready=h.t_ready,
+            t_recv=t_recv, t_done=time.time(),
+        ))
 
 
 def _copy_runs(task: tuple) -> None:

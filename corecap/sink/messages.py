@@ -8,7 +8,7 @@ import msgspec
 from corecap.store.generated import Generation
 
 
-class Expect(msgspec.Struct, array_like=True, tag=1):
+class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     req_id: str
     key: str
     token_ids: bytes  # int32 LE
@@ -56,7 +56,7 @@ class Abort(msgspec.Struct, array_like=True, tag=3):
     pass
 
 
-class Done(msgspec.Struct, array_like=True, tag=4):
+class Done(msgspec.Struct, array_like=True, kw_only=True, tag=4):
     num_committed: int
     num_tokens: int
     nbytes: int
@@ -76,10 +76,18 @@ class Done(msgspec.Struct, array_like=True, tag=4):
     buffers_peak: int = 0  # the most its buffers for states held at once (BufferPool.peak_bytes)
 
 
+class Delivered(msgspec.Struct, array_like=True, tag=10):
+    """A sample written to its file (`corecap serve`: corecap/sink/deliver.py), or why not."""
+
+    req_id: str
+    nbytes: int
+    error: str = ""
+
+
 class Failed(msgspec.Struct, array_like=True, tag=5):
     message: str
     num_committed: int
 
 
 Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated
-Status = Done | Failed
+Status = Done | Failed | Delivered

@@ -10,7 +10,7 @@ producer is handed on. So the cache copies nothing and holds no states of its ow
 shows its producer's block (a view) only while the producer is pending (`release`).
 
 Who decides what is kept: the driver (corecap/_vllm/prefix_tracker.py). Both sides apply one rule to the
-same steps: a block is *produced* when a step computes its last position (`completed_blocks`;
+same steps: a block is *produced* when a step computes its last position (corecap/transport/prefix_blocks.py;
 that is when vLLM caches it). The driver counts productions per hash, for at most
 `--prefix-blocks` hashes, dropping the least recently used, evicting them from vLLM's prefix
 cache first, and sends `drop(hash, count)` with the number of productions it saw. A hit can only
@@ -31,12 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from corecap.store import refs
-
-
-def completed_blocks(start: int, end: int, block_size: int, num_hashes: int) -> range:
-    """The full blocks whose last position lies in [start, end): the blocks a step that computes
-    those positions completes (vLLM caches each, under its hash, in that step)."""
-    return range(start // block_size, min(end // block_size, num_hashes))
 
 
 @dataclass(eq=False)

@@ -30,9 +30,10 @@ from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
+from corecap.sink.deliver import DeliverSpec, deliver
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
-    Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
+    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
 from corecap.store.generated import Generation
 from corecap.transport import ring, wire
@@ -52,7 +53,7 @@ def copy_threads() -> int:
     return min(4, max(2, (os.cpu_count() or 2) // 4))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SinkSpec:
     store: str
     ipc_dir: str
@@ -65,6 +66,8 @@ class SinkSpec:
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
     released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
     commit_delay: float = 0.0  # config.TestHooks
+    deliver: DeliverSpec | None = None  # `corecap serve`: each sample to a file of its own, no store
+    layers: tuple = ()  # the captured layers, with `deliver` (a store's metadata names them otherwise)
 
 
 class Sink:
@@ -72,11 +75,12 @@ class Sink:
 
     def __init__(
         self, store: str, codec: str, nonfinite: str, num_threads: int, buffer_bytes: int, tcp_address: str = "",
-        block_size: int = 0, commit_delay: float = 0.0,
+        block_size: int = 0, commit_delay: float = 0.0, deliver: DeliverSpec | None = None, layers: tuple = (),
     ):
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
         worker of an engine whose last pipeline stage is on another node ('' : none).
-        `block_size`: vLLM's block size when its prefix caching is on (0: off)."""
+        `block_size`: vLLM's block size when its prefix caching is on (0: off). `deliver`: each
+        sample to the file its key names, no store (corecap/sink/deliver.py), captured at `layers`."""
         self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
         self.tcp_address = tcp_address
@@ -88,12 +92,15 @@ class Sink:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Status)
         self.released = Released()
-        spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size, self.released, commit_delay)
+        spec = SinkSpec(store=store, ipc_dir=self.dir, codec=codec, nonfinite=nonfinite, num_threads=num_threads,
+                        buffer_bytes=buffer_bytes, parent_pid=os.getpid(), tcp_address=tcp_address,
+                        block_size=block_size, released=self.released, commit_delay=commit_delay, deliver=deliver,
+                        layers=tuple(layers))
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
-        self.result: Status | None = None
+        self.result: Done | Failed | None = None
+        self.delivered: list[Delivered] = []  # reported, not yet taken
         self._watching = threading.Event()
 
     def watch(self, on_death: Callable[[str], None]) -> None:
@@ -117,7 +124,7 @@ class Sink:
     def failure(self) -> str:
         """Why the sink is gone: its own one-line report, or its exit code."""
         if self.result is None and self.status.poll(1000):
-            self.result = self.decoder.decode(self.status.recv())
+            self._receive()
         if isinstance(self.result, Failed):
             return self.result.message
         return f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})"
@@ -129,8 +136,8 @@ class Sink:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
         adds to `released` once the sample is committed (corecap/sink/budget.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
-        self._send(Expect(req_id, key, np.asarray(token_ids, "<i4").tobytes(), mask, block_hashes, max_new,
-                          reserved))
+        self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
+                          block_hashes=block_hashes, max_new=max_new, reserved=reserved))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
@@ -143,12 +150,23 @@ class Sink:
 
     def check(self) -> None:
         """Raise if the sink failed or died (cheap; call once per step)."""
-        if self.result is None and self.status.poll(0):
-            self.result = self.decoder.decode(self.status.recv())
+        while self.result is None and self.status.poll(0):
+            self._receive()
         if isinstance(self.result, Failed):
             raise CorecapError(self.result.message)
         if self.result is None and not self.proc.is_alive():
             raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
+
+    def _receive(self) -> None:  # a file delivered, or the sink's final status
+        msg = self.decoder.decode(self.status.recv())
+        if isinstance(msg, Delivered):
+            self.delivered.append(msg)
+        else:
+            self.result = msg
+
+    def take_delivered(self) -> list[Delivered]:  # the files written since the last call
+        delivered, self.delivered = self.delivered, []
+        return delivered
 
     def finish(self, timeout: float, problem) -> Done:
         """Wait until every expected sample is committed; fail on a dead worker, sink or timeout."""
@@ -181,8 +199,8 @@ class Sink:
         deadline = time.monotonic() + timeout
         while self.result is None:
             if self.status.poll(50):
-                self.result = self.decoder.decode(self.status.recv())
-                break
+                self._receive()
+                continue
             if not self.proc.is_alive():
                 raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
             message = problem()
@@ -221,6 +239,7 @@ def main(spec: SinkSpec) -> None:
     loop = None
     try:
         loop = _Loop(ctx, spec)
+        loop.notify = lambda msg: status.send(encoder.encode(msg))
         status.send(encoder.encode(loop.serve()))
     except BaseException as e:
         message = str(e) if isinstance(e, CorecapError) else f"the sink failed: {e!r}"
@@ -257,19 +276,23 @@ class _Loop:
         self.rings = ring.RingReader()
         self.writer = None
         self.collector = None
+        self.notify: Callable[[Delivered], None] = lambda msg: None  # main() sends them to the driver
+        self.buffers = BufferPool(spec.buffer_bytes)
+        self.released = spec.released or Released()
+        self.decoder = msgspec.msgpack.Decoder(Control)
+        self.finishing = self.aborting = False
+        self.rss_start = rss()
+        if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
+            self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
+            return
         store = Store.open_for_writing(spec.store)
         # The store's one-writer lock now, before the engine starts (and every run's start checks
         # it, Store.create_or_open): a second run on this store is refused before it loads a model.
         store.append([])
-        self.buffers = BufferPool(spec.buffer_bytes)
         self.writer = Writer(store, codec=spec.codec, nonfinite=spec.nonfinite, num_threads=spec.num_threads,
                              buffer_bytes=spec.buffer_bytes, ledger=self.buffers, commit_delay=spec.commit_delay)
-        self.released = spec.released or Released()
         self.collector = Collector(store.meta.layers, self._complete, self.buffers, copy_threads(), spec.block_size,
                                    spec.store, spec.buffer_bytes)
-        self.decoder = msgspec.msgpack.Decoder(Control)
-        self.finishing = self.aborting = False
-        self.rss_start = rss()
 
     def _complete(self, p) -> None:
         """A sample every position of which is here, to the writer: held, or streamed to disk."""
@@ -284,6 +307,13 @@ class _Loop:
         self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
                         prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
 
+    def _deliver(self, p) -> None:
+        """A sample every position of which is here, to its file (`corecap serve`)."""
+        nbytes, error = deliver(self.spec.deliver, p.key, p.token_ids, p.stored_states())
+        self.buffers.give(p.states)
+        self.released.add(p.reserved)
+        self.notify(Delivered(p.key, nbytes, error))
+
     def serve(self) -> Done:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
@@ -294,17 +324,23 @@ class _Loop:
                 self._on_control(self.control.recv())
             if self.data in events and not self.aborting:
                 self._on_chunk(self.data.recv_multipart(copy=False))
-            self.writer.raise_if_failed()
+            if self.writer is not None:
+                self.writer.raise_if_failed()
             if os.getppid() != self.spec.parent_pid:
                 self.aborting = True  # the driver is gone: keep what is complete
+        if self.writer is None:  # delivering: every sample is written, and reported, by now
+            return Done(num_committed=0, num_tokens=0, nbytes=0, raw_bytes=0, flagged=[], chunks=[], commits=[],
+                        encodes=[], writes=[], num_incomplete=len(self.collector.pending))
         self.writer.close()
         w, c = self.writer, self.collector
         return Done(
-            w.num_committed, w.num_tokens, w.nbytes, w.raw_bytes, len(c.pending), w.flagged,
-            [dataclasses.asdict(t) for t in c.timings], [dataclasses.asdict(t) for t in w.commits],
-            [{"start": a, "end": b} for a, b in w.encodes], [dataclasses.asdict(t) for t in w.writes],
-            c.num_referring, w.referred_bytes, c.num_stored_whole, c.num_streamed, self.rss_start, peak_rss(),
-            self.buffers.peak_bytes,
+            num_committed=w.num_committed, num_tokens=w.num_tokens, nbytes=w.nbytes, raw_bytes=w.raw_bytes,
+            num_incomplete=len(c.pending), flagged=w.flagged,
+            chunks=[dataclasses.asdict(t) for t in c.timings], commits=[dataclasses.asdict(t) for t in w.commits],
+            encodes=[{"start": a, "end": b} for a, b in w.encodes], writes=[dataclasses.asdict(t) for t in w.writes],
+            num_referring=c.num_referring, referred_bytes=w.referred_bytes, num_stored_whole=c.num_stored_whole,
+            num_streamed=c.num_streamed, rss_start=self.rss_start, rss_peak=peak_rss(),
+            buffers_peak=self.buffers.peak_bytes,
         )
 
     def _on_control(self, raw: bytes) -> None:

@@ -23,19 +23,40 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from corecap.dtypes import DTYPES, crc32
 from corecap.errors import CorecapError
 from corecap.sink import memory
 from corecap.store import FP8, Record, Store, encode_sample, fp8rows
-from corecap.store.codec import DTYPES, crc32
 from corecap.store.format import spilled_record
 from corecap.store.fp8 import NonFiniteStates
 from corecap.store.spill import SpillFile
 
 _DONE = object()
+
+
+class _Queued(NamedTuple):
+    """A sample on its way to the write thread: its encoding (a future) and what its commit settles."""
+
+    encoded: object  # Future of (Record, bytes it holds of --buffer-gb)
+    num_tokens: int
+    raw_bytes: int  # its states' size before the codec
+    after_commit: list  # callables to run once it is committed
+
+
+class _Written(NamedTuple):
+    """A batch written to the state files, on its way to the commit thread."""
+
+    appended: object  # Store.append's result, for Store.commit
+    num_tokens: int
+    raw_bytes: int
+    referred_bytes: int  # raw states that references stand for (stored once, not written)
+    held: int  # bytes of --buffer-gb the batch held, given back at its commit
+    releases: list  # callables to run once it is committed
 _LOW_SPACE = 64 << 20  # a failed write with less free space than one commit batch: disk full
 _PIECE_BYTES = 8 << 20  # a long sample's spill file is read back this much at a time, at most
 # Codecs whose encoded bytes never view the states (zstd-planes splits them into byte planes first:
@@ -131,7 +152,7 @@ class Writer:
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation,
                                   functools.partial(release, states) if early else None)
         after = [functools.partial(release, states)] if release is not None and not early else []
-        self.queue.put((future, len(token_ids), raw, after + ([committed] if committed else [])))
+        self.queue.put(_Queued(future, len(token_ids), raw, after + ([committed] if committed else [])))
 
     def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
                     committed=None) -> None:
@@ -141,7 +162,7 @@ class Writer:
         once it is committed."""
         self.raise_if_failed()
         future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
-        self.queue.put((future, len(token_ids), spill.nbytes, [committed] if committed else []))
+        self.queue.put(_Queued(future, len(token_ids), spill.nbytes, [committed] if committed else []))
 
     def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> tuple[Record, int]:
         start = time.time()
@@ -266,7 +287,7 @@ class Writer:
                     start = time.time()
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
-                    self.written.put((appended, tokens, raw, referred, held, releases))
+                    self.written.put(_Written(appended, tokens, raw, referred, held, releases))
         except BaseException as e:
             self._fail(e)
         finally:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.store import codec as codecs
-from corecap.store.codec import DTYPES
 from corecap.store.format import (
     FP8, KNOWN_CODECS, MAX_KEY_BYTES, SampleHeader, StoreMeta, codecs_may_mix, decode_header, header_crc,
     input_fingerprint,

@@ -33,19 +33,11 @@ import struct
 import threading
 
 import numpy as np
-import torch
 import zstandard
 
-try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, "Figures the code cites")
-    from zlib_ng.zlib_ng import crc32
-except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
-    from zlib import crc32
+from corecap.dtypes import ITEMSIZE, crc32
 
 CODECS = ("raw", "zstd-planes")  # the default is corecap.config.DEFAULT_CODEC
-# The dtypes states are captured, sent and stored in, by name (the store's and the wire's).
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 _MAGIC = b"CZP1"
 _HEAD = struct.Struct("<4sBBHQI")  # magic, itemsize, num_planes, reserved, nbytes, crc32

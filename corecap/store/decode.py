@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.store import codec as codecs, fp8
 from corecap.store.checks import check_stored, stored_bytes
-from corecap.store.codec import DTYPES
 from corecap.store.format import FP8, Sample, SampleHeader, decode_header
 
 

@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 import torch
 
+from corecap.dtypes import DTYPES
 from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
 from corecap.store import codec as codecs, fp8, fp8rows
-from corecap.store.codec import DTYPES
 from corecap.store.generated import Generation
 from corecap.store.record import Record
 
@@ -37,7 +37,7 @@ FP8 = FP8_CODEC  # opt-in lossy storage (`--store-dtype fp8`): see corecap/store
 KNOWN_CODECS = (*codecs.CODECS, FP8)
 
 
-class ModelIdentity(msgspec.Struct, frozen=True):
+class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     architecture: str
     config_hash: str  # blake2b of the canonical config.json
@@ -50,7 +50,7 @@ class ModelIdentity(msgspec.Struct, frozen=True):
     quantization: str | None = None
 
 
-class StoreMeta(msgspec.Struct, frozen=True):
+class StoreMeta(msgspec.Struct, frozen=True, kw_only=True):
     format_version: int
     model: ModelIdentity
     layers: tuple[Layer, ...]
@@ -117,7 +117,7 @@ class Segment(msgspec.Struct, array_like=True, frozen=True):
     end: int
 
 
-class SampleHeader(msgspec.Struct, array_like=True, frozen=True):
+class SampleHeader(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     id: str
     num_tokens: int
     layers: tuple[Layer, ...]
@@ -191,7 +191,7 @@ def encode_sample(
     n = prefix[-1].end if prefix else 0
     states = (states[:, n:] if n and states.shape[1] == len(ids) else states).contiguous()
     rows = states.dtype == torch.uint8
-    assert not rows or (codec == FP8 and dtype in codecs.DTYPES), (codec, dtype)
+    assert not rows or (codec == FP8 and dtype in DTYPES), (codec, dtype)
     dtype = dtype if rows else str(states.dtype).removeprefix("torch.")
     raw = states.view(torch.uint8).numpy() if states.numel() else np.empty(0, np.uint8)
     if codec == FP8:

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from corecap.store.codec import ITEMSIZE
+from corecap.dtypes import FP8_ROW_EXTRA, ITEMSIZE
 from corecap.store.fp8 import _MAGNITUDES, FP8_MAX, FP8_MIN_SCALE, NonFiniteStates
 
-ROW_EXTRA = 4  # bytes after a row's H codes: its float32 scale, little-endian
+ROW_EXTRA = FP8_ROW_EXTRA  # bytes after a row's H codes: its float32 scale, little-endian
 
 
 def quantize_fp8_rows(layers: Sequence[torch.Tensor], num_tokens: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 
-class Generation(msgspec.Struct, array_like=True, frozen=True):
+class Generation(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     num_prompt: int  # the sample's first num_prompt tokens are the prompt, the rest the response
     num_generated: int
     finish_reason: str  # "eos" (stored), "stop" (a stop string), "length"

@@ -49,7 +49,7 @@ IGNORED_FIELDS = ("corecap_version", "vllm_version", "format_version", "model.pa
 _BATCH_BYTES = 256 << 20  # states read before they are written out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergeSummary:
     store: str
     num_inputs: int
@@ -264,7 +264,8 @@ def merge_stores(out_path: str, in_paths) -> MergeSummary:
             if not out_exists:
                 _remove_new_store(out_path, made_dir)
             raise
-    return MergeSummary(out_path, len(inputs), num_copied, num_duplicates, num_samples, nbytes)
+    return MergeSummary(store=out_path, num_inputs=len(inputs), num_copied=num_copied, num_duplicates=num_duplicates,
+                        num_samples=num_samples, nbytes=nbytes)
 
 
 def put_all(

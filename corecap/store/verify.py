@@ -42,7 +42,7 @@ from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, lmdb_errors, lmdb_message, prefixed
 
 
-@dataclass
+@dataclass(kw_only=True)
 class VerifyReport:
     store: str
     num_samples: int = 0
@@ -78,7 +78,7 @@ def verify_store(
 
     Raises CorecapError when `path` is not a readable corecap store at all."""
     store = Store.open(path)
-    report = VerifyReport(store.path)
+    report = VerifyReport(store=store.path)
     num_threads = num_threads or default_threads()
     pending: deque = deque()  # (key, its problems or the future of them), in key order
     referrers: dict[str, list[str]] = {}  # key → the samples its prefix comes from

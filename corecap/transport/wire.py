@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from corecap.config import Layer
-from corecap.store.codec import DTYPE_NAMES, DTYPES, crc32
-from corecap.store.fp8rows import ROW_EXTRA
+from corecap.dtypes import DTYPE_NAMES, DTYPES, FP8_ROW_EXTRA, crc32
 
 WIRE_VERSION = 5  # 3: CRC-32s of every part; a layer may be "prenorm". 4: fp8 rows. 5: a CRC a layer for many segments
 
@@ -64,7 +63,7 @@ class Segment(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_tokens: int
 
 
-class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1):
+class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=1, kw_only=True):
     version: int
     rank: int
     step: int
@@ -212,7 +211,7 @@ def decode(frames: list, ring=None, check_states: bool = False) -> DecodedChunk 
         raise WireError(f"{len(msg.crcs)} checksums, expected {2 + num_runs}")
     sizes = [memoryview(f).nbytes for f in frames[1:]]
     if msg.fp8:  # the rows' bytes, as uint8
-        dtype, hidden = torch.uint8, hidden + ROW_EXTRA
+        dtype, hidden = torch.uint8, hidden + FP8_ROW_EXTRA
     states_bytes = num_layers * num_tokens * hidden * dtype.itemsize
     expected = [4 * num_tokens, 4 * num_tokens, 0 if msg.ring else states_bytes]
     if sizes != expected:

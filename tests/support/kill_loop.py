@@ -350,7 +350,7 @@ class Timing:
     total: float  # start → exit
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     name: str
     phase: str | None  # None: a run left to finish
@@ -479,10 +479,10 @@ def _finish(run: Run, phase: str | None, killed: bool, before: int) -> Outcome:
     }
     Run.unrecorded |= young
     Run.left_behind = set(stale) | {path for path, _ in leaked} - young
-    return Outcome(
-        run.name, phase, killed, round(at, 2), rc, before, after, problems, leftovers, tail,
-        store_error, len(leaked), sum(size for _, size in leaked), stale if under_way else [], len(young),
-    )
+    return Outcome(name=run.name, phase=phase, killed=killed, at=round(at, 2), returncode=rc, committed_before=before,
+                   committed_after=after, verify_problems=problems, leftover_processes=leftovers, stderr_tail=tail,
+                   store_error=store_error, leaked_shm=len(leaked), leaked_shm_bytes=sum(size for _, size in leaked),
+                   stale_shm=stale if under_way else [], unrecorded_shm=len(young))
 
 
 @dataclass
@@ -529,7 +529,7 @@ def kill_loop(cmd: RunCommand, num_kills: int, seed: int, timing: Timing, refere
     return result
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Comparison:
     num_reference: int
     num_compared: int

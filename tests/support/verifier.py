@@ -42,8 +42,10 @@ def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.floa
     values it gets instead (to build deliberately wrong stores)."""
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
-    identity = ModelIdentity(verifier, "LlamaForCausalLM", "c" * 32, "w" * 32, VERIFIER_LAYERS, VERIFIER_HIDDEN,
-                             VERIFIER_VOCAB)
+    identity = ModelIdentity(
+        path=verifier, architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+        num_layers=VERIFIER_LAYERS, hidden_size=VERIFIER_HIDDEN, vocab_size=VERIFIER_VOCAB,
+    )
     meta = StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=tuple(layers), layer_meaning=LAYER_MEANING,
         dtype=str(dtype).removeprefix("torch."), hidden_size=VERIFIER_HIDDEN, corecap_version="test",

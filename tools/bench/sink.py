@@ -155,8 +155,10 @@ def chunk(step: torch.Tensor) -> wire.DecodedChunk:
     """One worker chunk holding SAMPLES whole samples of SAMPLE tokens."""
     segments = tuple(wire.Segment(str(i), SAMPLE) for i in range(SAMPLES))
     positions = np.tile(np.arange(SAMPLE, dtype=np.int32), SAMPLES)
-    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, SAMPLES * SAMPLE, segments,
-                        crcs=wire.checksums(segments, positions, positions, step))
+    header = wire.Chunk(
+        version=wire.WIRE_VERSION, rank=0, step=0, dtype="bfloat16", layers=LAYER_IDS, hidden_size=HIDDEN,
+        num_tokens=SAMPLES * SAMPLE, segments=segments, crcs=wire.checksums(segments, positions, positions, step),
+    )
     return wire.DecodedChunk(header, positions.copy(), positions, step)
 
 
@@ -198,8 +200,10 @@ def decode_chunk(num_requests: int, position: int) -> wire.DecodedChunk:
     states = torch.randn(LAYERS, num_requests, HIDDEN).bfloat16()
     ids = np.full(num_requests, 7, dtype=np.int32)
     positions = np.full(num_requests, position, dtype=np.int32)
-    header = wire.Chunk(wire.WIRE_VERSION, 0, 0, "bfloat16", LAYER_IDS, HIDDEN, num_requests, segments,
-                        crcs=wire.checksums(segments, ids, positions, states))
+    header = wire.Chunk(
+        version=wire.WIRE_VERSION, rank=0, step=0, dtype="bfloat16", layers=LAYER_IDS, hidden_size=HIDDEN,
+        num_tokens=num_requests, segments=segments, crcs=wire.checksums(segments, ids, positions, states),
+    )
     return wire.DecodedChunk(header, ids, positions, states)
 
 

@@ -53,7 +53,9 @@ def micro(num_steps: int) -> dict:
         s = StepTiming(start=t, schedule=t, execute=t, sample=t, update=t, end=t, num_tokens=64, num_reqs=4)
         s.finished.append(str(i))
         steps.append(s)
-        chunks.append(ChunkTiming(i, 64, 49_152, t, t, t, time.time()))
+        chunks.append(ChunkTiming(
+            step=i, num_tokens=64, nbytes=49_152, t_copy=t, t_ready=t, t_recv=t, t_done=time.time(),
+        ))
         commits.append(CommitTiming(t, time.time(), 1, 40_000))
     record = (time.perf_counter() - begin) / num_steps
     with tempfile.TemporaryDirectory(prefix="corecap-bench-") as tmp:

@@ -39,7 +39,7 @@ TEMPERATURE, TOP_P = 0.8, 0.95
 ARMS = ("generate", "capture", "one-run")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup:
     """What every arm of one comparison shares."""
 

@@ -18,7 +18,10 @@ LAYERS = {"speculators": (2, 16, 29, "prenorm"), "specforge": (2, 16, 29, 32)}
 
 
 def eagle3_meta(layers: tuple, codec: str = "zstd-planes", version: str = "bench") -> StoreMeta:
-    identity = ModelIdentity("/m", "LlamaForCausalLM", "c" * 32, "w" * 32, NUM_LAYERS, HIDDEN, VOCAB)
+    identity = ModelIdentity(
+        path="/m", architecture="LlamaForCausalLM", config_hash="c" * 32, weights_fingerprint="w" * 32,
+        num_layers=NUM_LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB,
+    )
     return StoreMeta(
         format_version=FORMAT_VERSION, model=identity, layers=layers, layer_meaning=LAYER_MEANING,
         dtype="bfloat16", hidden_size=HIDDEN, corecap_version=version, vllm_version="none", codec=codec,

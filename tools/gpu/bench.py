@@ -95,7 +95,10 @@ def mode_store(args) -> dict:
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
     path = os.path.join(args.dir, "bw.store")
-    ident = ModelIdentity("x", "x", "x", "x", 32, 4096, 128256)
+    ident = ModelIdentity(
+        path="x", architecture="x", config_hash="x", weights_fingerprint="x", num_layers=32, hidden_size=4096,
+        vocab_size=128256,
+    )
     states = torch.randn(4, PROMPT_LEN, 4096).bfloat16()
     ids = np.arange(PROMPT_LEN)
     batch = [encode_sample(f"k{j}", ids, states, tuple(LAYERS)) for j in range(2)]
@@ -106,7 +109,8 @@ def mode_store(args) -> dict:
 
     for name, pipelined in [("store_put_many", False), ("store_pipelined", True)]:
         shutil.rmtree(path, ignore_errors=True)
-        meta = StoreMeta(FORMAT_VERSION, ident, tuple(LAYERS), LAYER_MEANING, "bfloat16", 4096, "0", "0")
+        meta = StoreMeta(format_version=FORMAT_VERSION, model=ident, layers=tuple(LAYERS), layer_meaning=LAYER_MEANING,
+                         dtype="bfloat16", hidden_size=4096, corecap_version="0", vllm_version="0")
         todo = batches()
         with Store.create_or_open(path, meta) as store:
             t = time.perf_counter()

@@ -1,0 +1,92 @@
+"""`corecap serve`: the capture server that trainers call while they train (online training).
+
+A trainer's data loader asks for each sample's hidden states over HTTP (speculators'
+`--vllm-endpoint`: `POST /v1/completions` with the token ids, or `/v1/chat/completions`);
+corecap captures them with the same engine and exactness as `corecap run`, batching the
+requests that arrive together, writes each sample to a file in the layout the trainer's own
+reader loads (`--hidden-states-backend file|fp8`), and answers with its path in
+`kv_transfer_params`. docs/serve.md has the endpoints, backends and limits.
+
+    serve(ServeConfig(run=build(model=..., layers=...), port=8000), log=print)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from corecap.errors import CorecapError
+from corecap.serve.config import ServeConfig
+
+_SHUTDOWN_S = 30  # on SIGTERM or Ctrl-C: how long requests in flight get to be answered
+
+
+def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> None:
+    """Serve until `stop` is set (returns: the CLI sets it on SIGTERM and Ctrl-C) or until the
+    engine fails (raises CorecapError). Installs no signal handler of its own."""
+    import uvicorn
+
+    from corecap._vllm import environment
+    from corecap.serve.app import build_app
+    from corecap.serve.engine_loop import EngineLoop
+    from corecap.serve.metrics import Metrics
+    from corecap.serve.prepare import prepare
+
+    _check_port(cfg.host, cfg.port)
+    with environment():
+        plan = prepare(cfg, log)
+        log(plan.settings_line)
+        log(f"layers {list(plan.layers)}: files hold {[*plan.aux_layers, 'prenorm']} "
+            f"(--hidden-states-backend {cfg.backend}, in {plan.cfg.hidden_states_path})")
+        loop = EngineLoop(plan, log, Metrics())
+        loop.start()
+        loop.started = time.time()
+        server = _server_class()(uvicorn.Config(
+            build_app(plan, loop), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=_SHUTDOWN_S, lifespan="off",
+        ))
+
+        def stop_serving() -> None:
+            server.should_exit = True
+
+        loop.on_failure = stop_serving
+        stop = stop or threading.Event()
+        threading.Thread(target=lambda: stop.wait() or stop_serving(), daemon=True, name="corecap-stop").start()
+        log(f"serving {plan.model_name} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or SIGTERM stops)")
+        try:
+            server.run()
+        finally:
+            loop.stop(timeout=_SHUTDOWN_S)
+    if loop.failure is not None:
+        raise CorecapError(loop.failure)
+    log("stopped")
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its signal handlers (which re-raise the signal once it has
+        stopped, killing the process before the engine is shut down): the caller's `stop` ends it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server
+
+
+def _check_port(host: str, port: int) -> None:
+    """The address is free, before the model loads (a taken port is a minute's load wasted)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CorecapError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+
+
+__all__ = ["ServeConfig", "serve"]

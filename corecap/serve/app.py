@@ -1,0 +1,127 @@
+"""The HTTP side of `corecap serve`: the routes, their JSON answers and errors. Handlers run on
+uvicorn's event loop; each capture request is handed to the engine thread (engine_loop.py) and
+awaited, so one slow request never holds up another.
+
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a body a
+field of which is wrong (`param` names it), 401 without the API key, 404 for another model,
+503 with Retry-After when the states not yet taken fill the quota, 500 when the engine failed."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from corecap.errors import CorecapError
+from corecap.serve import requests
+from corecap.serve.engine_loop import EngineLoop, ServerFull, Ticket, retry_after
+from corecap.serve.prepare import ServePlan
+
+_DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+
+
+def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
+    app = FastAPI(title="corecap serve", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics, name = loop.metrics, plan.model_name
+    api_key = plan.cfg.api_key
+
+    def error(status: int, message: str, param: str | None = None, headers=None):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                            status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error(401, "missing or wrong API key: send `Authorization: Bearer KEY` (--api-key)")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if loop.failure is None else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(loop.started), "owned_by": "corecap",
+            "root": plan.model_dir, "max_model_len": plan.max_len + 1,
+        }]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    async def capture(request: Request, endpoint: str, parse):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            metrics.answered(endpoint, 400)
+            return None, error(400, f"body: not JSON ({e})", "body")
+        try:
+            wanted = parse(body, name, plan.tokenizer, plan.vocab_size, plan.max_len)
+            ticket = loop.submit(wanted)
+        except requests.BadRequest as e:
+            metrics.answered(endpoint, e.status)
+            return None, error(e.status, str(e), e.field)
+        except ServerFull as e:
+            metrics.answered(endpoint, 503)
+            return None, error(503, str(e), headers={"Retry-After": str(retry_after(loop))})
+        except CorecapError as e:
+            metrics.answered(endpoint, 500)
+            return None, error(500, str(e))
+        try:
+            path = await _delivered(request, ticket, loop)
+        except CorecapError as e:
+            status = 503 if isinstance(e, ServerFull) else 500
+            metrics.answered(endpoint, status)
+            return None, error(status, str(e))
+        if path is None:  # the client went away
+            metrics.answered(endpoint, 499)
+            return None, Response(status_code=499)
+        metrics.answered(endpoint, 200)
+        ids = ticket.request.token_ids.tolist()
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        common = {"id": f"{endpoint}-{ticket.name.split('.')[0]}", "created": int(time.time()), "model": name,
+                  "usage": usage, "kv_transfer_params": {"hidden_states_path": path}}
+        return ids, common
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        ids, common = await capture(request, "cmpl", requests.completion)
+        if ids is None:
+            return common
+        return {**common, "object": "text_completion", "choices": [{
+            "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+            "prompt_token_ids": ids, "token_ids": [],
+        }]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        ids, common = await capture(request, "chatcmpl", requests.chat)
+        if ids is None:
+            return common
+        return {**common, "object": "chat.completion", "prompt_token_ids": ids, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": "length", "stop_reason": None, "token_ids": [],
+        }]}
+
+    return app
+
+
+async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> str | None:
+    """The file's path once written; None if the client disconnected first (its states are
+    then removed once written: nobody will take them)."""
+    waiting = asyncio.wrap_future(ticket.future)
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return waiting.result()
+        if await request.is_disconnected():
+            loop.abandon(ticket)
+            return None

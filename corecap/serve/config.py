@@ -1,0 +1,47 @@
+"""`corecap serve`'s settings: the capture's own (RunConfig: the model, the engine options, the
+layers) and the server's, built once by the CLI (or `corecap.serve.build`) and never changed."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from corecap.config import RunConfig
+from corecap.errors import CorecapError
+
+BACKENDS = ("file", "fp8")  # speculators' --hidden-states-backend names that corecap serves
+DEFAULT_QUOTA_BYTES = 16 * 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    run: RunConfig = field(default_factory=RunConfig)  # the model, its engine options, the layers
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # required in `Authorization: Bearer KEY` on /v1/* when set
+    served_model_name: str | None = None  # what /v1/models lists and requests name (default: --model)
+    backend: str = "file"  # how the states reach the trainer: one of BACKENDS
+    hidden_states_path: str = "/tmp/hidden_states"  # speculators' launcher's default
+    quota_bytes: int = DEFAULT_QUOTA_BYTES  # states written and not yet taken by a reader, at most
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise CorecapError(f"--hidden-states-backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if not 0 < self.port < 65536:
+            raise CorecapError(f"--port {self.port}: expected 1 to 65535")
+        if self.quota_bytes <= 0:
+            raise CorecapError("--hidden-states-quota-gb: expected more than 0")
+        if not _loopback(self.host) and not self.api_key:
+            raise CorecapError(f"--host {self.host}: a server reachable from other machines needs --api-key "
+                               "(clients then send it as `Authorization: Bearer KEY`)")
+        if self.run.sampling.generate:
+            raise CorecapError("--max-tokens: each request of `corecap serve` names its own max_tokens")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything

@@ -1,0 +1,193 @@
+"""The server's engine: one thread that owns vLLM's engine and the sink and steps them, fed by
+the HTTP handlers' requests from any thread. Requests that arrive while others run join the
+next step (continuous batching, as `corecap run` batches a file); each is answered once the sink
+has written its file (corecap/sink/deliver.py).
+
+Every request's file name is the server's own (`corecap-NNNNNNNNNNNN.safetensors`, under
+--hidden-states-path): no name a client sends ever becomes a path."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from corecap.errors import CorecapError
+from corecap.serve.metrics import Metrics
+from corecap.serve.prepare import ServePlan
+from corecap.serve.quota import Quota
+from corecap.serve.requests import CaptureRequest
+from corecap.sink import Sink
+from corecap.sink.budget import StatesBudget
+from corecap.sink.deliver import DeliverSpec
+
+_IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a request before checking the sink
+
+
+class ServerFull(CorecapError):
+    """No room for another request's states now (HTTP 503, with Retry-After)."""
+
+
+@dataclass
+class Ticket:
+    """One request on its way: its file, and the future its handler awaits."""
+
+    name: str
+    request: CaptureRequest
+    future: Future = field(default_factory=Future)
+    abandoned: bool = False  # its client went away: its file is removed once written
+
+
+class EngineLoop:
+    def __init__(self, plan: ServePlan, log, metrics: Metrics):
+        self.plan, self.log, self.metrics = plan, log, metrics
+        self.directory = os.path.abspath(plan.cfg.hidden_states_path)
+        self.quota = Quota(self.directory, plan.cfg.quota_bytes)
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.running: dict[str, Ticket] = {}
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.failure: str | None = None  # why the engine stopped serving
+        self.num_requests = 0
+        self.started = 0.0  # when it began serving (time.time())
+        self.engine = self.sink = self.budget = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the sink and the engine (the weights load here), then the stepping thread."""
+        from corecap._vllm import CaptureSpec, Engine, Replicas
+        from corecap.store.codec import DTYPES
+
+        plan, run = self.plan, self.plan.cfg.run
+        fp8 = plan.cfg.backend == "fp8"
+        self.sink = Sink("", "raw", "stop", 1, plan.buffer_bytes,
+                         deliver=DeliverSpec(self.directory, plan.positions, fp8), layers=plan.layers)
+        token_bytes = len(plan.layers) * plan.vllm_config.model_config.get_hidden_size() * \
+            DTYPES[Engine.dtype_of(plan.vllm_config)].itemsize
+        self.budget = StatesBudget(plan.buffer_bytes, token_bytes, self.sink.released)
+        capture = CaptureSpec(layers=plan.layers, ipc_path=self.sink.capture_path, ring=run.ring,
+                              private_network=run.private_network)
+        try:
+            first = plan.vllm_config if len(plan.devices) == 1 else None
+            self.engine = Replicas(run.engine, plan.model_dir, capture, plan.devices, first)
+        except BaseException:
+            self.sink.close()
+            raise
+        self.sink.watch(on_death=self.engine.interrupt)
+        self.thread = threading.Thread(target=self._serve, name="corecap-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: CaptureRequest) -> Ticket:
+        """Queue a request (any thread); raises ServerFull when its states would not fit."""
+        if self.failure is not None:
+            raise CorecapError(self.failure)
+        if self.stopping:
+            raise ServerFull("the server is shutting down")
+        if not self.quota.fits():
+            raise ServerFull(f"--hidden-states-path {self.directory}: {self.quota.line()}; "
+                             "the trainer has not taken the files written so far")
+        with self.wake:
+            self.num_requests += 1
+            ticket = Ticket(f"corecap-{self.num_requests:012d}.safetensors", request)
+            self.waiting.append(ticket)
+            self.metrics.queued = len(self.waiting)
+            self.wake.notify()
+        return ticket
+
+    def abandon(self, ticket: Ticket) -> None:
+        """Its client went away: nobody will read its file."""
+        ticket.abandoned = True
+        if ticket.future.done():
+            self.quota.remove(ticket.name)
+
+    def stop(self, timeout: float) -> None:
+        """Answer what is in flight (within `timeout` seconds), then shut the engine and sink down."""
+        with self.wake:
+            self.stopping = True
+            for ticket in self.waiting:
+                ticket.future.set_exception(ServerFull("the server is shutting down"))
+            self.waiting.clear()
+            self.wake.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.sink is not None:
+            self.sink.unwatch()
+            self.sink.abort(timeout=10)
+            self.sink.close()
+        for ticket in self.running.values():  # not answered in time: no file is left half-written
+            if not ticket.future.done():
+                ticket.future.set_exception(CorecapError("the server shut down before this request's states"))
+        self.quota.remove_partial()
+
+    def _serve(self) -> None:
+        try:
+            while not (self.stopping and not self.running):
+                self._admit()
+                if self.engine.num_unfinished:
+                    timing = self.engine.step()
+                    self.metrics.stepped(timing.num_tokens)
+                else:
+                    with self.wake:
+                        if not self.waiting and not self.stopping:
+                            self.wake.wait(_IDLE_WAIT_S)
+                self.sink.check()
+                self._answer()
+                problem = self.engine.problem()
+                if problem:
+                    raise CorecapError(problem)
+        except BaseException as e:
+            self._fail(str(e) if isinstance(e, CorecapError) else f"internal error: {type(e).__name__}: {e}")
+
+    def _admit(self) -> None:
+        """Give the engine the waiting requests, about twice what it runs at once, within --buffer-gb."""
+        queued = 2 * self.engine.max_num_seqs
+        while self.waiting and self.engine.num_unfinished < queued:
+            ticket = self.waiting[0]
+            ids = ticket.request.token_ids
+            cost = self.budget.cost(len(ids), final=False)  # held whole: a file is written from one buffer
+            if not self.budget.fits(cost):
+                return
+            with self.wake:
+                self.waiting.popleft()
+                self.metrics.queued = len(self.waiting)
+            self.budget.reserve(cost)
+            self.engine.add(ticket.name, ids.tolist())
+            self.sink.expect(ticket.name, ticket.name, ids, None, None, 0, cost)
+            self.running[ticket.name] = ticket
+            self.metrics.running = len(self.running)
+
+    def _answer(self) -> None:
+        for delivered in self.sink.take_delivered():
+            ticket = self.running.pop(delivered.req_id)
+            self.metrics.running = len(self.running)
+            if delivered.error:
+                ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
+                continue
+            self.quota.add(ticket.name, delivered.nbytes)
+            self.metrics.delivered(len(ticket.request.token_ids), delivered.nbytes)
+            if ticket.abandoned:
+                self.quota.remove(ticket.name)
+            ticket.future.set_result(os.path.join(self.directory, ticket.name))
+
+    def _fail(self, why: str) -> None:
+        """The engine cannot go on: every request still here gets the error, and so does the server."""
+        self.failure = why
+        with self.wake:
+            tickets = list(self.waiting) + list(self.running.values())
+            self.waiting.clear()
+        for ticket in tickets:
+            if not ticket.future.done():
+                ticket.future.set_exception(CorecapError(why))
+        self.on_failure()
+
+    def on_failure(self) -> None:
+        """Set by the server: stop serving (the engine failed)."""
+
+
+def retry_after(loop: EngineLoop) -> int:
+    """Seconds a client told 503 should wait before asking again."""
+    return 1 if loop.quota.fits() else 5

@@ -1,0 +1,90 @@
+"""What `corecap serve` knows before its engine starts (`ServePlan`), and `prepare`, which finds
+it out: the model's identity, the layers and where each goes in a trainer's file, vLLM's
+configuration (no weights), the tokenizer. Everything here fails before any weight loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from corecap import demo
+from corecap.checkpoint import check_checkpoint
+from corecap.config import PRENORM, resolve_layers
+from corecap.errors import CorecapError
+from corecap.generation import buffer_bytes
+from corecap.model import load_tokenizer, model_identity, resolve_model_dir
+from corecap.serve.config import ServeConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServePlan:
+    cfg: ServeConfig
+    model_dir: str
+    model_name: str  # what /v1/models lists
+    layers: tuple  # captured, in the order the workers send them
+    aux_layers: tuple[int, ...]  # the file's layers before the pre-norm state
+    positions: tuple[int, ...]  # the stored layer index of each of the file's layers
+    vllm_config: object
+    devices: list
+    tokenizer: object  # None: the model has none (token-id prompts only)
+    max_len: int  # the longest prompt
+    vocab_size: int
+    buffer_bytes: int  # the sink's memory bound
+    settings_line: str  # the engine's settings, as `corecap run` logs them
+
+
+def prepare(cfg: ServeConfig, log) -> ServePlan:
+    from corecap._vllm import checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, placement
+    from corecap._vllm import vllm_version
+
+    run = cfg.run
+    if run.engine.enable_prefix_caching:
+        raise CorecapError("--enable-prefix-caching: `corecap serve` runs with vLLM's prefix caching off "
+                           "(each request's states are written whole to its own file)")
+    engine = dataclasses.replace(run.engine, enable_prefix_caching=False)
+    model_dir = resolve_model_dir(run.model) if run.model else demo.demo_model_dir()
+    identity = model_identity(model_dir, engine.load_format)
+    check_checkpoint(model_dir, engine.load_format)
+    layers = resolve_layers(run.layers, identity.num_layers)
+    aux, positions = file_layers(layers, identity.num_layers)
+    _check_directory(cfg.hidden_states_path)
+    vllm_config = checked_vllm_config(engine, model_dir, log, layers)
+    check_pipeline(vllm_config, vllm_version())
+    devices = placement(vllm_config, engine.data_parallel_size)
+    if vllm_config.parallel_config.nnodes > 1:
+        raise CorecapError("--nnodes: `corecap serve` runs on one node (use -tp, -pp and -dp within it)")
+    return ServePlan(
+        cfg=dataclasses.replace(cfg, run=dataclasses.replace(run, engine=engine)), model_dir=model_dir,
+        model_name=cfg.served_model_name or run.model or os.path.basename(model_dir),
+        layers=layers, aux_layers=aux, positions=positions, vllm_config=vllm_config, devices=devices,
+        tokenizer=load_tokenizer(model_dir), max_len=max_prompt_len(vllm_config), vocab_size=identity.vocab_size,
+        buffer_bytes=buffer_bytes(run.buffer_bytes, False, psutil.virtual_memory().available),
+        settings_line=effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""),
+    )
+
+
+def file_layers(layers: tuple, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """speculators' file: the aux layers (every captured index below N, ascending), then the
+    pre-norm final state; N itself (after the final norm) is not one of its layers. Returns the
+    aux layers and the stored position of each of the file's layers."""
+    if PRENORM not in layers:
+        raise CorecapError(f"--layers {','.join(map(str, layers))}: the trainer's file ends with '{PRENORM}' (the "
+                           "last decoder layer's output before the final norm, which speculators applies itself): "
+                           f"add it, e.g. --layers 2,{num_layers // 2},{num_layers - 3},{PRENORM}")
+    aux = tuple(sorted(k for k in layers if k != PRENORM and k < num_layers))
+    if not aux:
+        raise CorecapError(f"--layers {','.join(map(str, layers))}: no aux layer below {num_layers} besides "
+                           f"'{PRENORM}', e.g. --layers 2,{num_layers // 2},{num_layers - 3},{PRENORM}")
+    return aux, tuple(layers.index(k) for k in (*aux, PRENORM))
+
+
+def _check_directory(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CorecapError(f"--hidden-states-path {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CorecapError(f"--hidden-states-path {path}: not writable")

@@ -1,0 +1,137 @@
+"""The requests `corecap serve` answers, read from their JSON bodies: the OpenAI fields that
+speculators' and ModelOpt's online readers send (`/v1/completions` with the token ids, or
+`/v1/chat/completions` with the messages), checked before anything reaches the engine. A body
+that is not what a field expects is a `BadRequest` naming the field (HTTP 400)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from corecap.errors import CorecapError
+
+
+class BadRequest(CorecapError):
+    """A request the server refuses as given (HTTP 400): `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.status = status
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """The tokens whose states a request asks for."""
+
+    token_ids: np.ndarray  # int32 [T]
+    model: str
+
+
+# The fields each endpoint takes; OpenAI's and vLLM's extra ones that do not change what is
+# captured are accepted and left alone. A field outside these is refused (a typo, or a feature
+# this server does not have), never silently ignored.
+_COMMON = {"model", "max_tokens", "n", "stream", "temperature", "top_p", "top_k", "seed", "user",
+           "return_token_ids", "kv_transfer_params", "logprobs", "stop", "ignore_eos", "min_tokens"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "add_special_tokens"}
+CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                         "max_completion_tokens", "top_logprobs"}
+
+
+def completion(body, model: str, tokenizer, vocab_size: int, max_len: int) -> CaptureRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    _check_common(body, model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequest("prompt", "a string needs the model's tokenizer, and the model has none: send token ids")
+        ids = tokenizer(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))["input_ids"]
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        raise BadRequest("prompt", "one prompt per request, given as a list of token ids or a string")
+    elif isinstance(prompt, list):
+        ids = prompt
+    else:
+        raise BadRequest("prompt", "expected a list of token ids or a string")
+    return CaptureRequest(_token_ids(ids, "prompt", vocab_size, max_len), body.get("model") or model)
+
+
+def chat(body, model: str, tokenizer, vocab_size: int, max_len: int) -> CaptureRequest:
+    _check_fields(body, CHAT_FIELDS)
+    _check_common(body, model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages", "expected a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}]", "expected an object with a role and a content")
+        if not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}].content", "expected a string (text conversations only)")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("messages", "the model has no chat template: send token ids to /v1/completions")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs", "expected an object")
+    continue_final = _flag(body, "continue_final_message", False)
+    add_prompt = _flag(body, "add_generation_prompt", not continue_final)
+    if add_prompt and continue_final:
+        raise BadRequest("continue_final_message", "excludes add_generation_prompt")
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_prompt,
+                                            continue_final_message=continue_final, **kwargs)
+    except Exception as e:  # jinja's and transformers' many errors: the template refused these messages
+        raise BadRequest("messages", f"the chat template refused them ({e})") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return CaptureRequest(_token_ids(ids, "messages", vocab_size, max_len), body.get("model") or model)
+
+
+def _check_fields(body, allowed: set) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("body", "expected a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field (this server takes {', '.join(sorted(allowed))})")
+
+
+def _check_common(body: dict, model: str) -> None:
+    name = body.get("model")
+    if name is not None and name != model:
+        raise BadRequest("model", f"{name!r} is not served here (this server serves {model!r})", status=404)
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 1))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < 0):
+        raise BadRequest("max_tokens", "expected an integer of 0 or more")
+    if max_tokens is not None and max_tokens > 1:
+        raise BadRequest("max_tokens", f"{max_tokens}: this server captures the prompt's states (max_tokens 0 or 1); "
+                                       "it does not write responses yet")
+    if body.get("n", 1) != 1:
+        raise BadRequest("n", "expected 1")
+    if body.get("stream", False) is not False:
+        raise BadRequest("stream", "streaming is not offered: expected false")
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
+            raise BadRequest(name, "expected a number of 0 or more")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(name, "expected true or false")
+    return value
+
+
+def _token_ids(ids, field: str, vocab_size: int, max_len: int) -> np.ndarray:
+    if not ids:
+        raise BadRequest(field, "no tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRequest(field, "expected integer token ids")
+    array = np.asarray(ids, dtype=np.int64)
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if len(bad):
+        raise BadRequest(field, f"token id {int(array[bad[0]])} at position {int(bad[0])} is outside the model's "
+                                f"vocabulary (0..{vocab_size - 1})")
+    if len(array) > max_len:
+        raise BadRequest(field, f"{len(array)} tokens, more than this server's --max-model-len allows ({max_len})")
+    return array.astype(np.int32)

@@ -1,0 +1,66 @@
+"""Each sample straight to a file that a trainer reads while it trains, instead of the store:
+the sink of `corecap serve` (corecap/serve/).
+
+The file is speculators' online layout, which hs_connectors' `FileTransfer` and `FP8Transfer`
+load: `hidden_states` [T, L, H] (the aux layers ascending, then the last decoder layer's output
+before the final norm, which speculators applies itself) and `token_ids` [T] int64; with fp8,
+float8_e4m3fn codes and `hidden_states_scales` [T, 1, 1], one scale per token, as
+hs_connectors' fp8 connector writes them (corecap/export/fp8_per_token.py).
+
+The lock protocol is the readers' own: `PATH.lock` exists and is flock-ed while PATH is written;
+a reader that finds it waits for the lock, removes it, then loads PATH. PATH is written under a
+temporary name and renamed, so that no reader ever sees half a file, even one that ignores the
+lock or a server killed mid-write."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
+
+PARTIAL = ".partial"  # a file being written; never a name the server hands out
+
+
+@dataclass(frozen=True)
+class DeliverSpec:
+    """Where and how the sink writes each sample: `directory`/KEY, the stored layers at
+    `positions` (in the file's order), fp8 or the stored dtype."""
+
+    directory: str
+    positions: tuple[int, ...]
+    fp8: bool = False
+
+
+def deliver(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> tuple[int, str]:
+    """`write_sample`, with a write that fails (a full disk) reported, not raised: it fails that
+    request, not the sink. Returns (bytes written, "") or (0, why)."""
+    try:
+        return write_sample(spec, name, token_ids, states), ""
+    except OSError as e:
+        return 0, f"{os.path.join(spec.directory, name)}: {e.strerror or e}"
+
+
+def write_sample(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> int:
+    """Write one sample's file (`states`: the stored layers [L_stored, T, H]); its size in bytes."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(spec.directory, name)
+    ids = torch.from_numpy(np.asarray(token_ids, np.int64))
+    fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if spec.fp8:
+            codes, scales = quantize_per_token(states, spec.positions)
+            tensors = {"hidden_states": codes, SCALES_KEY: scales, "token_ids": ids}
+        else:
+            tensors = {"hidden_states": torch.stack([states[p] for p in spec.positions], dim=1), "token_ids": ids}
+        save_file(tensors, path + PARTIAL)
+        os.replace(path + PARTIAL, path)
+        return os.path.getsize(path)
+    finally:
+        os.close(fd)  # the flock goes with it: a waiting reader goes on

@@ -1,0 +1,225 @@
+"""`corecap serve` against a trainer's own online reader: speculators' `ArrowDataset` (its vLLM
+client, `generate_hidden_states`, and hs_connectors' `FileTransfer` / `FP8Transfer`) asks a live
+server for each sample's states while several clients ask at once (batched, chunked at 64
+tokens). What the reader loads must equal HF transformers' `output_hidden_states` (float32,
+1e-4 per token; fp8 within its own rounding) for a dense Llama and for DeepSeek-V3's MLA, which
+vLLM's own hidden-states connector refuses. Then the requests a server must survive, and
+SIGTERM: every file whole, none left half-written."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from support import tiny_models
+from support.machine import in_ci
+from support.reference import VOCAB, record_error, relative_errors, write_jsonl
+from support.server import Server
+
+pytestmark = [pytest.mark.engine, pytest.mark.full]
+
+LLAMA_LAYERS = (2, 4, 6, 8, "prenorm")  # the file holds 2, 4, 6 and prenorm (8 is after the final norm)
+MLA_LAYERS = (1, 2, 3, "prenorm")
+NUM_CLIENTS = 6
+
+
+def _speculators():
+    try:
+        from hs_connectors import FileTransfer, FP8Transfer
+        from speculators.train.data import ArrowDataset
+    except ImportError:
+        message = "speculators' online reader: pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0"
+        if in_ci():
+            pytest.fail(f"{message} (CI=true: mandatory)", pytrace=False)
+        pytest.skip(message)
+    return ArrowDataset, FileTransfer, FP8Transfer
+
+
+def _rows(vocab: int) -> list[dict]:
+    """Lengths from 1 token to 300 (chunked at 64), duplicates, a shared prefix."""
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, vocab, size=90).tolist()
+    rows = [[7], rng.integers(3, vocab, size=300).tolist(), prefix + [5, 6], prefix + [9] * 20]
+    rows += [rows[1]] + [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(2, 120, size=7)]
+    return [{"id": f"r{i}", "input_ids": ids} for i, ids in enumerate(rows)]
+
+
+def _arrow_dataset(path: Path, rows: list[dict]) -> str:
+    """speculators' prepared data (its `datasets` directory): what its trainer reads, less the states."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({
+        "input_ids": [r["input_ids"] for r in rows],
+        "loss_mask": [[1] * len(r["input_ids"]) for r in rows],
+        "seq_len": [len(r["input_ids"]) for r in rows],
+    })
+    ds.set_format("torch")
+    ds.save_to_disk(str(path))
+    return str(path)
+
+
+def _read_all(server: Server, rows: list[dict], tmp: Path, fp8: bool) -> list[dict]:
+    """Every row through speculators' own online path, NUM_CLIENTS at a time."""
+    ArrowDataset, FileTransfer, FP8Transfer = _speculators()
+    hidden = Path(server.hidden_states_path)
+    transfer = FP8Transfer(hidden, dequantize_dtype=torch.float32) if fp8 else FileTransfer(hidden)
+    dataset = ArrowDataset(max_len=512, datapath=_arrow_dataset(tmp / "prepared", rows), transfer=transfer,
+                           vllm_endpoint=f"{server.url}/v1", on_missing="generate",
+                           hidden_states_dtype=torch.float32, max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(NUM_CLIENTS) as pool:
+        return list(pool.map(dataset.__getitem__, range(len(rows))))
+
+
+def _check_against_hf(got: list[dict], rows: list[dict], reference: dict, aux: tuple, case: str, tolerance: float,
+                      fp8_tolerance: float | None = None):
+    """Each sample as the reader loaded it against HF's states; with `fp8_tolerance`, also against
+    HF's states quantized and dequantized by hs_connectors' own fp8 functions (the same formula:
+    only codes on a rounding boundary may differ)."""
+    for sample, row in zip(got, rows):
+        assert sample["input_ids"].tolist() == row["input_ids"], row["id"]
+        num_tokens = len(row["input_ids"])
+        states = sample["hidden_states"].view(num_tokens, len(aux), -1)
+        loaded = torch.cat([states, sample["verifier_last_hidden_states"].unsqueeze(1)], dim=1).transpose(0, 1)
+        ref = tiny_models.stacked(reference[row["id"]], (*aux, "prenorm"))
+        per_sample, per_token = relative_errors(loaded, ref)
+        record_error(case, per_sample, per_token)
+        assert float(per_token.max()) <= tolerance, (row["id"], per_token.tolist())
+        if fp8_tolerance is not None:
+            from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+            codes, scales = quantize_tensor_to_fp8(ref.transpose(0, 1))
+            ref8 = dequantize_fp8_tensor(codes, scales, dtype=torch.float32).transpose(0, 1)
+            per_sample, per_token = relative_errors(loaded, ref8)
+            record_error(f"{case} vs HF through fp8", per_sample, per_token)
+            assert float(per_token.max()) <= fp8_tolerance, (row["id"], per_token.tolist())
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-llama")
+    server = Server("--model", tiny_model, "--dtype", "float32", "--layers", ",".join(map(str, LLAMA_LAYERS)),
+                    "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--hidden-states-backend", "fp8",
+                    hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
+    yield server, tmp
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-mla")
+    model = tiny_models.build("deepseek_v3", str(tmp / "model"), seed=3)
+    server = Server("--model", model, "--dtype", "float32", "--layers", ",".join(map(str, MLA_LAYERS)),
+                    "--max-num-seqs", "4", "--attention-backend", "CPU_MLA",
+                    hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
+    yield server, tmp, model
+    server.stop()
+
+
+def test_speculators_reads_mla_states_equal_to_hf(mla):
+    """DeepSeek-V3 (MLA, MoE): the states speculators' file backend loads are HF's, to 1e-4."""
+    server, tmp, model = mla
+    rows = _rows(tiny_models.VOCAB)
+    got = _read_all(server, rows, tmp, fp8=False)
+    reference = tiny_models.reference_in_a_process(model, write_jsonl(tmp / "rows.jsonl", rows), str(tmp / "ref.pt"))
+    _check_against_hf(got, rows, reference, MLA_LAYERS[:-1], "serve deepseek_v3 file", 1e-4)
+    # speculators took every file and removed it, with its lock: nothing is left behind
+    assert os.listdir(server.hidden_states_path) == [] or set(os.listdir(server.hidden_states_path)) <= {"corecap.log"}
+
+
+def test_a_dead_worker_ends_the_server_with_one_line(mla):
+    """After the MLA server's exactness test: its vLLM worker SIGKILLed while it serves. The
+    request in flight gets a 500, and the server exits 2 with `corecap run`'s one line."""
+    import psutil
+
+    server, _, _ = mla
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.name().startswith("VLLM::")]
+    assert workers, [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(_post, f"{server.url}/v1/completions", {"prompt": list(range(3, 400))})
+        workers[0].kill()
+        status, answer = asked.result()
+    assert status in (200, 500), answer  # answered before the kill, or told why not
+    returncode = server.proc.wait(120)
+    last = server.output().strip().splitlines()[-1]
+    assert returncode == 2 and last.startswith("corecap: error: ") and "worker" in last, server.output()[-3000:]
+
+
+def test_speculators_reads_fp8_states_within_their_rounding(llama, tiny_model):
+    """The fp8 backend: per-token scaled e4m3 (3 mantissa bits: a relative error up to 2^-4 an
+    element), dequantized by speculators' FP8Transfer, against HF float32."""
+    server, tmp = llama
+    rows = _rows(VOCAB)
+    got = _read_all(server, rows, tmp, fp8=True)
+    reference = tiny_models.reference_in_a_process(tiny_model, write_jsonl(tmp / "rows.jsonl", rows),
+                                                   str(tmp / "ref.pt"))
+    _check_against_hf(got, rows, reference, LLAMA_LAYERS[:-2], "serve llama fp8", 0.05, fp8_tolerance=0.02)
+
+
+def _post(url: str, body, headers=None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400, "body"),
+    ({"prompt": [1, 2, 3], "max_tokns": 1}, 400, "max_tokns"),
+    ({"prompt": "a", "n": 2}, 400, "n"),
+    ({"prompt": [1, 2], "stream": True}, 400, "stream"),
+    ({"prompt": [1, 2], "max_tokens": 5}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, VOCAB]}, 400, "prompt"),
+    ({"prompt": [1] * 600}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [[1, 2]]}, 400, "prompt"),
+    ({"model": "another", "prompt": [1, 2]}, 404, "model"),
+]
+
+
+def test_bad_requests_are_refused_naming_the_field_and_the_server_goes_on(llama):
+    server, _ = llama
+    for body, status, field in BAD_REQUESTS:
+        code, answer = _post(f"{server.url}/v1/completions", body)
+        assert (code, answer["error"]["param"]) == (status, field), (body, answer)
+        assert field in answer["error"]["message"]
+    code, answer = _post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
+    assert (code, answer["error"]["param"]) == (400, "messages[0].content"), answer
+    code, answer = _post(f"{server.url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
+    assert code == 200 and answer["choices"][0]["prompt_token_ids"] == [1, 2, 3], answer
+    path = answer["kv_transfer_params"]["hidden_states_path"]
+    assert os.path.dirname(path) == os.path.abspath(server.hidden_states_path)
+    from safetensors.torch import load_file
+
+    written = load_file(path)
+    assert written["hidden_states"].shape[:2] == (3, 4) and written["token_ids"].tolist() == [1, 2, 3]
+    assert written["hidden_states"].dtype == torch.float8_e4m3fn and written["hidden_states_scales"].shape == (3, 1, 1)
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'corecap_requests_total{endpoint="cmpl",status="400"} 10' in metrics, metrics
+
+
+def test_sigterm_answers_in_flight_requests_and_leaves_no_partial_file(llama):
+    """Last in this module: it stops the shared server."""
+    server, _ = llama
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_post, f"{server.url}/v1/completions", {"prompt": list(range(3, 300))})
+                   for _ in range(4)]
+        assert futures[0].result()[0] == 200
+        assert server.stop() == 0, server.output()[-2000:]
+        statuses = [f.result()[0] for f in futures]
+    assert set(statuses) <= {200, 503}, statuses
+    left = os.listdir(server.hidden_states_path)
+    assert not [name for name in left if name.endswith(".partial")], left
+    assert "stopped" in server.output()

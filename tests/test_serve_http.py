@@ -1,0 +1,139 @@
+"""`corecap serve`'s HTTP side without an engine: what each request is answered, with the engine
+thread replaced by one that answers at once (tests/test_serve.py runs the real one). The API key,
+the 503 with Retry-After when the states not yet taken fill the quota, the refusals that come
+before any model loads, and the quota's own count."""
+
+from __future__ import annotations
+
+import os
+import socket
+import types
+
+import pytest
+
+from corecap.errors import CorecapError
+from corecap.serve.config import ServeConfig
+from corecap.serve.engine_loop import ServerFull, Ticket
+from corecap.serve.metrics import Metrics
+from corecap.serve.prepare import file_layers
+from corecap.serve.quota import Quota
+from support.cli import corecap
+
+pytest.importorskip("httpx")  # starlette's TestClient; vLLM's server installs it
+
+
+class _Loop:
+    """The engine thread's interface, answering at once."""
+
+    def __init__(self, full: bool = False):
+        self.metrics, self.failure, self.started, self.full = Metrics(), None, 0.0, full
+        self.quota = types.SimpleNamespace(fits=lambda: not full)
+        self.asked = []
+
+    def submit(self, request):
+        if self.full:
+            raise ServerFull("--hidden-states-path /h: 17 MiB of states not yet taken, the quota is 16 MiB")
+        self.asked.append(request)
+        ticket = Ticket(f"corecap-{len(self.asked):012d}.safetensors", request)
+        ticket.future.set_result(f"/h/{ticket.name}")
+        return ticket
+
+    def abandon(self, ticket):
+        pass
+
+
+def _client(api_key=None, full=False):
+    from fastapi.testclient import TestClient
+
+    from corecap.serve.app import build_app
+
+    plan = types.SimpleNamespace(model_name="tiny", cfg=types.SimpleNamespace(api_key=api_key), tokenizer=None,
+                                 vocab_size=100, max_len=50, model_dir="/models/tiny")
+    loop = _Loop(full)
+    return TestClient(build_app(plan, loop)), loop
+
+
+def test_a_completion_is_answered_with_its_file_and_token_ids():
+    client, loop = _client()
+    answer = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1,
+                                                  "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert body["kv_transfer_params"] == {"hidden_states_path": "/h/corecap-000000000001.safetensors"}
+    assert loop.asked[0].token_ids.tolist() == [5, 6, 7]
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert client.get("/health").status_code == 200
+
+
+def test_the_api_key_guards_v1_only():
+    client, loop = _client(api_key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        answer = client.post("/v1/completions", json={"prompt": [1]}, headers=headers)
+        assert answer.status_code == 401 and "--api-key" in answer.json()["error"]["message"]
+    assert not loop.asked
+    assert client.post("/v1/completions", json={"prompt": [1]},
+                       headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_a_full_quota_is_503_with_retry_after():
+    client, _ = _client(full=True)
+    answer = client.post("/v1/completions", json={"prompt": [1, 2]})
+    assert answer.status_code == 503 and int(answer.headers["Retry-After"]) >= 1
+    assert "quota" in answer.json()["error"]["message"]
+    assert 'corecap_requests_total{endpoint="cmpl",status="503"} 1' in client.get("/metrics").text
+
+
+def test_a_chat_request_needs_a_chat_template():
+    client, _ = _client()
+    answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+
+
+def test_the_quota_counts_only_the_files_still_there(tmp_path):
+    quota = Quota(str(tmp_path), limit_bytes=100)
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"x" * 60)
+        quota.add(name, 60)
+    assert not quota.fits() and "120 " not in quota.line()
+    os.remove(tmp_path / "a")  # the trainer took it
+    quota.counted = 0.0
+    assert quota.fits()
+    quota.remove("b")  # its client went away
+    assert not (tmp_path / "b").exists() and quota.used_bytes == 0
+
+
+def test_a_server_reachable_from_elsewhere_needs_an_api_key():
+    with pytest.raises(CorecapError, match="--api-key"):
+        ServeConfig(host="0.0.0.0")
+    ServeConfig(host="0.0.0.0", api_key="k")
+    ServeConfig(host="::1")
+
+
+def test_the_files_layers_are_the_aux_ones_then_prenorm():
+    assert file_layers((2, 4, 6, 8, "prenorm"), 8) == ((2, 4, 6), (0, 1, 2, 4))
+    with pytest.raises(CorecapError, match="prenorm"):
+        file_layers((2, 4, 8), 8)
+    with pytest.raises(CorecapError, match="no aux layer"):
+        file_layers((8, "prenorm"), 8)
+
+
+@pytest.mark.full  # two CLI processes: ~10 s each on 2 cores
+def test_refusals_come_before_the_model_loads(tiny_model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = corecap("serve", "--model", tiny_model, "--port", str(port), cwd=tmp_path, check=False)
+    assert result.returncode == 2 and f"--port {port}: cannot listen there" in result.stderr, result.stderr
+    result = corecap("serve", "--model", tiny_model, "--layers", "2,4", "--hidden-states-path", str(tmp_path / "h"),
+                     "--port", str(_free_port()), cwd=tmp_path, check=False)
+    assert result.returncode == 2 and "'prenorm'" in result.stderr.splitlines()[-1], result.stderr
+    assert "vllm" not in result.stderr.lower()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
