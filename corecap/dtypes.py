@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, 'Figures that docstrings used to quote')
+try:  # the same CRC-32 as zlib's, with SIMD: much faster (docs/benchmarks.md, "Figures the code cites")
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # a platform without zlib-ng's wheel: the same values, slower
     from zlib import crc32
