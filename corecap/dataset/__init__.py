@@ -22,9 +22,8 @@ Each item opens the store, reads and closes it again (cheap against decoding an 
 sample: docs/benchmarks.md, 'Figures that docstrings used to quote'): nothing is held open
 between items, so a DataLoader worker, forked or
 spawned, never uses an LMDB environment opened by another process (LMDB forbids that across
-fork), and a `Store` of the same directory may be opened in this process between items (py-lmdb
-refuses a second open of one environment in a process, since LMDB's locks are per process:
-don't hold one open while reading items). A sample without a loss mask gets all ones,
+fork), and a `Store` of the same directory may be held open in this process meanwhile (every
+`Store.open` of a store in a process shares one LMDB environment: corecap/store/envs.py). A sample without a loss mask gets all ones,
 as `corecap export` gives it. Only a generated sample's item has `num_prompt` and
 `finish_reason` (a capture-only store's items are as they were): a trainer filters on them with
 `item.get("finish_reason")`.
