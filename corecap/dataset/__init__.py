@@ -19,14 +19,13 @@ to index them. Each item is read in one LMDB read transaction and its states are
 committed, so an item is never torn (and its checksum is checked as it decodes).
 
 Each item opens the store, reads and closes it again (cheap against decoding an EAGLE-3-sized
-sample: docs/benchmarks.md, 'Figures that docstrings used to quote'): nothing is held open
-between items, so a DataLoader worker, forked or
-spawned, never uses an LMDB environment opened by another process (LMDB forbids that across
-fork), and a `Store` of the same directory may be held open in this process meanwhile (every
-`Store.open` of a store in a process shares one LMDB environment: corecap/store/envs.py). A sample without a loss mask gets all ones,
-as `corecap export` gives it. Only a generated sample's item has `num_prompt` and
-`finish_reason` (a capture-only store's items are as they were): a trainer filters on them with
-`item.get("finish_reason")`.
+sample: docs/benchmarks.md, 'Figures that docstrings used to quote'): nothing is held open between
+items, so a DataLoader worker, forked or spawned, never uses an LMDB environment opened by another
+process (LMDB forbids that across fork), and a `Store` of the same directory may be held open in
+this process meanwhile (every `Store.open` of a store in a process shares one LMDB environment:
+corecap/store/envs.py). A sample without a loss mask gets all ones, as `corecap export` gives it.
+Only a generated sample's item has `num_prompt` and `finish_reason` (a capture-only store's items
+are as they were): a trainer filters on them with `item.get("finish_reason")`.
 
 In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
 trainer is done with an item (corecap/dataset/pool.py): torch's pickler would otherwise copy every
