@@ -4,6 +4,7 @@ geometry (no vLLM, no model)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -245,6 +246,18 @@ def test_cli_prints_table_and_writes_files(tmp_path):
     assert "bottleneck: execute_model" in result.output
     assert json.loads(chrome.read_text())["traceEvents"]
     assert png.stat().st_size > 20_000
+
+
+def test_cli_plot_without_matplotlib_says_so_before_the_table(tmp_path, monkeypatch):
+    (tmp_path / "trace.json").write_text(json.dumps(synthetic_trace()))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--plot", str(tmp_path / "t.png")])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == ["corecap: error: --plot needs matplotlib (pip install matplotlib)"]
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--steps", "3", "--plot", str(tmp_path / "t.png")])
+    assert result.output.splitlines() == ["corecap: error: --plot needs matplotlib (pip install matplotlib)"]
 
 
 def test_cli_errors_are_one_line(tmp_path):

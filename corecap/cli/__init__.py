@@ -325,7 +325,8 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
                                progress=progress, log=_log)
     click.echo(summary.line())
     for note in summary.notes():
-        click.echo(note)
+        if not note.startswith("warning: "):  # the export's first line said each warning (export/driver.py)
+            click.echo(note)
 
 
 def _jsonl_tokenizer(store: str, given: str | None):
@@ -368,6 +369,10 @@ def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
 
     given = [p for p in ctx.command.params
              if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+    if plot_path:
+        from corecap.trace.views import check_plot
+
+        check_plot()
     if steps is None:
         if given or ctx.args:
             first = "/".join(o for o in given[0].opts if o.startswith("--")) if given else ctx.args[0]

@@ -79,6 +79,8 @@ class Store:
     @classmethod
     def open(cls, path: str) -> "Store":
         path = os.fspath(path)
+        if not os.path.lexists(path):
+            raise CorecapError(f"{path}: not a corecap store (the path does not exist)")
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (no LMDB data.mdb there)")
         if not os.path.isfile(os.path.join(path, "data.mdb")) or not os.path.getsize(os.path.join(path, "data.mdb")):
