@@ -101,11 +101,11 @@ def _binned(values: np.ndarray, num_bins: int) -> np.ndarray:
     return np.nanmean(padded.reshape(count, size), axis=1)
 
 
-def check_plot() -> None:
+def check_plot(png_path: str | None) -> None:
     """Refuse `--plot` at once where matplotlib is missing: before the table, or a profiling run, is printed."""
     import importlib.util
 
-    if importlib.util.find_spec("matplotlib") is None:
+    if png_path and importlib.util.find_spec("matplotlib") is None:
         raise CorecapError(_NO_MATPLOTLIB)
 
 
