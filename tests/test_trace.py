@@ -144,6 +144,16 @@ def test_summarize_names_every_row():
     assert "100.0" in total
 
 
+def test_summarize_says_its_tokens_are_the_computed_ones():
+    """A step's tokens are the scheduled ones (_vllm/engine.py: total_num_scheduled_tokens): a
+    prefix-cached store's `corecap run` line counts more, the stored tokens; the line says why."""
+    trace = synthetic_trace()
+    first = summarize(trace).splitlines()[0]
+    computed = sum(s["num_tokens"] for s in trace["steps"])
+    assert first.startswith(f"{len(trace['steps'])} steps, {computed} tokens computed (prefix-cache hits are not: "
+                            "`corecap run` counts every stored token), "), first
+
+
 def test_summarize_without_steps():
     t = synthetic_trace(num_steps=0)
     assert "0 steps" in summarize(t)
