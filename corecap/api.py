@@ -13,7 +13,7 @@ naming the closest. It installs no signal handler and leaves the process environ
 it; pass a `Stop` to end a run early (every complete sample is kept).
 
 corecap's own lines go to the `corecap` logger (INFO; `log=` takes them instead), vLLM's to
-its `vllm` logger at WARNING and above unless VLLM_LOGGING_LEVEL says otherwise (corecap/logs.py).
+its `vllm` logger at ERROR only unless VLLM_LOGGING_LEVEL says otherwise (corecap/logs.py).
 """
 
 from __future__ import annotations

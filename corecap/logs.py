@@ -20,7 +20,9 @@ import sys
 
 LOGGER = "corecap"
 GUARD = 'if __name__ == "__main__":'
-_QUIET_VLLM = "WARNING"  # vLLM's own lines at WARNING and above, as `corecap run` shows them (-v: all)
+# vLLM's own lines at ERROR only: `corecap run` shows none of them (they go to its log file), and
+# its warnings include one a weight on a model stored in another dtype (float32 weights run in bf16).
+_QUIET_VLLM = "ERROR"
 
 
 def guard_spawned_main() -> None:
@@ -67,8 +69,8 @@ def api_logging(log=None):
     """For one capture: `say(line)`. Given `log`, corecap's lines go to it and vLLM's logging is
     left as it is (the CLI passes its run log, which keeps vLLM's whole log). Otherwise corecap's
     lines go to the `corecap` logger at INFO (to stderr while no handler is configured for it),
-    and vLLM's logger, here and in its workers, shows WARNING and above (VLLM_LOGGING_LEVEL,
-    restored after), unless the user set VLLM_LOGGING_LEVEL."""
+    and vLLM's logger, here and in its workers, shows errors only (VLLM_LOGGING_LEVEL, restored
+    after), unless the user set VLLM_LOGGING_LEVEL."""
     logger = logging.getLogger(LOGGER)
     handler = None
     if log is None and not logger.hasHandlers():  # logging not configured: show them, as vLLM shows its own

@@ -1,5 +1,5 @@
 """corecap/logs.py: a Python caller's capture logs through `logging` (the `corecap` logger, shown
-on stderr while logging is not configured), with vLLM's logger quiet, here and in its workers
+on stderr while logging is not configured), with vLLM's logger at errors only, here and in its workers
 (VLLM_LOGGING_LEVEL), and both put back afterwards; the CLI's `log=` leaves vLLM's logging alone."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_corecap_lines_go_to_the_corecap_logger_and_vllm_is_quiet_for_the_run():
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.stderr == "capturing 3 samples\n"
-    assert result.stdout.splitlines() == [f"WARNING {logging.WARNING}", "False [] 0"]
+    assert result.stdout.splitlines() == [f"ERROR {logging.ERROR}", "False [] 0"]
 
 
 def test_a_configured_logger_gets_the_lines_and_a_users_vllm_level_stands(monkeypatch, caplog, capsys):
