@@ -197,10 +197,46 @@ class RunConfig:
         return self.engine.model
 
 
+class UnknownOption(CorecapError, TypeError):
+    """An option no part of a run knows: a CorecapError (one line, as the CLI prints it) that is
+    also the TypeError Python raises for an unexpected keyword argument."""
+
+
+def option_fields() -> list[dataclasses.Field]:
+    """The flat options `build` takes, each owned by its dataclass: the model, RunConfig's,
+    EngineOptions' (vLLM's names), SamplingOptions'."""
+    engine = [f for f in dataclasses.fields(EngineOptions) if f.name != "extra"]
+    run = [f for f in dataclasses.fields(RunConfig) if f.name not in ("engine", "sampling")]
+    return [engine[0], *run, *engine[1:], *dataclasses.fields(SamplingOptions)]
+
+
+def check_option_names(names, engine_arg_names=()) -> None:
+    """Refuse a name that is none of `build`'s options, ALIASES' or `engine_arg_names` (vLLM's
+    EngineArgs fields), naming the closest ones. An empty `engine_arg_names` (vLLM's not known)
+    lets every other name through to the adapter, which checks it against vLLM's."""
+    known = {f.name for f in option_fields()} | set(ALIASES)
+    vllm_names = {n for n in engine_arg_names if not n.startswith("_")}
+    for name in names:
+        if name in known or name in vllm_names or not vllm_names:
+            continue
+        raise UnknownOption(unknown_option_message(name, known | vllm_names))
+
+
+def unknown_option_message(name: str, known) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    best = difflib.SequenceMatcher(None, name, close[0]).ratio() if close else 0.0
+    close = [c for c in close if difflib.SequenceMatcher(None, name, c).ratio() > best - 0.05]  # the nearest only
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"option {name!r}: neither one of corecap's options nor one of vLLM's engine arguments{hint}"
+
+
 def build(**options) -> RunConfig:
     """A RunConfig from flat keyword options: RunConfig's fields, EngineOptions' (vLLM's names)
     and the short forms in `ALIASES` (tp, batch, max_len, ...). Any other name is an engine
-    argument for vLLM, checked by the adapter when the engine is configured."""
+    argument for vLLM, checked by the adapter when the engine is configured (`corecap.capture`
+    checks every name against vLLM's before it builds: check_option_names)."""
     run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"engine", "sampling"}
     engine_fields = {f.name for f in dataclasses.fields(EngineOptions)} - {"extra"}
     sampling_fields = {f.name for f in dataclasses.fields(SamplingOptions)}

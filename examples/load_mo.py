@@ -10,9 +10,27 @@ runs it.
 
 import pathlib
 import sys
+import warnings
 
 import torch
-from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+# ModelOpt's own install line: without its dependencies, whose torch pin would replace vLLM's (README).
+INSTALL = 'pip install --no-deps nvidia-modelopt==0.47.0 && pip install "omegaconf>=2.3.0" "pulp<4.0" scipy'
+try:
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force stay: only what would show is caught
+        from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+except ImportError as e:
+    sys.exit(f"{e}: install ModelOpt beside vLLM with: {INSTALL}")
+for w in caught:
+    if "nvidia-modelopt[hf]" in str(w.message):
+        # ModelOpt warns of a transformers release it was not tested with, and suggests `pip install -U
+        # nvidia-modelopt[hf]`, which would replace vLLM's torch and transformers: its offline reader
+        # reads this export with vLLM's (tests/test_export_modelopt.py).
+        first = str(w.message).split(" Please install")[0]
+        print(f"note: {first} Its offline reader works with it; do not run `pip install -U nvidia-modelopt[hf]` "
+              f"(it would replace the torch vLLM needs); to reinstall ModelOpt: {INSTALL}", file=sys.stderr)
+    else:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def shapes(item: dict) -> dict:

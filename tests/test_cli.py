@@ -71,7 +71,11 @@ def _installed(dist: str) -> bool:
 
 def test_get_on_a_missing_store(tmp_path):
     r = corecap("get", "k", "--store", str(tmp_path / "none"), cwd=tmp_path, check=False)
-    assert r.returncode == 2 and "not a corecap store" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"corecap: error: {tmp_path / 'none'}: not a corecap store (the path does not exist)"]
+    (tmp_path / "empty").mkdir()
+    r = corecap("get", "k", "--store", str(tmp_path / "empty"), cwd=tmp_path, check=False)
+    assert r.returncode == 2 and "empty: not a corecap store (no LMDB data.mdb there)" in r.stderr
 
 
 @pytest.mark.engine

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import torch
 
 from support.exports import exported, exported_mask, interrupt, manifest, refused, relative
 from support.reference import record_error, relative_errors
+from support.trainers import INSTALL, require_trainer
 from support.verifier import VERIFIER_HIDDEN, VERIFIER_LAYERS, write_captured_store
 
 AUX = (1, 2, 3)  # the captured layers but N and prenorm
@@ -29,6 +32,7 @@ N = VERIFIER_LAYERS
 @functools.cache
 def modelopt():
     """ModelOpt's reader and its offline teacher's parts (importing modelopt.torch takes ~10 s)."""
+    require_trainer("modelopt")
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
     from modelopt.torch.speculative.plugins.modeling_eagle import EagleBaseModelOutput
     from modelopt.torch.speculative.plugins.modeling_fakebase import FakeBaseModel
@@ -188,3 +192,41 @@ def test_an_interrupted_modelopt_export_resumes_keeping_what_it_wrote(tmp_path, 
     assert "4 kept from an interrupted export" in result.output
     assert {name: (out / name).stat().st_ino for name in kept} == kept  # kept, not rewritten
     assert {p.name: p.read_bytes() for p in out.glob("*.pt")} == {p.name: p.read_bytes() for p in clean.glob("*.pt")}
+
+
+def test_without_modelopt_its_tests_skip_naming_the_line_that_installs_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "modelopt", None)  # as an environment without it imports
+    monkeypatch.delenv("CI", raising=False)
+    line = f"modelopt is not installed; install it with: {INSTALL['modelopt']}"
+    with pytest.raises(pytest.skip.Exception, match=re.escape(line)):
+        modelopt.__wrapped__()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"\(CI=true: mandatory\)"):
+        modelopt.__wrapped__()
+
+
+def test_the_loader_example_never_suggests_modelopts_hf_extra(tmp_path, captured, verifier):
+    """examples/load_mo.py: ModelOpt's own warning (transformers outside its tested range) suggests
+    `pip install -U nvidia-modelopt[hf]`, which would replace vLLM's torch; the loader says instead
+    not to run it and gives the safe line, and without ModelOpt it exits naming that line."""
+    import subprocess
+
+    require_trainer("modelopt")
+    loader = str(pathlib.Path(__file__).resolve().parent.parent / "examples" / "load_mo.py")
+    store = write_captured_store(str(tmp_path / "s"), captured, verifier)
+    exported(store, tmp_path / "mo", "modelopt")
+    result = subprocess.run([sys.executable, loader, str(tmp_path / "mo")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    import transformers
+    from packaging.version import Version
+
+    if not Version("4.57") <= Version(transformers.__version__) < Version("5.15"):  # where ModelOpt 0.47.0 warns
+        assert "do not run `pip install -U nvidia-modelopt[hf]`" in result.stderr, result.stderr
+    for line in result.stderr.splitlines():
+        if "nvidia-modelopt[hf]" in line:
+            assert "do not run `pip install -U nvidia-modelopt[hf]`" in line and INSTALL["modelopt"] in line, line
+    hidden = ("import runpy, sys; sys.modules['modelopt'] = None; sys.argv = [sys.argv[1], 'x']; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hidden, loader], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(f"install ModelOpt beside vLLM with: {INSTALL['modelopt']}"), result.stderr

@@ -159,6 +159,9 @@ def test_an_fp8_store_is_requantized_per_token(tmp_path, captured, verifier):
     out = tmp_path / "spec"
     result = exported(store, out, "speculators", "--dtype", "fp8")
     assert "rounded twice" in result.output
+    warned = [line for line in result.output.splitlines() if "warning: " in line]
+    assert len(warned) == 2 and all(line.startswith("corecap: warning: ") for line in warned)  # each said once
+    assert len({line.split("warning: ")[1][:40] for line in warned}) == 2, warned
     stored = _store_states(store)
     assert _check_export(out, stored, captured) <= 1
     exported(direct, tmp_path / "once", "speculators", "--dtype", "fp8")

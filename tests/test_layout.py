@@ -69,7 +69,8 @@ def test_no_import_circle():
 def test_layers_import_downwards():
     """cli → api → run → the adapter, the sink, the data → transport → export, dataset → store → trace → progress
     → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.serve", "corecap.probe", "corecap.run",
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.logs", "corecap.serve", "corecap.probe",
+             "corecap.run",
              "corecap.plan", "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
              "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",

@@ -188,7 +188,8 @@ def test_fp8_cannot_store_nonfinite_samples(given):
 def test_refused_arguments_from_python_are_refused_at_once():
     with pytest.raises(CorecapError, match="--enable-chunked-prefill: corecap controls this engine argument"):
         build(enable_chunked_prefill=False)
-    with pytest.raises(CorecapError, match="engine argument 'no_such_field': not one of vLLM's EngineArgs"):
+    with pytest.raises(CorecapError, match="option 'no_such_field': neither one of corecap's options nor "
+                       "one of vLLM's engine arguments$"):
         from corecap._vllm.options import engine_args
 
         engine_args(build(no_such_field=1).engine, "/m")

@@ -4,6 +4,7 @@ geometry (no vLLM, no model)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -143,6 +144,16 @@ def test_summarize_names_every_row():
     assert "100.0" in total
 
 
+def test_summarize_says_its_tokens_are_the_computed_ones():
+    """A step's tokens are the scheduled ones (_vllm/engine.py: total_num_scheduled_tokens): a
+    prefix-cached store's `corecap run` line counts more, the stored tokens; the line says why."""
+    trace = synthetic_trace()
+    first = summarize(trace).splitlines()[0]
+    computed = sum(s["num_tokens"] for s in trace["steps"])
+    assert first.startswith(f"{len(trace['steps'])} steps, {computed} tokens computed (prefix-cache hits are not: "
+                            "`corecap run` counts every stored token), "), first
+
+
 def test_summarize_without_steps():
     t = synthetic_trace(num_steps=0)
     assert "0 steps" in summarize(t)
@@ -245,6 +256,18 @@ def test_cli_prints_table_and_writes_files(tmp_path):
     assert "bottleneck: execute_model" in result.output
     assert json.loads(chrome.read_text())["traceEvents"]
     assert png.stat().st_size > 20_000
+
+
+def test_cli_plot_without_matplotlib_says_so_before_the_table(tmp_path, monkeypatch):
+    (tmp_path / "trace.json").write_text(json.dumps(synthetic_trace()))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--plot", str(tmp_path / "t.png")])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == ["corecap: error: --plot needs matplotlib (pip install matplotlib)"]
+    result = CliRunner().invoke(trace, ["--store", str(tmp_path), "--steps", "3", "--plot", str(tmp_path / "t.png")])
+    assert result.output.splitlines() == ["corecap: error: --plot needs matplotlib (pip install matplotlib)"]
 
 
 def test_cli_errors_are_one_line(tmp_path):

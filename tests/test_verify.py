@@ -271,7 +271,7 @@ def test_not_a_store_is_one_line_exit_2(tmp_path):
     result = _invoke(str(tmp_path / "none"))
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
-        f"corecap: error: {tmp_path / 'none'}: not a corecap store (no LMDB data.mdb there)"
+        f"corecap: error: {tmp_path / 'none'}: not a corecap store (the path does not exist)"
     ]
     import lmdb
 

@@ -18,7 +18,9 @@ import shutil
 import threading
 
 from corecap.errors import CorecapError
-from corecap.config import REFUSED, EngineOptions, Layer, check_engine_arg
+from corecap.config import (
+    REFUSED, EngineOptions, Layer, UnknownOption, check_engine_arg, option_fields, unknown_option_message,
+)
 from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
 from corecap._vllm.scheduling import async_scheduling_asked, async_scheduling_on_cpu, prefix_caching_off_by_default
 
@@ -114,7 +116,8 @@ def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, .
     fields = set(EngineArgs.__dataclass_fields__)
     unknown = sorted(set(extra) - fields)
     if unknown:
-        raise CorecapError(f"engine argument {unknown[0]!r}: not one of vLLM's EngineArgs")
+        known = {n for n in fields if not n.startswith("_")} | {f.name for f in option_fields()}
+        raise UnknownOption(unknown_option_message(unknown[0], known))
     if "async_scheduling" in extra:  # an EngineOptions field, also given as vLLM's
         options = dataclasses.replace(options, async_scheduling=extra.pop("async_scheduling"))
     memory = options.gpu_memory_utilization

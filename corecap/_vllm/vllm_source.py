@@ -333,3 +333,12 @@ def _segment(text: str, node: ast.AST) -> str:
     lines = text.splitlines()
     first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
     return "\n".join(lines[first - 1 : node.end_lineno])
+
+
+def vllm_engine_arg_names() -> set[str]:
+    """vLLM's EngineArgs fields, read from its source without importing it (an empty set where
+    no vLLM is installed: its names are then checked when the engine is configured)."""
+    try:
+        return set(Source().cls("vllm.engine.arg_utils.EngineArgs").fields())
+    except Exception:  # no vLLM, or a layout this reader does not know: the adapter's check stands
+        return set()

@@ -314,7 +314,7 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
         summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers,
                                progress=progress, log=_log)
     click.echo(summary.line())
-    for note in summary.notes():
+    for note in summary.notes(warnings=False):  # the export's first lines said its warnings (export/driver.py)
         click.echo(note)
 
 
@@ -355,9 +355,11 @@ def trace(ctx, store, chrome, plot_path, steps, **options) -> None:
     """Where a run's time went: phase table, tokens/s, bottleneck; optionally a Chrome trace and a PNG."""
     from corecap.trace.analysis import summarize
     from corecap.trace.timeline import load_trace
+    from corecap.trace.views import check_plot
 
     given = [p for p in ctx.command.params
              if p.name in options and ctx.get_parameter_source(p.name) != click.core.ParameterSource.DEFAULT]
+    check_plot(plot_path)  # before the table, or a profiling run
     if steps is None:
         if given or ctx.args:
             first = "/".join(o for o in given[0].opts if o.startswith("--")) if given else ctx.args[0]

@@ -10,6 +10,7 @@
     #  "finish_reason": "eos" | "stop" | "length"}
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
                                          sampler=torch.utils.data.DistributedSampler(ds))
+    batches = torch.utils.data.DataLoader(ds, batch_size=4)  # padded: corecap/dataset/collate.py
 
 Index i is the i-th key in the store's key order (LMDB's, bytewise) among the samples committed
 when the dataset was made: a stable order, and a fixed length for samplers, even while a
@@ -18,15 +19,13 @@ to index them. Each item is read in one LMDB read transaction and its states are
 committed, so an item is never torn (and its checksum is checked as it decodes).
 
 Each item opens the store, reads and closes it again (cheap against decoding an EAGLE-3-sized
-sample: docs/benchmarks.md, "Export"): nothing is held open
-between items, so a DataLoader worker, forked or
-spawned, never uses an LMDB environment opened by another process (LMDB forbids that across
-fork), and a `Store` of the same directory may be opened in this process between items (py-lmdb
-refuses a second open of one environment in a process, since LMDB's locks are per process:
-don't hold one open while reading items). A sample without a loss mask gets all ones,
-as `corecap export` gives it. Only a generated sample's item has `num_prompt` and
-`finish_reason` (a capture-only store's items are as they were): a trainer filters on them with
-`item.get("finish_reason")`.
+sample: docs/benchmarks.md, "Export"): nothing is held open between
+items, so a DataLoader worker, forked or spawned, never uses an LMDB environment opened by another
+process (LMDB forbids that across fork), and a `Store` of the same directory may be held open in
+this process meanwhile (every `Store.open` of a store in a process shares one LMDB environment:
+corecap/store/envs.py). A sample without a loss mask gets all ones, as `corecap export` gives it.
+Only a generated sample's item has `num_prompt` and `finish_reason` (a capture-only store's items
+are as they were): a trainer filters on them with `item.get("finish_reason")`.
 
 In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
 trainer is done with an item (corecap/dataset/pool.py): torch's pickler would otherwise copy every
@@ -45,6 +44,7 @@ import torch.utils.data
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
 from corecap.dataset import pool
+from corecap.dataset.collate import Sample, pad_collate
 from corecap.store.store import Store
 
 
@@ -72,6 +72,8 @@ class StoreDataset(torch.utils.data.Dataset):
         positions = [stored.index(k) for k in self.layers]
         self._positions = None if positions == list(range(len(stored))) else positions
 
+    collate = staticmethod(pad_collate)  # a DataLoader's collate_fn: samples padded to the batch's longest
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -94,13 +96,13 @@ class StoreDataset(torch.utils.data.Dataset):
                       if alloc else states[self._positions])
         mask = sample.loss_mask
         num_tokens = len(sample.input_ids)
-        item = {
+        item = Sample({
             "key": key,
             "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
             "loss_mask": (torch.ones(num_tokens, dtype=torch.int64) if mask is None
                           else torch.from_numpy(mask.astype(np.int64))),
             "hidden_states": states,
-        }
+        })
         generation = sample.header.generation
         if generation is not None:  # what a trainer may filter on (e.g. drop responses cut off by length)
             item["num_prompt"] = generation.num_prompt

@@ -81,8 +81,9 @@ class ExportSummary:
             f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s ({rate:.2f} GB/s, {per_s:.1f} samples/s)"
         )
 
-    def notes(self) -> list[str]:
-        out = list(self.plan.notes)
+    def notes(self, warnings: bool = True) -> list[str]:
+        """What the user should know; `warnings=False`: without the warnings `export_store` logged first."""
+        out = [n for n in self.plan.notes if warnings or not n.startswith("warning: ")]
         if self.num_no_mask:
             out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: "
                        "exported with all ones (every token trained on)")

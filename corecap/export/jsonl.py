@@ -57,7 +57,7 @@ class JsonlSummary:
         return (f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens{generated}) as JSONL text, "
                 f"no hidden states; wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s")
 
-    def notes(self) -> list[str]:
+    def notes(self, warnings: bool = True) -> list[str]:  # as ExportSummary's (a text export warns of nothing)
         if not self.num_unknown:
             return []
         return [f"{self.num_unknown} of {self.num_samples} samples hold token ids the tokenizer has no token for "

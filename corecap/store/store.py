@@ -14,6 +14,7 @@ docs/store.md. Readers check the format version and refuse what they do not unde
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import msgspec
 
 from corecap.errors import CorecapError
 from corecap.store import refs, segments
+from corecap.store.envs import readers as _readers
 from corecap.store.checks import checked_header, stored_bytes
 from corecap.store.decode import decode_states
 from corecap.store.format import (
@@ -57,6 +59,7 @@ class Store:
         self.meta = meta
         self.reader = segments.SegmentReader(path)
         self.writer: segments.SegmentWriter | None = None  # made by the first append
+        self.shared_env = False  # a reader's environment, shared with this process's other readers (store/envs.py)
 
     @staticmethod
     def _open_env(path: str, readonly: bool) -> lmdb.Environment:
@@ -76,12 +79,14 @@ class Store:
     @classmethod
     def open(cls, path: str) -> "Store":
         path = os.fspath(path)
+        if not os.path.lexists(path):
+            raise CorecapError(f"{path}: not a corecap store (the path does not exist)")
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (no LMDB data.mdb there)")
         if not os.path.isfile(os.path.join(path, "data.mdb")) or not os.path.getsize(os.path.join(path, "data.mdb")):
             raise CorecapError(f"{path}: not a corecap store (its data.mdb is empty or not a file)")
         try:
-            env = cls._open_env(path, readonly=True)
+            env = _readers.open(path, functools.partial(cls._open_env, path, readonly=True))
         except lmdb.InvalidError as e:  # MDB_INVALID: not an LMDB file at all
             raise CorecapError(f"{path}: not a corecap store ({e})") from None
         except lmdb.Error as e:
@@ -91,10 +96,12 @@ class Store:
             raise CorecapError(f"{path}: cannot open the store's LMDB ({type(e).__name__}: {e})") from None
         try:
             with lmdb_errors(path, "its metadata"):
-                return cls(path, env, _read_meta(env, path))
+                store = cls(path, env, _read_meta(env, path))
         except BaseException:
-            env.close()
+            _readers.close(path, env)
             raise
+        store.shared_env = True
+        return store
 
     @classmethod
     def create_or_open(cls, path: str, meta: StoreMeta) -> "Store":
@@ -291,7 +298,10 @@ class Store:
             self.writer.close()
             self.writer = None
         self.reader.close()
-        self.env.close()
+        if self.shared_env:
+            _readers.close(self.path, self.env)
+        else:
+            self.env.close()
 
     def __enter__(self):
         return self

@@ -254,7 +254,9 @@ def summarize(trace: dict) -> str:
     share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
     head = f"{'phase':<22}{'count':>7}{'total s':>10}{'% wall':>8}{'p50 ms':>9}{'p95 ms':>9}{'max ms':>9}{'in fwd':>8}"
     out = [
-        f"{len(trace['steps'])} steps, {rate['num_tokens']} tokens, {len(trace['chunks'])} chunks, "
+        # A step's tokens are those the engine computed: a prefix-cache hit's tokens are stored, not computed.
+        f"{len(trace['steps'])} steps, {rate['num_tokens']} tokens computed (prefix-cache hits are not: `corecap run` "
+        f"counts every stored token), {len(trace['chunks'])} chunks, "
         f"{sum(c['num_samples'] for c in trace['commits'])} samples in {len(trace['commits'])} commits; "
         f"wall time {wall:.3f} s",
         head,

@@ -101,6 +101,17 @@ def _binned(values: np.ndarray, num_bins: int) -> np.ndarray:
     return np.nanmean(padded.reshape(count, size), axis=1)
 
 
+def check_plot(png_path: str | None) -> None:
+    """Refuse `--plot` at once where matplotlib is missing: before the table, or a profiling run, is printed."""
+    import importlib.util
+
+    if png_path and importlib.util.find_spec("matplotlib") is None:
+        raise CorecapError(_NO_MATPLOTLIB)
+
+
+_NO_MATPLOTLIB = "--plot needs matplotlib (pip install matplotlib)"
+
+
 def plot(trace: dict, png_path: str, title: str = "") -> None:
     """A timeline PNG: one row per track over time, and each step's phases stacked below."""
     try:
@@ -109,7 +120,7 @@ def plot(trace: dict, png_path: str, title: str = "") -> None:
         from matplotlib.patches import Patch
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise CorecapError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise CorecapError(_NO_MATPLOTLIB) from None
 
     rows = phases(trace)
     rate = throughput(trace)
