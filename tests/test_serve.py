@@ -1,10 +1,12 @@
 """`corecap serve` against a trainer's own online reader: speculators' `ArrowDataset` (its vLLM
-client, `generate_hidden_states`, and hs_connectors' `FileTransfer` / `FP8Transfer`) asks a live
-server for each sample's states while several clients ask at once (batched, chunked at 64
-tokens). What the reader loads must equal HF transformers' `output_hidden_states` (float32,
-1e-4 per token; fp8 within its own rounding) for a dense Llama and for DeepSeek-V3's MLA, which
-vLLM's own hidden-states connector refuses. Then the requests a server must survive, and
-SIGTERM: every file whole, none left half-written."""
+client, `generate_hidden_states`, and hs_connectors' `FileTransfer`, `FP8Transfer` and
+`MooncakeTransfer`) asks a live server for each sample's states while several clients ask at
+once (batched; the Llama's prompts chunked at 64 tokens). What the reader loads must equal HF
+transformers' `output_hidden_states` (float32, 1e-4 per token; fp8 within its own rounding) for
+DeepSeek-V3's MLA, which vLLM's own hidden-states connector refuses (file), and a dense Llama
+(fp8; Mooncake, through a `mooncake_master` the test starts). Then the requests a server must
+survive, a dead worker, and SIGTERM: every file whole, none left half-written. The servers run
+--enforce-eager (their engine starts in seconds): compiled capture is tests/test_capture.py's."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 from support import tiny_models
 from support.machine import in_ci
 from support.reference import VOCAB, record_error, relative_errors, write_jsonl
-from support.server import Server
+from support.server import MooncakeMaster, Server
 
 pytestmark = [pytest.mark.engine, pytest.mark.full]
 
@@ -66,11 +68,26 @@ def _arrow_dataset(path: Path, rows: list[dict]) -> str:
     return str(path)
 
 
-def _read_all(server: Server, rows: list[dict], tmp: Path, fp8: bool) -> list[dict]:
+def _mooncake():
+    try:
+        from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+        from hs_connectors.transfer import MooncakeTransfer
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as e:
+        message = (f"Mooncake ({e}): apt-get install libibverbs1; "
+                   "pip install --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1")
+        if in_ci():
+            pytest.fail(f"{message} (CI=true: mandatory)", pytrace=False)
+        pytest.skip(message)
+    return MooncakeHiddenStatesStore, MooncakeStoreConfig, MooncakeTransfer
+
+
+def _read_all(server: Server, rows: list[dict], tmp: Path, fp8: bool = False, transfer=None) -> list[dict]:
     """Every row through speculators' own online path, NUM_CLIENTS at a time."""
     ArrowDataset, FileTransfer, FP8Transfer = _speculators()
     hidden = Path(server.hidden_states_path)
-    transfer = FP8Transfer(hidden, dequantize_dtype=torch.float32) if fp8 else FileTransfer(hidden)
+    if transfer is None:
+        transfer = FP8Transfer(hidden, dequantize_dtype=torch.float32) if fp8 else FileTransfer(hidden)
     dataset = ArrowDataset(max_len=512, datapath=_arrow_dataset(tmp / "prepared", rows), transfer=transfer,
                            vllm_endpoint=f"{server.url}/v1", on_missing="generate",
                            hidden_states_dtype=torch.float32, max_retries=0)
@@ -107,6 +124,7 @@ def llama(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-llama")
     server = Server("--model", tiny_model, "--dtype", "float32", "--layers", ",".join(map(str, LLAMA_LAYERS)),
                     "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--hidden-states-backend", "fp8",
+                    "--enforce-eager",
                     hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
     yield server, tmp
     server.stop()
@@ -117,7 +135,7 @@ def mla(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-mla")
     model = tiny_models.build("deepseek_v3", str(tmp / "model"), seed=3)
     server = Server("--model", model, "--dtype", "float32", "--layers", ",".join(map(str, MLA_LAYERS)),
-                    "--max-num-seqs", "4", "--attention-backend", "CPU_MLA",
+                    "--max-num-seqs", "4", "--attention-backend", "CPU_MLA", "--enforce-eager",
                     hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
     yield server, tmp, model
     server.stop()
@@ -161,6 +179,41 @@ def test_speculators_reads_fp8_states_within_their_rounding(llama, tiny_model):
     reference = tiny_models.reference_in_a_process(tiny_model, write_jsonl(tmp / "rows.jsonl", rows),
                                                    str(tmp / "ref.pt"))
     _check_against_hf(got, rows, reference, LLAMA_LAYERS[:-2], "serve llama fp8", 0.05, fp8_tolerance=0.02)
+
+
+@pytest.fixture(scope="module")
+def mooncake(tiny_model, tmp_path_factory):
+    _mooncake()
+    tmp = tmp_path_factory.mktemp("serve-mooncake")
+    master = MooncakeMaster(str(tmp / "master.log"))
+    try:
+        server = Server("--model", tiny_model, "--dtype", "float32", "--layers", ",".join(map(str, LLAMA_LAYERS)),
+                        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--enforce-eager",
+                        "--hidden-states-backend", "mooncake", "--mooncake-master", master.address,
+                        "--mooncake-local-hostname", "127.0.0.1", "--mooncake-global-segment-gib", "0.25",
+                        "--mooncake-local-buffer-gib", "0.0625",
+                        hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
+        yield server, tmp, master
+        server.stop()
+    finally:
+        master.stop()
+
+
+def test_speculators_reads_states_from_mooncake_equal_to_hf(mooncake, tiny_model):
+    """No shared file system: each sample an object in the Mooncake store, read with speculators'
+    MooncakeTransfer (another client of the same master), which removes it once read."""
+    server, tmp, master = mooncake
+    MooncakeHiddenStatesStore, MooncakeStoreConfig, MooncakeTransfer = _mooncake()
+    reader = MooncakeHiddenStatesStore(MooncakeStoreConfig(
+        local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", master_server_address=master.address,
+        global_segment_size=0, local_buffer_size=64 << 20, protocol="tcp", device_name=""))
+    rows = _rows(VOCAB)
+    got = _read_all(server, rows, tmp, transfer=MooncakeTransfer(reader))
+    reference = tiny_models.reference_in_a_process(tiny_model, write_jsonl(tmp / "rows.jsonl", rows),
+                                                   str(tmp / "ref.pt"))
+    _check_against_hf(got, rows, reference, LLAMA_LAYERS[:-2], "serve llama mooncake", 1e-4)
+    assert not os.path.exists(server.hidden_states_path) or not [
+        n for n in os.listdir(server.hidden_states_path) if n.startswith("corecap-")]
 
 
 def _post(url: str, body, headers=None) -> tuple[int, dict]:

@@ -4,6 +4,7 @@ corecap/serve/)."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 
 import click
@@ -19,9 +20,22 @@ from corecap.errors import CorecapError
 @click.option("--api-key", type=str, default=None,
               help="Required from clients on /v1/* as `Authorization: Bearer KEY`.")
 @click.option("--served-model-name", type=str, default=None, help="The model's name in requests (default: --model).")
-@click.option("--hidden-states-backend", type=click.Choice(["file", "fp8"]), default="file", show_default=True,
-              help="How states reach the trainer: a safetensors file per request (file), or the same quantized "
-                   "to fp8 with a scale per token (fp8), as speculators' backends of these names read them.")
+@click.option("--hidden-states-backend", type=click.Choice(["file", "fp8", "mooncake"]), default="file",
+              show_default=True,
+              help="How states reach the trainer: a safetensors file per request (file), the same quantized to fp8 "
+                   "with a scale per token (fp8), or an object in a Mooncake store (mooncake), as speculators' "
+                   "backends of these names read them.")
+@click.option("--mooncake-master", type=str, default="127.0.0.1:50051", show_default=True,
+              help="The Mooncake master's address (--hidden-states-backend mooncake).")
+@click.option("--mooncake-metadata-server", type=str, default="P2PHANDSHAKE", show_default=True,
+              help="Mooncake's metadata server, as the trainer names it.")
+@click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True)
+@click.option("--mooncake-device", type=str, default="", help="RDMA device names (with --mooncake-protocol rdma).")
+@click.option("--mooncake-local-hostname", type=str, default=None,
+              help="This server's address as the trainer reaches it (default: the host name's address).")
+@click.option("--mooncake-global-segment-gib", type=click.FloatRange(min=0.001), default=4.0, show_default=True,
+              help="Memory this server gives the Mooncake store: the states put and not yet taken, at most.")
+@click.option("--mooncake-local-buffer-gib", type=click.FloatRange(min=0.001), default=2.0, show_default=True)
 @click.option("--hidden-states-path", type=str, default="/tmp/hidden_states", show_default=True,
               help="Directory the files are written to; the trainer reads and removes them.")
 @click.option("--hidden-states-quota-gb", type=click.FloatRange(min=0.001), default=16.0, show_default=True,
@@ -73,6 +87,7 @@ def _serve_config(extra_args: list[str], options: dict):
     """The frozen ServeConfig of `corecap serve`'s options."""
     from corecap.config import EngineOptions, RunConfig, parse_layers
     from corecap.serve.config import ServeConfig
+    from corecap.sink.mooncake import MooncakeOptions
 
     engine = EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE_NAMES}, extra_args=tuple(extra_args))
     layers = options["layers"]
@@ -83,4 +98,11 @@ def _serve_config(extra_args: list[str], options: dict):
         run=run, host=options["host"], port=options["port"], api_key=options["api_key"],
         served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],
         hidden_states_path=options["hidden_states_path"], quota_bytes=int(options["hidden_states_quota_gb"] * 2**30),
+        mooncake=MooncakeOptions(
+            master=options["mooncake_master"], metadata_server=options["mooncake_metadata_server"],
+            protocol=options["mooncake_protocol"], device=options["mooncake_device"],
+            local_hostname=options["mooncake_local_hostname"] or socket.gethostbyname(socket.gethostname()),
+            global_segment_bytes=int(options["mooncake_global_segment_gib"] * 2**30),
+            local_buffer_bytes=int(options["mooncake_local_buffer_gib"] * 2**30),
+        ),
     )

@@ -53,7 +53,12 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
 
         loop.on_failure = stop_serving
         stop = stop or threading.Event()
-        threading.Thread(target=lambda: stop.wait() or stop_serving(), daemon=True, name="corecap-stop").start()
+
+        def stop_when_asked() -> None:
+            stop.wait()
+            stop_serving()
+
+        threading.Thread(target=stop_when_asked, daemon=True, name="corecap-stop").start()
         log(f"serving {plan.model_name} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or SIGTERM stops)")
         try:
             server.run()

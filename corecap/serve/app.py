@@ -76,19 +76,19 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             metrics.answered(endpoint, 500)
             return None, error(500, str(e))
         try:
-            path = await _delivered(request, ticket, loop)
+            params = await _delivered(request, ticket, loop)
         except CorecapError as e:
             status = 503 if isinstance(e, ServerFull) else 500
             metrics.answered(endpoint, status)
             return None, error(status, str(e))
-        if path is None:  # the client went away
+        if params is None:  # the client went away
             metrics.answered(endpoint, 499)
             return None, Response(status_code=499)
         metrics.answered(endpoint, 200)
         ids = ticket.request.token_ids.tolist()
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
-        common = {"id": f"{endpoint}-{ticket.name.split('.')[0]}", "created": int(time.time()), "model": name,
-                  "usage": usage, "kv_transfer_params": {"hidden_states_path": path}}
+        common = {"id": f"{endpoint}-{ticket.name}", "created": int(time.time()), "model": name,
+                  "usage": usage, "kv_transfer_params": params}
         return ids, common
 
     @app.post("/v1/completions")
@@ -114,9 +114,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     return app
 
 
-async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> str | None:
-    """The file's path once written; None if the client disconnected first (its states are
-    then removed once written: nobody will take them)."""
+async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> dict | None:
+    """Where the states are once written (`kv_transfer_params`); None if the client disconnected
+    first (a file is then removed once written: nobody will take it)."""
     waiting = asyncio.wrap_future(ticket.future)
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from corecap.config import RunConfig
 from corecap.errors import CorecapError
+from corecap.sink.mooncake import MooncakeOptions
 
-BACKENDS = ("file", "fp8")  # speculators' --hidden-states-backend names that corecap serves
+BACKENDS = ("file", "fp8", "mooncake")  # speculators' --hidden-states-backend names that corecap serves
 DEFAULT_QUOTA_BYTES = 16 * 2**30
 
 
@@ -23,6 +24,7 @@ class ServeConfig:
     backend: str = "file"  # how the states reach the trainer: one of BACKENDS
     hidden_states_path: str = "/tmp/hidden_states"  # speculators' launcher's default
     quota_bytes: int = DEFAULT_QUOTA_BYTES  # states written and not yet taken by a reader, at most
+    mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)  # with backend "mooncake"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -3,8 +3,8 @@ the HTTP handlers' requests from any thread. Requests that arrive while others r
 next step (continuous batching, as `corecap run` batches a file); each is answered once the sink
 has written its file (corecap/sink/deliver.py).
 
-Every request's file name is the server's own (`corecap-NNNNNNNNNNNN.safetensors`, under
---hidden-states-path): no name a client sends ever becomes a path."""
+Every request's name is the server's own (`corecap-NNNNNNNNNNNN`: its file under
+--hidden-states-path, or its key in the Mooncake store): nothing a client sends becomes a path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from corecap.serve.quota import Quota
 from corecap.serve.requests import CaptureRequest
 from corecap.sink import Sink
 from corecap.sink.budget import StatesBudget
-from corecap.sink.deliver import DeliverSpec
+from corecap.sink.deliver import SUFFIX, DeliverSpec
+from corecap.sink.mooncake import manifest
 
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a request before checking the sink
 
@@ -32,7 +33,7 @@ class ServerFull(CorecapError):
 
 @dataclass
 class Ticket:
-    """One request on its way: its file, and the future its handler awaits."""
+    """One request on its way: its name, and the future its handler awaits (its kv_transfer_params)."""
 
     name: str
     request: CaptureRequest
@@ -45,6 +46,7 @@ class EngineLoop:
         self.plan, self.log, self.metrics = plan, log, metrics
         self.directory = os.path.abspath(plan.cfg.hidden_states_path)
         self.quota = Quota(self.directory, plan.cfg.quota_bytes)
+        self.mooncake = plan.cfg.backend == "mooncake"  # else files, counted by the quota
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.running: dict[str, Ticket] = {}
         self.wake = threading.Condition()
@@ -58,14 +60,15 @@ class EngineLoop:
     def start(self) -> None:
         """Start the sink and the engine (the weights load here), then the stepping thread."""
         from corecap._vllm import CaptureSpec, Engine, Replicas
-        from corecap.store.codec import DTYPES
+        from corecap.dtypes import DTYPES
 
         plan, run = self.plan, self.plan.cfg.run
-        fp8 = plan.cfg.backend == "fp8"
-        self.sink = Sink("", "raw", "stop", 1, plan.buffer_bytes,
-                         deliver=DeliverSpec(self.directory, plan.positions, fp8), layers=plan.layers)
-        token_bytes = len(plan.layers) * plan.vllm_config.model_config.get_hidden_size() * \
-            DTYPES[Engine.dtype_of(plan.vllm_config)].itemsize
+        spec = DeliverSpec(self.directory, plan.positions, fp8=plan.cfg.backend == "fp8",
+                           mooncake=plan.cfg.mooncake if self.mooncake else None)
+        self.sink = Sink("", "raw", "stop", 1, plan.buffer_bytes, deliver=spec, layers=plan.layers)
+        self.hidden_size = plan.vllm_config.model_config.get_hidden_size()
+        self.dtype = DTYPES[Engine.dtype_of(plan.vllm_config)]
+        token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
         self.budget = StatesBudget(plan.buffer_bytes, token_bytes, self.sink.released)
         capture = CaptureSpec(layers=plan.layers, ipc_path=self.sink.capture_path, ring=run.ring,
                               private_network=run.private_network)
@@ -85,12 +88,12 @@ class EngineLoop:
             raise CorecapError(self.failure)
         if self.stopping:
             raise ServerFull("the server is shutting down")
-        if not self.quota.fits():
+        if not self.mooncake and not self.quota.fits():
             raise ServerFull(f"--hidden-states-path {self.directory}: {self.quota.line()}; "
                              "the trainer has not taken the files written so far")
         with self.wake:
             self.num_requests += 1
-            ticket = Ticket(f"corecap-{self.num_requests:012d}.safetensors", request)
+            ticket = Ticket(f"corecap-{self.num_requests:012d}", request)
             self.waiting.append(ticket)
             self.metrics.queued = len(self.waiting)
             self.wake.notify()
@@ -99,8 +102,8 @@ class EngineLoop:
     def abandon(self, ticket: Ticket) -> None:
         """Its client went away: nobody will read its file."""
         ticket.abandoned = True
-        if ticket.future.done():
-            self.quota.remove(ticket.name)
+        if ticket.future.done() and not self.mooncake:
+            self.quota.remove(ticket.name + SUFFIX)
 
     def stop(self, timeout: float) -> None:
         """Answer what is in flight (within `timeout` seconds), then shut the engine and sink down."""
@@ -167,11 +170,16 @@ class EngineLoop:
             if delivered.error:
                 ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
                 continue
-            self.quota.add(ticket.name, delivered.nbytes)
-            self.metrics.delivered(len(ticket.request.token_ids), delivered.nbytes)
-            if ticket.abandoned:
-                self.quota.remove(ticket.name)
-            ticket.future.set_result(os.path.join(self.directory, ticket.name))
+            num_tokens = len(ticket.request.token_ids)
+            self.metrics.delivered(num_tokens, delivered.nbytes)
+            if self.mooncake:
+                params = manifest(ticket.name, num_tokens, len(self.plan.positions), self.hidden_size, self.dtype)
+            else:
+                self.quota.add(ticket.name + SUFFIX, delivered.nbytes)
+                if ticket.abandoned:
+                    self.quota.remove(ticket.name + SUFFIX)
+                params = {"hidden_states_path": os.path.join(self.directory, ticket.name + SUFFIX)}
+            ticket.future.set_result(params)
 
     def _fail(self, why: str) -> None:
         """The engine cannot go on: every request still here gets the error, and so does the server."""

@@ -22,27 +22,41 @@ import numpy as np
 import torch
 
 from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
+from corecap.sink.mooncake import MooncakeOptions, MooncakeWriter
 
 PARTIAL = ".partial"  # a file being written; never a name the server hands out
+SUFFIX = ".safetensors"
 
 
 @dataclass(frozen=True)
 class DeliverSpec:
-    """Where and how the sink writes each sample: `directory`/KEY, the stored layers at
-    `positions` (in the file's order), fp8 or the stored dtype."""
+    """Where and how the sink writes each sample: `directory`/KEY.safetensors, the stored layers at
+    `positions` (in the file's order), fp8 or the stored dtype; or into a Mooncake store."""
 
     directory: str
     positions: tuple[int, ...]
     fp8: bool = False
+    mooncake: MooncakeOptions | None = None
 
 
-def deliver(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> tuple[int, str]:
-    """`write_sample`, with a write that fails (a full disk) reported, not raised: it fails that
-    request, not the sink. Returns (bytes written, "") or (0, why)."""
-    try:
-        return write_sample(spec, name, token_ids, states), ""
-    except OSError as e:
-        return 0, f"{os.path.join(spec.directory, name)}: {e.strerror or e}"
+class Deliverer:
+    """The sink's end of `corecap serve`: each sample to a file, or to the Mooncake store (whose
+    client this keeps for as long as the server runs: its objects live in its segment)."""
+
+    def __init__(self, spec: DeliverSpec):
+        self.spec = spec
+        self.mooncake = MooncakeWriter(spec.mooncake) if spec.mooncake is not None else None
+
+    def deliver(self, name: str, token_ids: np.ndarray, states: torch.Tensor) -> tuple[int, str]:
+        """One sample (`states`: the stored layers [L_stored, T, H]); (bytes written, "") or, for
+        a write that fails (a full disk, a full store), (0, why): it fails that request, not the sink."""
+        try:
+            if self.mooncake is not None:
+                return self.mooncake.put(name, token_ids, torch.stack([states[p] for p in self.spec.positions], 1)), ""
+            return write_sample(self.spec, name + SUFFIX, token_ids, states), ""
+        except OSError as e:
+            where = "the Mooncake store" if self.mooncake is not None else os.path.join(self.spec.directory, name)
+            return 0, f"{where}: {e.strerror or e}"
 
 
 def write_sample(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> int:

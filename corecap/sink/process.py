@@ -30,7 +30,7 @@ from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
-from corecap.sink.deliver import DeliverSpec, deliver
+from corecap.sink.deliver import DeliverSpec, Deliverer
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
@@ -283,6 +283,7 @@ class _Loop:
         self.finishing = self.aborting = False
         self.rss_start = rss()
         if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
+            self.deliverer = Deliverer(spec.deliver)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
             return
         store = Store.open_for_writing(spec.store)
@@ -309,7 +310,7 @@ class _Loop:
 
     def _deliver(self, p) -> None:
         """A sample every position of which is here, to its file (`corecap serve`)."""
-        nbytes, error = deliver(self.spec.deliver, p.key, p.token_ids, p.stored_states())
+        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states())
         self.buffers.give(p.states)
         self.released.add(p.reserved)
         self.notify(Delivered(p.key, nbytes, error))

@@ -69,3 +69,37 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+class MooncakeMaster:
+    """Mooncake's master on a free localhost port, as a trainer's cluster runs one."""
+
+    def __init__(self, log_path: str):
+        import shutil
+
+        binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([binary, f"--rpc_port={self.port}", f"--metrics_port={free_port()}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"mooncake_master exited ({self.proc.returncode}): see {log_path}")
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(f"mooncake_master did not listen on {self.address} in 30 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

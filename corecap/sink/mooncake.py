@@ -1,0 +1,94 @@
+"""Each sample into a Mooncake store instead of a file (`corecap serve --hidden-states-backend
+mooncake`): no shared file system between the server and the trainer, only Mooncake's transfer
+engine. One object a sample, in the layout speculators' reader (hs_connectors'
+`MooncakeHiddenStatesStore.get_sample`) loads: `hidden_states` [T, L, H] in the captured dtype,
+then `token_ids` [T] int64, each at a 64-byte-aligned offset, described by the manifest the
+server answers with (`kv_transfer_params`). A write that fails leaves `KEY:error` ({"error": why})
+for the reader, which waits for one key or the other.
+
+The objects live in the segment this process (the sink) gives the store: they last as long as
+the server runs, and the trainer removes each once read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from corecap.errors import CorecapError
+
+ALIGN = 64  # each tensor's offset in the object, as hs_connectors packs them
+VERSION = 1  # the manifest's version that speculators' reader takes
+ERROR_SUFFIX = ":error"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeOptions:
+    """How the server joins the Mooncake store: speculators' launcher's settings, same defaults."""
+
+    master: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device: str = ""
+    local_hostname: str = "127.0.0.1"  # where the trainer reaches this server's segment
+    global_segment_bytes: int = 4 << 30  # what the server gives the store: the states not yet taken
+    local_buffer_bytes: int = 2 << 30
+
+
+def layout(num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype) -> tuple[dict, int]:
+    """Each tensor's shape, dtype (torch's name), bytes and offset; the object's aligned size."""
+    tensors, offset = {}, 0
+    for name, shape, kind in (("hidden_states", [num_tokens, num_layers, hidden_size], dtype),
+                              ("token_ids", [num_tokens], torch.int64)):
+        nbytes = int(np.prod(shape)) * kind.itemsize
+        tensors[name] = {"shape": shape, "dtype": str(kind), "nbytes": nbytes, "offset": offset}
+        offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+    return tensors, offset
+
+
+def manifest(handle: str, num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype) -> dict:
+    """What the server answers with: where the sample is, and how to read it."""
+    tensors, total = layout(num_tokens, num_layers, hidden_size, dtype)
+    return {"handle": handle, "version": VERSION, "tensors": tensors,
+            "metadata": {"num_tokens": num_tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only"}}
+
+
+class MooncakeWriter:
+    """The sink's client of the Mooncake store (its segment holds what the server puts)."""
+
+    def __init__(self, options: MooncakeOptions):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise CorecapError(f"--hidden-states-backend mooncake needs Mooncake's transfer engine ({e}): "
+                               "pip install mooncake-transfer-engine (mooncake-transfer-engine-non-cuda "
+                               "without CUDA; it needs libibverbs1)") from None
+        self.store = MooncakeDistributedStore()
+        status = self.store.setup(options.local_hostname, options.metadata_server, options.global_segment_bytes,
+                                  options.local_buffer_bytes, options.protocol, options.device, options.master)
+        if status != 0:
+            raise CorecapError(f"--mooncake-master {options.master}: joining the Mooncake store failed (status "
+                               f"{status}); is mooncake_master running there, with --mooncake-metadata-server "
+                               f"{options.metadata_server} as its clients use?")
+
+    def put(self, handle: str, token_ids: np.ndarray, states: torch.Tensor) -> int:
+        """One sample (`states` [T, L, H]) under `handle`; its bytes. Raises OSError if the store
+        refuses it (full: the trainer has not taken enough of what was put)."""
+        tensors, total = layout(states.shape[0], states.shape[1], states.shape[2], states.dtype)
+        packed = torch.zeros(total, dtype=torch.uint8)
+        hs, ids = tensors["hidden_states"], tensors["token_ids"]
+        packed[hs["offset"] : hs["offset"] + hs["nbytes"]].copy_(states.contiguous().view(-1).view(torch.uint8))
+        packed[ids["offset"] : ids["offset"] + ids["nbytes"]].copy_(
+            torch.from_numpy(np.asarray(token_ids, np.int64)).view(torch.uint8))
+        self.store.register_buffer(packed.data_ptr(), total)
+        try:
+            status = self.store.put_from(handle, packed.data_ptr(), total)
+        finally:
+            self.store.unregister_buffer(packed.data_ptr())
+        if status != 0:
+            why = f"the Mooncake store refused {total:,} bytes (status {status}: full, or unreachable)"
+            self.store.put(handle + ERROR_SUFFIX, json.dumps({"error": why}).encode())
+            raise OSError(why)
+        return total
