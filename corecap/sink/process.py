@@ -34,6 +34,7 @@ from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
+from corecap.store import lock
 from corecap.store.generated import Generation
 from corecap.transport import ring, wire
 
@@ -66,6 +67,7 @@ class SinkSpec:
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
     released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
     commit_delay: float = 0.0  # config.TestHooks
+    parent_holds_lock: bool = False  # the run holds the store's writer lock (corecap/store/lock.py)
 
 
 class Sink:
@@ -90,7 +92,7 @@ class Sink:
         self.decoder = msgspec.msgpack.Decoder(Status)
         self.released = Released()
         spec = SinkSpec(store, self.dir, codec, nonfinite, num_threads, buffer_bytes, os.getpid(), tcp_address,
-                        block_size, self.released, commit_delay)
+                        block_size, self.released, commit_delay, lock.holds(store))
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -215,6 +217,8 @@ def main(spec: SinkSpec) -> None:
     import torch
 
     torch.set_num_threads(_TORCH_THREADS)
+    if spec.parent_holds_lock:
+        lock.trust_parent(spec.store)
     ctx = zmq.Context()
     status = ctx.socket(zmq.PUSH)
     status.connect(f"ipc://{os.path.join(spec.ipc_dir, _STATUS)}")
