@@ -33,7 +33,7 @@ class RunLog:
         self.store = store
         self.path = os.path.join(store, LOG_FILE)
         # An existing directory's log stays where it is, whatever happens; a run that makes one
-        # (its writer lock may, corecap/store/lock.py) logs there only once the store is made.
+        # (its writer lock may, corecap/writer_lock.py) logs there only once the store is made.
         self.in_store = os.path.isdir(store)
         self.verbose = verbose
         self.terminal_out = self.terminal_err = None
@@ -104,6 +104,15 @@ class RunLog:
             self.terminal_err.close()
             self.file.close()
         self._settle()
+
+    def final_error(self, error: str, internal: bool) -> str:
+        """The failed run's one line, once the log is closed. A run refused before it made the
+        store leaves nothing: its one line says all its log would (a bug's traceback stays)."""
+        if not self.in_store and not internal:
+            os.unlink(self.path)
+            return f"{error}; no store was made"
+        traceback = f" (the traceback is in {self.path})" if internal else ""
+        return f"{error}; no store was made{traceback}" if not self.in_store else f"{error}{traceback}"
 
     def _settle(self) -> None:
         """A store this run made gets the temporary log (appended: a concurrent run may have

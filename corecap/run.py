@@ -26,7 +26,8 @@ from corecap.plan import Plan, conversations, prepare, token_bytes
 from corecap.progress import Progress
 from corecap.sink import Done, Failed, Sink
 from corecap.sink.budget import StatesBudget
-from corecap.store import FP8, lock
+from corecap import writer_lock as lock
+from corecap.store import FP8
 from corecap.trace.analysis import workers_line
 from corecap.trace.timeline import write_trace
 from corecap.transport import shm

@@ -17,7 +17,7 @@ import time
 
 import click
 
-from corecap import __version__
+from corecap import __version__, writer_lock
 from corecap.cli.options import (
     _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _run_config, _with,
 )
@@ -89,38 +89,28 @@ def run(ctx, store, verbose, **options) -> None:
     import traceback
 
     from corecap.console import RunLog
-    from corecap.run import Interrupted
-    from corecap.store import lock
 
-    cfg = _run_config(store, ctx.args, options)
     runlog = RunLog(store, verbose)  # before the lock makes the directory: whether it was there
     error, internal, status = None, False, 2
-    # The store's writer lock first: a second run on this store is refused here, before it writes
-    # to the first one's log, reads the data or imports vLLM.
-    with lock.held(store), runlog:
-        try:
-            summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
-        except CorecapError as e:
-            runlog.record(f"corecap: error: {e}\n")
-            error = str(e)
-            status = e.exit_status if isinstance(e, Interrupted) else 2
-        except Exception as e:  # a bug: one line here, the traceback in the log
-            runlog.record(traceback.format_exc())
-            error, internal = f"internal error: {type(e).__name__}: {e}", True
-        else:
-            runlog.say(summary.line(), err=False)
-    # Where the log is, known once it is closed. A run refused before it made the store leaves
-    # nothing: its one line says all its log would (a bug's traceback stays in a temporary file).
-    if error is not None and not runlog.in_store:
-        if not internal:
-            os.unlink(runlog.path)
-            raise CorecapError(f"{error}; no store was made")
-        raise CorecapError(f"{error}; no store was made (the traceback is in {runlog.path})")
-    if error is not None and status != 2:
-        click.echo(f"corecap: error: {error}", err=True)
+    # The writer lock first: a second run on this store is refused in its first second (nothing
+    # heavy imported yet), before it writes to the first one's log, reads the data or imports vLLM.
+    with writer_lock.held(store):
+        cfg = _run_config(store, ctx.args, options)
+        with runlog:
+            try:
+                summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
+            except CorecapError as e:
+                runlog.record(f"corecap: error: {e}\n")
+                error = str(e)
+                status = getattr(e, "exit_status", 2)  # run.Interrupted: the signal's
+            except Exception as e:  # a bug: one line here, the traceback in the log
+                runlog.record(traceback.format_exc())
+                error, internal = f"internal error: {type(e).__name__}: {e}", True
+            else:
+                runlog.say(summary.line(), err=False)
+    if error is not None:  # known once the log is closed: where it is
+        click.echo(f"corecap: error: {runlog.final_error(error, internal)}", err=True)
         sys.exit(status)
-    if error is not None:
-        raise CorecapError(f"{error} (the traceback is in {runlog.path})" if internal else error)
 
 
 @main.command()

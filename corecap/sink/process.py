@@ -34,7 +34,7 @@ from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
-from corecap.store import lock
+from corecap import writer_lock as lock
 from corecap.store.generated import Generation
 from corecap.transport import ring, wire
 
@@ -67,7 +67,7 @@ class SinkSpec:
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
     released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
     commit_delay: float = 0.0  # config.TestHooks
-    parent_holds_lock: bool = False  # the run holds the store's writer lock (corecap/store/lock.py)
+    parent_holds_lock: bool = False  # the run holds the store's writer lock (corecap/writer_lock.py)
 
 
 class Sink:

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from corecap.errors import CorecapError
-from corecap.store.lock import LOCK_FILE, check_unlocked, take as _take_lock  # noqa: F401 (their old home)
+from corecap.writer_lock import LOCK_FILE, check_unlocked, take as _take_lock  # noqa: F401 (their old home)
 from corecap.store.spill import Spilled, remove_stale
 
 SEGMENT_BYTES = 4 << 30

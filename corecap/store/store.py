@@ -30,7 +30,7 @@ from corecap.store.format import (
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
-# a run given an existing directory logs there before the store exists, and locks it first (store/lock.py)
+# a run given an existing directory logs there before the store exists, and locks it first (corecap/writer_lock.py)
 _OWN_FILES = {"corecap.log", segments.LOCK_FILE}
 
 
