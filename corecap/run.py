@@ -23,7 +23,7 @@ from corecap.config import FP8_ENCODE_THREADS, RunConfig
 from corecap.generation import Response, Responses, request_seed
 from corecap.summary import RunSummary
 from corecap.plan import Plan, conversations, prepare, token_bytes
-from corecap.progress import Progress
+from corecap.progress import Heartbeat, Progress
 from corecap.sink import Done, Failed, Sink
 from corecap.sink.budget import StatesBudget
 from corecap import writer_lock as lock
@@ -154,7 +154,8 @@ class _Capture:
             self.nodes.watch(on_death=self._node_died)
         record.watch()
         first = plan.vllm_config if len(plan.devices) == 1 else None
-        self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first)
+        with Heartbeat("engine starting", self.log) as heartbeat:  # vLLM's own log goes to the run's log only
+            self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first, heartbeat.phase)
         record.stop_watching()
         sink.watch(on_death=self.engine.interrupt)
         self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")
