@@ -298,7 +298,9 @@ class _Capture:
             self.progress.close()
             self.progress = None
         result = sink.abort()  # whatever went wrong, keep every complete sample
-        if isinstance(e, (KeyboardInterrupt, Interrupted)):
+        # A stop requested is the cause, whatever it broke on its way (SIGTERM to the whole process
+        # group, or Ctrl-C while vLLM's workers start, ends them as well).
+        if isinstance(e, (KeyboardInterrupt, Interrupted)) or self.stop.reason is not None:
             kept = result.num_committed if result is not None else "an unknown number of"
             reason = self.stop.reason or "Ctrl-C"
             number = signal.SIGINT if reason == "Ctrl-C" else getattr(signal, reason, signal.SIGTERM)
