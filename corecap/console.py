@@ -8,8 +8,8 @@ the terminal with `verbose`), while corecap writes its own lines to copies of th
 descriptors. `__exit__` puts the descriptors back and drains the pipe.
 
 A run on a store that does not exist yet logs to a temporary file, moved into the store once the
-run has made it: a run refused before it made the store leaves no directory behind, only that
-file (the CLI's error names it).
+run has made it: a run refused before it made the store leaves no directory behind, and the CLI
+removes that file (the one-line error says what it would).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class RunLog:
     def __init__(self, store: str, verbose: bool = False):
         self.store = store
         self.path = os.path.join(store, LOG_FILE)
-        self.in_store = os.path.isdir(store)  # an existing store's log stays where it is, whatever happens
+        # An existing directory's log stays where it is, whatever happens; a run that makes one
+        # (its writer lock may, corecap/writer_lock.py) logs there only once the store is made.
+        self.in_store = os.path.isdir(store)
         self.verbose = verbose
         self.terminal_out = self.terminal_err = None
         self._saved: list[int] = []
@@ -103,10 +105,19 @@ class RunLog:
             self.file.close()
         self._settle()
 
+    def final_error(self, error: str, internal: bool) -> str:
+        """The failed run's one line, once the log is closed. A run refused before it made the
+        store leaves nothing: its one line says all its log would (a bug's traceback stays)."""
+        if not self.in_store and not internal:
+            os.unlink(self.path)
+            return f"{error}; no store was made"
+        traceback = f" (the traceback is in {self.path})" if internal else ""
+        return f"{error}; no store was made{traceback}" if not self.in_store else f"{error}{traceback}"
+
     def _settle(self) -> None:
         """A store this run made gets the temporary log (appended: a concurrent run may have
         started one there); a run refused before it made the store keeps it where it is."""
-        if self.in_store or not os.path.isdir(self.store):
+        if self.in_store or not os.path.exists(os.path.join(self.store, "data.mdb")):
             return
         path = os.path.join(self.store, LOG_FILE)
         with open(self.path, "rb") as src, open(path, "ab") as dst:

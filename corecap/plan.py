@@ -51,6 +51,10 @@ def prepare(cfg: RunConfig, log) -> Plan:
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
+    # Every bad row of the input at once, before vLLM's import; their lengths once --max-len is known.
+    data.check_rows(data_path, vocab_size=identity.vocab_size, overflow=cfg.overflow, invalid=cfg.invalid,
+                    shard=cfg.shard, max_tokens=cfg.sampling.max_tokens,
+                    all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all")
     check_checkpoint(model_dir, cfg.engine.load_format)  # whole, before vLLM is asked anything
     layers = resolve_layers(cfg.layers, identity.num_layers)
     # vLLM's contract (its source first), the preflight

@@ -11,6 +11,7 @@ which the CLI sets from SIGTERM and Ctrl-C) and runs from any thread."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 
@@ -22,9 +23,10 @@ from corecap.config import FP8_ENCODE_THREADS, RunConfig
 from corecap.generation import Response, Responses, request_seed
 from corecap.summary import RunSummary
 from corecap.plan import Plan, conversations, prepare, token_bytes
-from corecap.progress import Progress
+from corecap.progress import Heartbeat, Progress
 from corecap.sink import Done, Failed, Sink
 from corecap.sink.budget import StatesBudget
+from corecap import writer_lock as lock
 from corecap.store import FP8
 from corecap.trace.analysis import workers_line
 from corecap.trace.timeline import write_trace
@@ -32,7 +34,12 @@ from corecap.transport import shm
 
 
 class Interrupted(CorecapError):
-    """A stop was requested (SIGTERM, Ctrl-C): the run stopped early after committing every complete sample."""
+    """A stop was requested (SIGTERM, Ctrl-C): the run stopped early after committing every complete sample.
+    `exit_status`: the shell's for the signal that asked, 128 + its number (130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, exit_status: int = 128 + signal.SIGINT):
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 class Stop:
@@ -53,17 +60,18 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
     from corecap._vllm import environment
 
     stop = stop or Stop()
-    removed = shm.remove_left_behind()  # a killed run's RAM, before this run needs its own
-    if removed.num_files:
-        log(removed.line())
-    with environment():
-        plan = prepare(cfg, log)
-        if plan.todo == 0:
-            n = plan.total
-            return RunSummary(store=cfg.store, num_samples=n, num_committed=0, num_skipped=n, num_tokens=0, nbytes=0,
-                              seconds=0.0, outcomes=plan.dataset.outcomes())
-        capture = _Capture(plan, log, stop, terminal or sys.stderr)
-        done = capture.run()
+    with lock.held(cfg.store):  # the one writer from the start: a second run is refused before any work
+        removed = shm.remove_left_behind()  # a killed run's RAM, before this run needs its own
+        if removed.num_files:
+            log(removed.line())
+        with environment():
+            plan = prepare(cfg, log)
+            if plan.todo == 0:
+                n = plan.total
+                return RunSummary(store=cfg.store, num_samples=n, num_committed=0, num_skipped=n, num_tokens=0,
+                                  nbytes=0, seconds=0.0, outcomes=plan.dataset.outcomes())
+            capture = _Capture(plan, log, stop, terminal or sys.stderr)
+            done = capture.run()
     if stop.reason is not None:
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
     if capture.conversations.line():
@@ -91,6 +99,7 @@ class _Capture:
         self.workers: list[dict] = []
         self.start = self.end = time.time()
         self.engine = None
+        self.progress: Progress | None = None  # while the loop runs: a failure ends its line first
         self.responses = Responses()
         self.budget: StatesBudget | None = None  # with the sink
         self.conversations = conversations(plan)
@@ -148,7 +157,8 @@ class _Capture:
             self.nodes.watch(on_death=self._node_died)
         record.watch()
         first = plan.vllm_config if len(plan.devices) == 1 else None
-        self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first)
+        with Heartbeat("engine starting", self.log) as heartbeat:  # vLLM's own log goes to the run's log only
+            self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first, heartbeat.phase)
         record.stop_watching()
         sink.watch(on_death=self.engine.interrupt)
         self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")
@@ -158,8 +168,9 @@ class _Capture:
             self.log(f"vLLM's rotary position table differed from its definition: {line}")
         self.log(f"capturing {plan.todo} samples")
         self.start = time.time()
-        progress = Progress(plan.todo, cfg.progress, self.terminal)
+        progress = self.progress = Progress(plan.todo, cfg.progress, self.terminal)
         self._loop(sink, progress)
+        self.progress = None
         progress.close()
         if self.engine.prefix_line():
             self.log(self.engine.prefix_line())
@@ -290,12 +301,19 @@ class _Capture:
     def _failed(self, e: BaseException, sink: Sink) -> BaseException:
         """The one error a failed run raises, once the sink has committed what is complete."""
         sink.unwatch()
+        if self.progress is not None:  # the one line that follows is on a line of its own
+            self.progress.close()
+            self.progress = None
         result = sink.abort()  # whatever went wrong, keep every complete sample
-        if isinstance(e, (KeyboardInterrupt, Interrupted)):
+        # A stop requested is the cause, whatever it broke on its way (SIGTERM to the whole process
+        # group, or Ctrl-C while vLLM's workers start, ends them as well).
+        if isinstance(e, (KeyboardInterrupt, Interrupted)) or self.stop.reason is not None:
             kept = result.num_committed if result is not None else "an unknown number of"
+            reason = self.stop.reason or "Ctrl-C"
+            number = signal.SIGINT if reason == "Ctrl-C" else getattr(signal, reason, signal.SIGTERM)
             return Interrupted(
                 f"interrupted: kept {kept} complete samples committed to {self.cfg.store} this run; "
-                "rerun the same command to resume"
+                "rerun the same command to resume", 128 + number,
             )
         if not isinstance(e, CorecapError):
             return e

@@ -93,19 +93,16 @@ def test_a_quiet_terminal_and_the_whole_log_in_the_store(demo_store):
     assert first in log and result.stdout.strip() in log
 
 
-def test_a_run_refused_before_it_makes_the_store_leaves_no_directory(tmp_path):
-    """No `corecap.lmdb/` holding only a log (which `verify` calls not a store): the log of a
-    refused run is a temporary file, which the one-line error names."""
+def test_a_run_refused_before_it_makes_the_store_leaves_nothing(tmp_path):
+    """No `corecap.lmdb/` holding only a log or the writer lock (which `verify` calls not a
+    store), and no temporary log: the one-line error says all it would."""
     missing = tmp_path / "no-such-model"
     r = corecap("run", "--model", str(missing), "--store", "new.lmdb", cwd=tmp_path,
                 env_extra={"TMPDIR": str(tmp_path)}, check=False)
-    (log,) = tmp_path.glob("corecap-new.lmdb-*.log")
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"corecap: error: --model {missing}: no such directory (expected a HF model directory); "
-        f"no store was made (this run's log: {log})"
+        f"corecap: error: --model {missing}: no such directory (expected a HF model directory); no store was made"
     )
-    assert not (tmp_path / "new.lmdb").exists()
-    assert f"corecap: error: --model {missing}: no such directory" in log.read_text()
+    assert not (tmp_path / "new.lmdb").exists() and not list(tmp_path.glob("corecap-*"))
 
 
 def test_a_refused_run_on_an_existing_directory_logs_there(tmp_path):
@@ -117,6 +114,7 @@ def test_a_refused_run_on_an_existing_directory_logs_there(tmp_path):
     )
     assert "corecap: error: --model ./absent" in (tmp_path / "old.lmdb" / "corecap.log").read_text()
     assert not list(tmp_path.glob("corecap-*.log"))
+    assert [p.name for p in (tmp_path / "old.lmdb").iterdir()] == ["corecap.log"]  # its writer lock is gone
 
 
 def test_the_log_moves_into_the_store_the_run_made(tmp_path, monkeypatch):
@@ -129,10 +127,12 @@ def test_the_log_moves_into_the_store_the_run_made(tmp_path, monkeypatch):
     store = tmp_path / "made.lmdb"
     with RunLog(str(store)) as log:
         log.record("before the store\n")
-        store.mkdir()
+        store.mkdir()  # as the run's writer lock makes it: not yet a store
+        log.record("made\n")
+        (store / "data.mdb").write_bytes(b"")  # as Store.create_or_open makes it
         log.record("after\n")
     assert log.path == str(store / "corecap.log") and log.in_store
-    assert (store / "corecap.log").read_text().endswith("before the store\nafter\n")
+    assert (store / "corecap.log").read_text().endswith("before the store\nmade\nafter\n")
     assert not list((tmp_path / "tmp").iterdir())
 
 

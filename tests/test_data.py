@@ -141,3 +141,50 @@ def test_default_layers():
     assert default_layers(32) == (2, 16, 29, 32, "prenorm")
     assert default_layers(8) == (2, 4, 5, 8, "prenorm")
     assert default_layers(2) == (0, 1, 2, "prenorm")
+
+
+def test_every_bad_row_in_one_run_before_vllm(tmp_path, tiny_model):
+    """Three bad rows: one `corecap run` lists all three as FILE:LINE, with the option that accepts
+    the chat row with only a user turn, before vLLM is imported; nothing is left
+    behind (no store directory, no temporary log). vLLM not imported is the check: the time
+    depends on the machine's load (most of it importing torch and transformers)."""
+    import subprocess
+    import sys
+    import time
+
+    rows = ['{"id": "a", "input_ids": [1, 2, 3]}', '{"id": "b", "input_ids": [1, 2', '{"id": "a", "input_ids": [4]}',
+            '{"id": "c", "messages": [{"role": "user", "content": "hi"}]}', '{"id": "d", "input_ids": [5, 6]}']
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    script = ("import sys, corecap.cli\n"
+              "try:\n    corecap.cli.main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+              "print('vllm imported:', 'vllm' in sys.modules, 'exit', code)\n")
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script, "run", "--model", tiny_model, "--data", str(data),
+                        "--store", "new.lmdb"], cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)},
+                       capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == f"corecap: error: --data {data}: 3 rows cannot be captured " \
+                       "(--invalid skip leaves out the invalid ones):", r.stderr
+    assert lines[1].startswith(f"  {data}:2: not valid JSON")
+    assert lines[2] == f"  {data}:3: duplicate id 'a' (first seen on line 1)"
+    assert lines[3] == (f"  {data}:4: field 'messages' has no assistant turn "
+                        "(nothing to train on; add --max-tokens N to let the model answer it); no store was made")
+    assert r.stdout.strip() == "vllm imported: False exit 2", r.stdout
+    print(f"refused in {elapsed:.1f} s")  # most of it importing torch and transformers
+    assert not (tmp_path / "new.lmdb").exists() and not list(tmp_path.glob("corecap-*"))
+
+
+def test_more_bad_rows_than_listed_are_counted(tmp_path):
+    from corecap.data import check_rows
+    from corecap.data.problems import MAX_PROBLEMS
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 99]}] * (MAX_PROBLEMS + 5))
+    with pytest.raises(CorecapError) as e:
+        check_rows(data, vocab_size=10)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"--data {data}: {MAX_PROBLEMS + 5} rows cannot be captured " \
+                       "(--invalid skip leaves out the invalid ones):"
+    assert lines[1] == f"  {data}:1: token id 99 at position 1 is outside the vocabulary [0, 10)"
+    assert len(lines) == 1 + MAX_PROBLEMS + 1 and lines[-1] == "  and 5 more"

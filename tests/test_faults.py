@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass, field, replace
@@ -302,6 +304,14 @@ def _sigterm(run, worker: psutil.Process, pause_file: str) -> str:
     return ""
 
 
+def _ctrl_c(run, worker: psutil.Process, pause_file: str) -> str:
+    """The paused worker goes on, and SIGINT comes to the whole process group at once, as a
+    terminal's Ctrl-C sends it: to the driver, the sink and vLLM's workers alike."""
+    os.unlink(pause_file)
+    os.killpg(run.pgid, signal.SIGINT)
+    return ""
+
+
 def _kill_a_worker(run, worker: psutil.Process, pause_file: str) -> str:
     os.kill(worker.pid, signal.SIGKILL)
     return str(worker.pid)
@@ -309,14 +319,34 @@ def _kill_a_worker(run, worker: psutil.Process, pause_file: str) -> str:
 
 @pytest.fixture(scope="module")
 def interrupted(inputs, reference):
-    """One store: a run that loses a worker, a rerun stopped by SIGTERM, a rerun to the end.
-    Each is interrupted at step PAUSE_AT_STEP of its own capture, after a commit (to show that
-    what was committed is kept), with nearly all its steps still to come."""
+    """One store: a run that loses a worker, a rerun stopped by SIGTERM, one stopped by a
+    terminal's Ctrl-C, a rerun to the end, with a second run started 1 s after it on the same
+    store (`Refused`). Each is interrupted at step PAUSE_AT_STEP of its own capture, after a
+    commit (to show that what was committed is kept), with nearly all its steps still to come."""
     cmd = _command(inputs, "interrupted")
     worker_died = _stop(cmd, "worker-death", _kill_a_worker)
     terminated = _stop(cmd, "sigterm", _sigterm)
-    final, _ = kill_loop.timed_run(cmd, "after-interruptions", timeout=900)
-    return cmd, terminated, worker_died, final
+    ctrl_c = _stop(cmd, "ctrl-c", _ctrl_c)
+    outcomes = []
+    final_run = threading.Thread(target=lambda: outcomes.append(kill_loop.timed_run(cmd, "after-interruptions", 900)))
+    final_run.start()
+    time.sleep(1)
+    start = time.monotonic()
+    second = subprocess.run(cmd.argv, cwd=cmd.workdir, env={**os.environ, **cmd.env}, capture_output=True, text=True,
+                            timeout=300)
+    refused = Refused(second, time.monotonic() - start, kill_loop.Run.started[-1].proc.pid)
+    final_run.join()
+    final, _ = outcomes[0]
+    return cmd, terminated, worker_died, final, ctrl_c, refused
+
+
+@dataclass
+class Refused:
+    """A second `corecap run` on the store, started 1 s after the first."""
+
+    result: subprocess.CompletedProcess
+    seconds: float
+    first_pid: int
 
 
 def _stop_problems(s: Stopped, ipc: bool = True) -> list[str]:
@@ -510,7 +540,7 @@ def test_a_dead_worker_not_yet_reaped_is_named():
 
 @pytest.mark.full
 def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
-    _, s, _, _ = interrupted
+    _, s, _, _, _, _ = interrupted
     last = s.run.last_stderr_line()
     print(f"\nSIGTERM at {s.signal_at:.1f}s: exit {s.returncode} after {s.seconds_to_exit:.1f}s; last line: {last}")
     problems = _stop_problems(s)
@@ -527,7 +557,7 @@ def test_sigterm_stops_promptly_commits_and_cleans_up(interrupted):
 
 @pytest.mark.full
 def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
-    _, _, s, _ = interrupted
+    _, _, s, _, _, _ = interrupted
     last = s.run.last_stderr_line()
     print(
         f"\nworker pid {s.detail} killed at {s.signal_at:.1f}s "
@@ -555,10 +585,42 @@ def test_worker_death_is_noticed_named_and_commits_nothing_partial(interrupted):
 
 @pytest.mark.full
 def test_reruns_after_sigterm_and_worker_death_complete_the_store(interrupted, reference):
-    cmd, _, _, final = interrupted
+    cmd, _, _, final, _, _ = interrupted
     assert final.returncode == 0 and not final.failed, f"{final.line()}\n{final.stderr_tail}"
     assert final.committed_after == NUM_SAMPLES
     _assert_matches_reference(reference[0], cmd.store)
+
+
+@pytest.mark.full
+def test_ctrl_c_to_the_process_group_stops_the_run_as_the_driver_decides(interrupted):
+    """SIGINT to the whole group, as a terminal sends it: vLLM's workers and the sink ignore it,
+    the driver commits what is complete, stops them and says so on its own last line; exit 130,
+    nothing left in /dev/shm (`_stop_problems`), the store verified."""
+    _, _, _, _, s, _ = interrupted
+    last = s.run.last_stderr_line()
+    print(f"\nCtrl-C at {s.signal_at:.1f}s: exit {s.returncode} after {s.seconds_to_exit:.1f}s; last line: {last}")
+    problems = _stop_problems(s)
+    if s.committed_after >= NUM_SAMPLES:
+        problems.append("the run finished before Ctrl-C came: nothing was tested")
+    kept = s.committed_after - s.committed_before_run
+    expected = f"corecap: error: interrupted: kept {kept} complete samples committed to {s.run.cmd.store} this run; "
+    if not last.startswith(expected):
+        problems.append(f"the last line is {last!r}, expected it to start {expected!r}")
+    if s.returncode != 130:
+        problems.append(f"exit status {s.returncode}, expected 130 (interrupted by SIGINT)")
+    assert not problems, "\n".join(problems) + f"\nstderr:\n{s.run.stderr()[-3000:]}"
+
+
+@pytest.mark.full
+def test_a_second_run_on_the_store_is_refused_at_once_naming_the_first(interrupted):
+    """Started 1 s after the rerun that completes the store (test above): refused within 2 s, in
+    one line naming the first run's own pid and command line, not its sink's."""
+    cmd, _, _, _, _, refused = interrupted
+    command = shlex.join(cmd.argv)
+    assert refused.result.returncode == 2 and refused.result.stderr.strip() == (
+        f"corecap: error: {cmd.store}: another process (pid {refused.first_pid}) is writing this store: {command}"
+    ), refused.result.stderr
+    assert refused.seconds < 2, f"refused after {refused.seconds:.1f} s"
 
 
 @pytest.mark.full
@@ -568,7 +630,7 @@ def test_no_network_surface(interrupted):
     namespace of their own, holding only a loopback interface."""
     # CI runs as root (CI=true): a machine where this cannot run is a failure there, a skip elsewhere.
     machine.require(machine.can_unshare_network(), "a new network namespace (needs CAP_SYS_ADMIN, as root in CI)")
-    _, s, _, _ = interrupted
+    _, s, _, _, _, _ = interrupted
     seen = s.observation
     problems = [] if seen.private_dirs else ["no corecap-* IPC directory was seen in TMPDIR during the run"]
     for path, (mode, uid) in seen.private_dirs.items():

@@ -74,7 +74,7 @@ def test_layers_import_downwards():
              "corecap.plan", "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
              "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",
-             "corecap.export", "corecap.dataset", "corecap.store", "corecap.trace",
+             "corecap.export", "corecap.dataset", "corecap.store", "corecap.writer_lock", "corecap.trace",
              "corecap.progress", "corecap.dtypes", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:

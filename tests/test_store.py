@@ -4,8 +4,10 @@ keep only committed bytes, one writer at a time."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -253,3 +255,55 @@ def test_unreadable_format_version_is_refused(tmp_path, version):
     Store.create_or_open(path, _meta(format_version=version)).close()
     with pytest.raises(CorecapError, match=rf"store format version {version}, this corecap reads \[2, 3, 4\]"):
         Store.open(path)
+
+
+def test_a_run_holds_the_writer_lock_from_its_start(tmp_path):
+    """corecap/writer_lock.py: `held` makes the directory for the lock, refuses another process naming the
+    holder's pid and command line, lets this process and a child it trusts write (the sink), and
+    removes the directory again when nothing was stored."""
+    from corecap import writer_lock as lock
+
+    path = str(tmp_path / "new.lmdb")
+    child = ("import os, sys; from corecap import writer_lock as lock\n"
+             "if sys.argv[2] == 'trust': lock.trust_parent(sys.argv[1])\n"
+             "os.close(lock.take(sys.argv[1])); print('took it')")
+    with lock.held(path):
+        with lock.held(path):  # re-entrant: the CLI, then run()
+            assert lock.holds(path)
+        assert os.path.isdir(path) and lock.holds(path)
+        os.close(lock.take(path))  # this process's own writer (Store.append) may
+        segments.check_unlocked(path)
+        trusted = subprocess.run([sys.executable, "-c", child, path, "trust"], capture_output=True, text=True)
+        assert trusted.stdout.strip() == "took it", trusted.stderr
+        other = subprocess.run([sys.executable, "-c", child, path, "-"], capture_output=True, text=True)
+        assert other.returncode != 0 and (f"new.lmdb: another process (pid {os.getpid()}) is writing this store: "
+                                          in other.stderr)
+        assert open(os.path.join(path, "writer.lock")).read().split("\n")[0] == str(os.getpid())
+    assert not os.path.exists(path) and not lock.holds(path)
+
+
+def test_a_second_run_is_refused_in_its_first_seconds(tmp_path):
+    """`corecap run` on a store another run holds: refused within 2 s, naming that run's pid and
+    command line, with nothing written to the first run's log and no log of its own."""
+    store = tmp_path / "busy.lmdb"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from corecap import writer_lock as lock\n"
+         "with lock.held(sys.argv[1]):\n    print('locked', flush=True); sys.stdin.read()", str(store), "--first"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (store / "corecap.log").write_text("the first run's log\n")
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "corecap", "run", "--store", str(store)], cwd=tmp_path,
+                           env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        holder.communicate("", timeout=60)
+    command = shlex.join([sys.executable, "-c", "import sys; from corecap import writer_lock as lock\n"
+                          "with lock.held(sys.argv[1]):\n    print('locked', flush=True); sys.stdin.read()",
+                          str(store), "--first"]).replace("\n", " ")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"corecap: error: {store}: another process (pid {holder.pid}) is writing this store: {command}")
+    assert elapsed < 2, f"refused after {elapsed:.1f} s"
+    assert (store / "corecap.log").read_text() == "the first run's log\n" and not list(tmp_path.glob("corecap-*"))

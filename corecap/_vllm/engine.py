@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from corecap.errors import CorecapError
 from corecap.config import Layer
 from corecap._vllm import prefix_tracker, worker_deaths, worker_errors
+from corecap._vllm.executor import capture_executor_class
 
 # Engine steps scheduled and sent to the workers ahead of their outputs. Two keep a GPU's steps
 # at the pace of vLLM's own loop; one (strictly a step at a time) is slower (docs/benchmarks.md,
@@ -73,37 +74,6 @@ class _Batch:
     output_future: object
 
 
-def _capture_executor_class(model: str, capture: CaptureSpec, made: list, errors: str):
-    """`made` gets the executor once made, for `Engine` to shut down should the engine's start fail;
-    `errors`: the directory its workers record their errors in (corecap/_vllm/worker_errors.py)."""
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-    from corecap._vllm.worker_errors import recording
-
-    class CaptureExecutor(MultiprocExecutor):
-        """Installs the capture in every worker after load_model, before profiling/compiling."""
-
-        def _init_executor(self) -> None:
-            from corecap._vllm.network import private_network
-
-            made.append(self)
-            with private_network(model, capture.private_network) as status, recording(errors):
-                super()._init_executor()  # the workers start here
-            self.corecap_network = status
-            self.corecap_workers = self.collective_rpc("corecap_install", args=(dataclasses.asdict(capture),))
-
-        def _ensure_worker_termination(self, worker_procs) -> None:
-            """vLLM ends its workers here when their start fails and when it shuts down (after a
-            worker's death too): first note those that had died by themselves, whose exit
-            status names the signal that killed them (corecap/_vllm/worker_deaths.py)."""
-            failing = getattr(self, "workers", None) is None or self.is_failed  # a failed start, or a death
-            dead = worker_deaths.dead_on_their_own(worker_procs, worker_deaths.SETTLE_S if failing else 0.0)
-            self.corecap_deaths = getattr(self, "corecap_deaths", []) + dead
-            MultiprocExecutor._ensure_worker_termination(worker_procs)
-
-    return CaptureExecutor
-
-
 def output_rank(vllm_config) -> int:
     """The rank whose output the executor reads (vLLM's `_get_output_rank`): TP rank 0 of the
     last pipeline stage, which with pipeline parallelism also holds every stage's aux states."""
@@ -123,7 +93,7 @@ def worker_error(e: BaseException) -> str:
 class Engine:
     """One in-process EngineCore with capture installed; `add` samples, `step` until idle."""
 
-    def __init__(self, vllm_config, model: str, capture: CaptureSpec):
+    def __init__(self, vllm_config, model: str, capture: CaptureSpec, on_phase=None):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine.core import EngineCore
 
@@ -133,7 +103,8 @@ class Engine:
         made: list = []
         errors = tempfile.mkdtemp(prefix="corecap-worker-errors-")
         try:
-            self.core = EngineCore(vllm_config, _capture_executor_class(model, capture, made, errors), log_stats=False)
+            self.core = EngineCore(vllm_config, capture_executor_class(model, capture, made, errors, on_phase),
+                                   log_stats=False)
             self.executor = self.core.model_executor
             self.executor.collective_rpc("corecap_arm")
         except BaseException as e:

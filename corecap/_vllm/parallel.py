@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 from corecap.errors import CorecapError
 
@@ -125,6 +126,8 @@ def restore_environment(saved: dict) -> None:
 
 
 def drop_envs_cache() -> None:
+    if "vllm.envs" not in sys.modules:  # nothing cached (a run refused before vLLM's import): import nothing
+        return
     import vllm.envs
 
     disable = getattr(vllm.envs, "disable_envs_cache", None)  # vLLM before the cache: nothing to drop

@@ -28,7 +28,9 @@ class Replicas:
     """The run's engines: `add` gives a sample to the replica with the fewest outstanding
     tokens, `step` steps the next replica that has work. With one replica, exactly `Engine`."""
 
-    def __init__(self, options, model: str, capture: CaptureSpec, devices: list[dict[str, str]], first_config=None):
+    def __init__(self, options, model: str, capture: CaptureSpec, devices: list[dict[str, str]], first_config=None,
+                 on_phase=None):
+        """`on_phase(words)`: each phase of each engine's start, as it begins (progress.Heartbeat)."""
         self.engines: list[Engine] = []
         self.num_replicas = len(devices)
         self._next = 0
@@ -39,12 +41,16 @@ class Replicas:
                     config = (first_config if k == 0 and first_config is not None
                               else build_vllm_config(options, model, capture.layers))
                     try:
-                        self.engines.append(Engine(config, model, dataclasses.replace(capture, replica=k)))
+                        phase = None if on_phase is None else self._phase(k, on_phase)
+                        self.engines.append(Engine(config, model, dataclasses.replace(capture, replica=k), phase))
                     except CorecapError as e:
                         raise CorecapError(self._label(k, str(e))) from None
         except BaseException:
             self.shutdown()
             raise
+
+    def _phase(self, k: int, on_phase):
+        return on_phase if self.num_replicas == 1 else (lambda words: on_phase(f"replica {k}: {words}"))
 
     @property
     def vllm_config(self):

@@ -45,6 +45,7 @@ from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.transport import wire
 
 worker_errors.watch()  # vLLM imports this module in each worker before its device and weights
+worker_errors.ignore_interrupts()
 
 
 class CaptureExtension:

@@ -25,6 +25,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 
 from corecap._vllm.worker_deaths import rank_of
@@ -76,6 +77,16 @@ def watch() -> None:
     directory = os.environ.get(ENV)
     if directory:
         _install(directory, os.getppid())
+
+
+def ignore_interrupts() -> None:
+    """In a worker (corecap/_vllm/worker.py, on import): ignore SIGINT. A terminal's Ctrl-C goes
+    to the whole process group, and vLLM's handler (installed just before) would end the worker
+    mid-step, which the driver would report as a worker's death; the driver stops the workers
+    itself once it has committed what is complete. Only in vLLM's worker processes (children
+    that know where to record errors): never in the driver, which may import this module too."""
+    if os.environ.get(ENV) and multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import time
 
 import click
 
+from corecap import writer_lock
 from corecap.cli.options import (
     _CAPTURE_OPTIONS, _ENGINE_OPTIONS, _GENERATION_OPTIONS, _PASS_THROUGH, _Min1, _one_line_errors, _run_config,
     _with, print_version,
@@ -79,25 +80,27 @@ def run(ctx, store, verbose, **options) -> None:
 
     from corecap.console import RunLog
 
-    cfg = _run_config(store, ctx.args, options)
-    runlog = RunLog(store, verbose)
-    error, internal = None, False
-    with runlog:
-        try:
-            summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
-        except CorecapError as e:
-            runlog.record(f"corecap: error: {e}\n")
-            error = str(e)
-        except Exception as e:  # a bug: one line here, the traceback in the log
-            runlog.record(traceback.format_exc())
-            error, internal = f"internal error: {type(e).__name__}: {e}", True
-        else:
-            runlog.say(summary.line(), err=False)
-    # Where the log is, known once it is closed: a run refused before it made the store leaves none.
-    if error is not None and not runlog.in_store:
-        raise CorecapError(f"{error}; no store was made (this run's log: {runlog.path})")
-    if error is not None:
-        raise CorecapError(f"{error} (the traceback is in {runlog.path})" if internal else error)
+    runlog = RunLog(store, verbose)  # before the lock makes the directory: whether it was there
+    error, internal, status = None, False, 2
+    # The writer lock first: a second run on this store is refused in its first second (nothing
+    # heavy imported yet), before it writes to the first one's log, reads the data or imports vLLM.
+    with writer_lock.held(store):
+        cfg = _run_config(store, ctx.args, options)
+        with runlog:
+            try:
+                summary = capture(cfg, log=runlog.say, terminal=runlog.terminal_err)
+            except CorecapError as e:
+                runlog.record(f"corecap: error: {e}\n")
+                error = str(e)
+                status = getattr(e, "exit_status", 2)  # run.Interrupted: the signal's
+            except Exception as e:  # a bug: one line here, the traceback in the log
+                runlog.record(traceback.format_exc())
+                error, internal = f"internal error: {type(e).__name__}: {e}", True
+            else:
+                runlog.say(summary.line(), err=False)
+    if error is not None:  # known once the log is closed: where it is
+        click.echo(f"corecap: error: {runlog.final_error(error, internal)}", err=True)
+        sys.exit(status)
 
 
 

@@ -57,7 +57,9 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
                            f"field {name!r} has no user turn before its last assistant turns (nothing to answer)",
                            "nothing to answer")
     elif not any(m["role"] == "assistant" for m in messages):
-        raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on)", "no assistant turn")
+        answerable = any(m["role"] == "user" for m in messages)
+        hint = "; add --max-tokens N to let the model answer it" if answerable else ""
+        raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on{hint})", "no assistant turn")
     return messages
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from corecap.errors import CorecapError
 from corecap.data.chat import ChatRenderer, answer_points, parse_messages
+from corecap.data.problems import Problems
 from corecap.data.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
 
@@ -38,6 +39,7 @@ OVERFLOW_POLICIES = ("error", "truncate", "skip")
 DEFAULT_OVERFLOW = "error"
 INVALID_POLICIES = ("error", "skip")
 _NUM_SKIP_EXAMPLES = 10
+_NO_LIMIT = 1 << 62  # check_rows: lengths are checked once --max-len is known
 
 
 @dataclass(frozen=True)
@@ -140,10 +142,11 @@ def _input_ids(obj: dict, where: str) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
-            generate: bool) -> tuple[np.ndarray, np.ndarray | None]:
+            generate: bool, render: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The row's token ids and loss mask; `generate`: the prompt the model answers, whose
     tokens are not trained on (the response's are). With every turn rewritten, a conversation's
-    turns and answer points go to `chat["turns"]` (read by the caller)."""
+    turns and answer points go to `chat["turns"]` (read by the caller). Without `render`, a text
+    or a conversation is checked but not tokenized: (None, None)."""
     present = [name for name in INPUT_FIELDS if name in obj]
     if not present:
         raise RowError(
@@ -163,11 +166,15 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
         text = obj["text"]
         if not isinstance(text, str):
             raise RowError(where, f"field 'text' must be a string, got {type(text).__name__}", "bad text")
+        if not render:
+            return None, None
         if tokenizer is None:
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
         messages = parse_messages(obj, name, where, generate)
+        if not render:
+            return None, None
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
             chat["renderer"] = ChatRenderer(tokenizer, where, name, chat.get("template_kwargs"))
         if generate and chat.get("all_turns"):
@@ -199,11 +206,13 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
 
 
 def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None,
-              all_turns=False):
+              all_turns=False, render=True):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
-    Sample), ("skipped", RowError) or ("other shard", None); and ("rows", last row number) last.
-    Raise at the first problem the policies refuse. `max_tokens` > 0: each sample is a prompt
-    the model answers with up to that many tokens, all within `max_len`."""
+    Sample), ("skipped", RowError), ("invalid", RowError: a problem the policies refuse) or
+    ("other shard", None); and ("rows", last row number) last. `max_tokens` > 0: each sample is a
+    prompt the model answers with up to that many tokens, all within `max_len`. Without `render`,
+    texts and conversations are checked but not tokenized, and no length is checked: their
+    samples have no token ids."""
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
@@ -221,21 +230,20 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 # A row without a readable key belongs to the shard of its line number.
                 if shard is not None and shard_of(str(n), shard[1]) != shard[0]:
                     yield "other shard", None
-                elif invalid == "skip":
-                    yield "skipped", e
                 else:
-                    raise
+                    yield "skipped" if invalid == "skip" else "invalid", e
                 continue
             if shard is not None and shard_of(key, shard[1]) != shard[0]:
                 yield "other shard", None
                 continue
             try:
                 chat.pop("turns", None)
-                ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0)
+                ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0, render)
             except RowError as e:
-                if invalid != "skip":
-                    raise
-                yield "skipped", e
+                yield "skipped" if invalid == "skip" else "invalid", e
+                continue
+            if ids is None:
+                yield "sample", Sample(key, n, np.empty(0, np.int32), None, where)
                 continue
             if max_tokens:
                 messages, points = chat.get("turns", (None, ()))
@@ -246,7 +254,9 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             too_long = f"sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}"
             if overflow == "error":
-                raise CorecapError(f"{where}: {too_long} (--overflow truncate or skip lets the run go on)")
+                yield "invalid", RowError(where, f"{too_long} (--overflow truncate or skip lets the run go on)",
+                                          "longer than --max-len")
+                continue
             if overflow == "skip":
                 yield "skipped", RowError(where, too_long, "longer than --max-len")
                 continue
@@ -269,8 +279,8 @@ def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, o
     too_long = (f"sample {sample.key!r} has a prompt of {len(sample.token_ids)} tokens, and --max-tokens "
                 f"{sample.max_tokens} after it makes more than --max-len {max_len}")
     if overflow == "error":
-        raise CorecapError(f"{sample.where}: {too_long} "
-                           "(--overflow truncate writes a shorter response, skip leaves it out)")
+        return "invalid", RowError(sample.where, f"{too_long} (--overflow truncate writes a shorter response, "
+                                   "skip leaves it out)", "longer than --max-len")
     if overflow == "skip":
         return "skipped", RowError(sample.where, too_long, "longer than --max-len")
     if room < 1:
@@ -295,33 +305,49 @@ def read_samples(
     ):
         if kind in ("sample", "truncated"):
             yield value
+        elif kind == "invalid":
+            raise value
+
+
+def check_rows(path: str, *, vocab_size: int, overflow: str = DEFAULT_OVERFLOW, invalid: str | None = None,
+               shard: tuple[int, int] | None = None, max_tokens: int = 0, all_turns: bool = False) -> None:
+    """Every check that needs neither the tokenizer nor the engine's --max-len, over the whole
+    file, before vLLM is imported: a file's bad rows are all reported within seconds (JSON,
+    fields, roles and turns, ids and their uniqueness, given token ids), not after a model load."""
+    validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow, invalid=invalid,
+             shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False)
 
 
 def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
-    all_turns: bool = False,
+    all_turns: bool = False, render: bool = True,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
     outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
-    `on_sample` with each sample kept (e.g. to check it against a store), in the same pass."""
+    `on_sample` with each sample kept (e.g. to check it against a store), in the same pass.
+    Every row the policies refuse is reported in one CorecapError at the end (corecap/data/problems.py).
+    Without `render` (`check_rows`), texts and conversations are not tokenized."""
     invalid = _check_policies(overflow, invalid, shard)
     first: dict[bytes, int] = {}  # id digest → row number: 16 bytes a key, not the key itself
     counts: Counter = Counter()
     reasons: Counter = Counter()
     examples: list[str] = []
+    problems = Problems(path)
     num_tokens = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
-        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
+        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns, render=render,
     ):
         counts[kind] += 1
         if kind == "unit":
             unit = value
         elif kind == "rows":
             last = value
+        elif kind == "invalid":
+            problems.add(str(value))
         elif kind == "skipped":
             reasons[value.reason] += 1
             if len(examples) < _NUM_SKIP_EXAMPLES:
@@ -332,11 +358,13 @@ def validate(
             digest = hashlib.blake2b(value.key.encode(), digest_size=16).digest()
             if digest in first:
                 seen = f"{'on' if unit == 'line' else 'at'} {unit} {first[digest]}"
-                raise CorecapError(f"{value.where}: duplicate id {value.key!r} (first seen {seen})")
+                problems.add(f"{value.where}: duplicate id {value.key!r} (first seen {seen})")
+                continue
             first[digest] = value.line
             num_tokens += len(value.token_ids)
             if on_sample is not None:
                 on_sample(value)
+    problems.raise_if_any()
     num_samples = counts["sample"] + counts["truncated"]
     if num_samples + counts["skipped"] + counts["other shard"] == 0:
         raise CorecapError(f"--data {path}: no samples (the file is empty)")

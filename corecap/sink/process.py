@@ -35,6 +35,7 @@ from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
+from corecap import writer_lock as lock
 from corecap.store.generated import Generation
 from corecap.transport import ring, wire
 
@@ -68,6 +69,7 @@ class SinkSpec:
     commit_delay: float = 0.0  # config.TestHooks
     deliver: DeliverSpec | None = None  # `corecap serve`: each sample to a file of its own, no store
     layers: tuple = ()  # the captured layers, with `deliver` (a store's metadata names them otherwise)
+    parent_holds_lock: bool = False  # the run holds the store's writer lock (corecap/writer_lock.py)
 
 
 class Sink:
@@ -95,7 +97,7 @@ class Sink:
         spec = SinkSpec(store=store, ipc_dir=self.dir, codec=codec, nonfinite=nonfinite, num_threads=num_threads,
                         buffer_bytes=buffer_bytes, parent_pid=os.getpid(), tcp_address=tcp_address,
                         block_size=block_size, released=self.released, commit_delay=commit_delay, deliver=deliver,
-                        layers=tuple(layers))
+                        layers=tuple(layers), parent_holds_lock=lock.holds(store))
         self.proc = multiprocessing.get_context("spawn").Process(target=main, args=(spec,), name="corecap-sink",
                                                                  daemon=True)
         self.proc.start()
@@ -232,6 +234,8 @@ def main(spec: SinkSpec) -> None:
     import torch
 
     torch.set_num_threads(_TORCH_THREADS)
+    if spec.parent_holds_lock:
+        lock.trust_parent(spec.store)
     ctx = zmq.Context()
     status = ctx.socket(zmq.PUSH)
     status.connect(f"ipc://{os.path.join(spec.ipc_dir, _STATUS)}")

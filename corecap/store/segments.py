@@ -16,8 +16,6 @@ so that one thread can write the next batch into the page cache while another wa
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import re
 import stat
@@ -27,12 +25,12 @@ import threading
 import numpy as np
 
 from corecap.errors import CorecapError
+from corecap.writer_lock import LOCK_FILE, check_unlocked, take as _take_lock  # noqa: F401 (their old home)
 from corecap.store.spill import Spilled, remove_stale
 
 SEGMENT_BYTES = 4 << 30
 POINTER = struct.Struct("<IQQ")  # segment number, offset, length: where one sample's states are
 END = struct.Struct("<IQ")  # segment number, offset: the committed end of the state files
-LOCK_FILE = "writer.lock"
 _NAME = re.compile(r"states-(\d{6})\.bin")
 _MAX_WRITE = 1 << 30  # write(2) returns short above ~2 GiB on Linux; stay well below
 
@@ -167,37 +165,6 @@ def _sync_directory(directory: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _take_lock(directory: str) -> int:
-    path = os.path.join(directory, LOCK_FILE)
-    try:  # O_NOFOLLOW: the lock file is truncated and written; never through a link
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise CorecapError(f"{path}: cannot open the writer lock ({e.strerror})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorecapError(f"{path}: not a regular file, expected the writer lock")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        holder = holder if holder.isascii() and holder.isdigit() else "unknown"  # a lock file may hold anything
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            raise CorecapError(f"{directory}: another process (pid {holder}) is writing this store") from None
-        raise CorecapError(f"{path}: cannot lock ({e.strerror})") from None
-    except CorecapError:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def check_unlocked(directory: str) -> None:
-    """Raise if another process is writing the store at `directory` (checked before a run)."""
-    if os.path.exists(os.path.join(directory, LOCK_FILE)):
-        os.close(_take_lock(directory))
 
 
 class SegmentReader:

@@ -32,7 +32,8 @@ from corecap.store.format import (
 )
 
 _INITIAL_MAP_SIZE = 1 << 30
-_OWN_FILES = {"corecap.log"}  # a run given an existing directory logs there before the store exists
+# a run given an existing directory logs there before the store exists, and locks it first (corecap/writer_lock.py)
+_OWN_FILES = {"corecap.log", segments.LOCK_FILE}
 
 
 @dataclass(frozen=True)
