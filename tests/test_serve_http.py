@@ -34,8 +34,8 @@ class _Loop:
         if self.full:
             raise ServerFull("--hidden-states-path /h: 17 MiB of states not yet taken, the quota is 16 MiB")
         self.asked.append(request)
-        ticket = Ticket(f"corecap-{len(self.asked):012d}.safetensors", request)
-        ticket.future.set_result(f"/h/{ticket.name}")
+        ticket = Ticket(f"corecap-{len(self.asked):012d}", request)
+        ticket.future.set_result({"hidden_states_path": f"/h/{ticket.name}.safetensors"})
         return ticket
 
     def abandon(self, ticket):

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
+from corecap.progress import Heartbeat
 from corecap.serve.metrics import Metrics
 from corecap.serve.prepare import ServePlan
 from corecap.serve.quota import Quota
@@ -74,7 +75,8 @@ class EngineLoop:
                               private_network=run.private_network)
         try:
             first = plan.vllm_config if len(plan.devices) == 1 else None
-            self.engine = Replicas(run.engine, plan.model_dir, capture, plan.devices, first)
+            with Heartbeat("engine starting", self.log) as heartbeat:
+                self.engine = Replicas(run.engine, plan.model_dir, capture, plan.devices, first, heartbeat.phase)
         except BaseException:
             self.sink.close()
             raise
