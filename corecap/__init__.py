@@ -5,7 +5,7 @@
 
 From Python: `corecap.capture(...)` runs a capture (corecap/api.py); `corecap.open_store(path)`
 reads a store (`.keys()`, `.get(key)`: corecap/store/store.py); `corecap.StoreDataset(store)` is
-a torch Dataset over one (corecap/dataset/__init__.py). Every user-caused error is a
+a torch Dataset over one (corecap/training/__init__.py). Every user-caused error is a
 `corecap.CorecapError` with a one-line message.
 """
 
@@ -20,7 +20,7 @@ __all__ = ["CorecapError", "StoreDataset", "__version__", "capture", "open_store
 
 if TYPE_CHECKING:  # the names __getattr__ loads on first use, for type checkers
     from corecap.api import capture
-    from corecap.dataset import StoreDataset
+    from corecap.training import StoreDataset
     from corecap.store.store import Store
 
     def open_store(path: str) -> Store: ...
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 
         return Store.open
     if name == "StoreDataset":
-        from corecap.dataset import StoreDataset
+        from corecap.training import StoreDataset
 
         return StoreDataset
     raise AttributeError(f"module 'corecap' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""corecap/dataset/collate.py: StoreDataset in a DataLoader with a batch size, with torch's default
+"""corecap/training/collate.py: StoreDataset in a DataLoader with a batch size, with torch's default
 collate and with `pad_collate`, in the main process and in workers: every sample padded to its
 batch's longest, its own tokens and states equal to HF's (support.verifier's reference), the
 padding zero, the attention mask one exactly on its tokens."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import corecap
-from corecap.dataset.collate import pad_collate
+from corecap.training.collate import pad_collate
 from support.verifier import CAPTURED_LAYERS, expected_item, write_captured_store
 
 

@@ -67,14 +67,14 @@ def test_no_import_circle():
 
 
 def test_layers_import_downwards():
-    """cli → api → run → the adapter, the sink, the data → transport → export, dataset → store → trace → progress
+    """cli → api → run → the adapter, the sink, the data → transport → export, training → store → trace → progress
     → config."""
     order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.logs", "corecap.serve", "corecap.probe",
              "corecap.run",
              "corecap.plan", "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
              "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",
-             "corecap.export", "corecap.dataset", "corecap.store", "corecap.writer_lock", "corecap.trace",
+             "corecap.export", "corecap.training", "corecap.store", "corecap.writer_lock", "corecap.trace",
              "corecap.progress", "corecap.dtypes", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
@@ -169,7 +169,7 @@ def test_design_md_maps_every_module():
             named.update(c.strip(" `") for c in cells[2].split(",") if c.strip(" `").endswith(".py"))
     files = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
     assert not named - files, f"docs/design.md names modules that do not exist: {sorted(named - files)}"
-    unnamed = {f for f in files - named if not f.endswith("__init__.py") or f == "dataset/__init__.py"}
+    unnamed = {f for f in files - named if not f.endswith("__init__.py") or f == "training/__init__.py"}
     assert not unnamed, f"docs/design.md's module table lacks {sorted(unnamed)}"
 
 

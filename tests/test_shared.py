@@ -1,4 +1,4 @@
-"""corecap/dataset/pool.py: DataLoader workers decode into shared-memory slots and reuse a slot only
+"""corecap/training/pool.py: DataLoader workers decode into shared-memory slots and reuse a slot only
 once nothing uses the item it held, in the worker or in the main process; what the trainer holds
 never changes under it, forked children keep what they inherit, and whatever the pool cannot
 take goes torch's own way. The first tests pickle across the two ends in one process (as the
@@ -18,7 +18,7 @@ import torch
 import torch.utils.data
 
 import corecap
-from corecap.dataset import pool as shared
+from corecap.training import pool as shared
 from support.verifier import CAPTURED_LAYERS, write_captured_store
 from support.verifier import check_item
 

@@ -33,7 +33,7 @@ API = {
     "open_store": ("corecap/store/store.py", "Store.open", ()),
     "Store": ("corecap/store/store.py", "Store", ("keys", "get", "close")),
     "Sample": ("corecap/store/format.py", "Sample", ("loss_mask",)),
-    "StoreDataset": ("corecap/dataset/__init__.py", "StoreDataset", ("__len__", "__getitem__")),
+    "StoreDataset": ("corecap/training/__init__.py", "StoreDataset", ("__len__", "__getitem__")),
     "CorecapError": ("corecap/errors.py", "CorecapError", ()),
 }
 API_EXTRA = {"Store", "Sample"}  # what open_store and Store.get return, documented beside them

@@ -179,7 +179,7 @@ class Store:
         """The sample `key`, every field of its records checked before its states are read
         (docs/store.md, "What readers check"); CorecapError naming the store, the key and the
         field when anything is wrong. `alloc(shape, dtype)`, when given, returns the contiguous
-        tensor the states are decoded into (corecap/dataset/pool.py's pool)."""
+        tensor the states are decoded into (corecap/training/pool.py's pool)."""
         raw_key = self._key(key)
         with lmdb_errors(self.path, f"sample {key!r}"), self.env.begin(buffers=True) as txn:
             header_value = txn.get(raw_key, db=self.headers_db)

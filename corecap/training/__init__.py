@@ -10,7 +10,7 @@
     #  "finish_reason": "eos" | "stop" | "length"}
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
                                          sampler=torch.utils.data.DistributedSampler(ds))
-    batches = torch.utils.data.DataLoader(ds, batch_size=4)  # padded: corecap/dataset/collate.py
+    batches = torch.utils.data.DataLoader(ds, batch_size=4)  # padded: corecap/training/collate.py
 
 Index i is the i-th key in the store's key order (LMDB's, bytewise) among the samples committed
 when the dataset was made: a stable order, and a fixed length for samplers, even while a
@@ -28,7 +28,7 @@ Only a generated sample's item has `num_prompt` and `finish_reason` (a capture-o
 are as they were): a trainer filters on them with `item.get("finish_reason")`.
 
 In a DataLoader worker, states are decoded into shared memory that the worker reuses once the
-trainer is done with an item (corecap/dataset/pool.py): torch's pickler would otherwise copy every
+trainer is done with an item (corecap/training/pool.py): torch's pickler would otherwise copy every
 item into new shared memory, which cost as much as decoding it. What the trainer gets is a plain
 tensor either way; `reuse_shared_memory=False` turns the pool off.
 """
@@ -43,8 +43,8 @@ import torch.utils.data
 
 from corecap.config import PRENORM, Layer, parse_layers
 from corecap.errors import CorecapError
-from corecap.dataset import pool
-from corecap.dataset.collate import Sample, pad_collate
+from corecap.training import pool
+from corecap.training.collate import Sample, pad_collate
 from corecap.store.store import Store
 
 
