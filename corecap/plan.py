@@ -15,6 +15,7 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.errors import CorecapError
 from corecap.generation import Conversations, StopRule, buffer_bytes
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
+from corecap.data.todo import TodoSamples
 from corecap.resume import ResumeCheck, committed_fingerprints
 from corecap.sink import stream
 from corecap.sink.buffers import size_class
@@ -29,6 +30,7 @@ class Plan:
     model_dir: str
     data_path: str
     read: dict  # data.read_samples' options
+    samples: TodoSamples  # the samples still to capture, read and tokenized once, by `prepare`
     committed: dict  # key → input fingerprint, already in the store
     dataset: data.DatasetSummary
     todo: int
@@ -80,7 +82,18 @@ def prepare(cfg: RunConfig, log) -> Plan:
     # the store itself is created (and its metadata checked) only once the input is known good.
     committed = committed_fingerprints(cfg.store)
     resume = ResumeCheck(committed)
-    dataset = data.validate(data_path, **read, on_sample=resume)
+    samples = TodoSamples()  # the pass that validates also keeps what the step loop will take
+
+    def keep(sample) -> None:
+        resume(sample)
+        if sample.points or sample.key not in committed:  # a rewritten conversation: its turns are checked later
+            samples.add(sample)
+
+    try:
+        dataset = data.validate(data_path, **read, on_sample=keep)
+    except BaseException:
+        samples.close()
+        raise
     for message in dataset.skip_examples:
         log(f"skipped: {message}")
     check_long_samples(cfg, resume.longest, max_len, _token_bytes(cfg, identity, vllm_config, layers),
@@ -96,7 +109,8 @@ def prepare(cfg: RunConfig, log) -> Plan:
         f"{resume.total - resume.todo} already in {cfg.store}; layers {list(layers)}"
     )
     return Plan(
-        cfg=cfg, model_dir=model_dir, data_path=data_path, read=read, committed=committed, dataset=dataset,
+        cfg=cfg, model_dir=model_dir, data_path=data_path, read=read, samples=samples, committed=committed,
+        dataset=dataset,
         todo=resume.todo, vllm_config=vllm_config, layers=layers, identity=identity, devices=devices,
         sampling=settings, stop_rule=stop_rule, total=resume.total, buffer_bytes=sink_bytes,
     )

@@ -17,7 +17,7 @@ import time
 
 import msgspec
 
-from corecap import __version__, data
+from corecap import __version__
 from corecap.errors import CorecapError
 from corecap.config import FP8_ENCODE_THREADS, RunConfig
 from corecap.generation import Response, Responses, request_seed
@@ -66,12 +66,13 @@ def run(cfg: RunConfig, log=print, stop: Stop | None = None, terminal=None) -> R
             log(removed.line())
         with environment():
             plan = prepare(cfg, log)
-            if plan.todo == 0:
-                n = plan.total
-                return RunSummary(store=cfg.store, num_samples=n, num_committed=0, num_skipped=n, num_tokens=0,
-                                  nbytes=0, seconds=0.0, outcomes=plan.dataset.outcomes())
-            capture = _Capture(plan, log, stop, terminal or sys.stderr)
-            done = capture.run()
+            with contextlib.closing(plan.samples):
+                if plan.todo == 0:
+                    n = plan.total
+                    return RunSummary(store=cfg.store, num_samples=n, num_committed=0, num_skipped=n, num_tokens=0,
+                                      nbytes=0, seconds=0.0, outcomes=plan.dataset.outcomes())
+                capture = _Capture(plan, log, stop, terminal or sys.stderr)
+                done = capture.run()
     if stop.reason is not None:
         log(f"{stop.reason} came after the capture had finished: every sample is committed")
     if capture.conversations.line():
@@ -184,7 +185,7 @@ class _Capture:
     def _loop(self, sink: Sink, progress: Progress) -> None:
         """Feed and step the engine until every sample still to do has been captured."""
         plan, engine, turns = self.plan, self.engine, self.conversations
-        samples = (s for s in data.read_samples(plan.data_path, **plan.read) if s.points or s.key not in plan.committed)
+        samples = iter(plan.samples)  # as the validation pass read and tokenized them, still to do
         queued = 2 * engine.max_num_seqs  # fed, without holding the whole dataset
         # Reading, announcing and adding requests happens between steps, while the batch in flight
         # runs: a little at a time, enough for the batches the next step schedules.

@@ -21,7 +21,9 @@ from corecap.config import PRENORM
 from corecap.demo import build_tokenizer, build_tiny_llama
 from support import fuzz
 from support.cli import corecap
-from support.reference import ERRORS, MAX_POSITIONS, NUM_LAYERS, RUN_LOGS, SEED, VOCAB, exactness_rows, write_jsonl
+from support.reference import (
+    ERRORS, MAX_POSITIONS, NUM_LAYERS, RUN_LOGS, SEED, VOCAB, counting_input_passes, exactness_rows, write_jsonl,
+)
 from support.verifier import CAPTURED_LENGTHS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB, verifier_reference
 
 # Every engine of the suite, in this process and in the runs it starts, gets 1 GiB of KV cache
@@ -122,7 +124,8 @@ def exact_run(tiny_model, tmp_path_factory):
         model=tiny_model, data=data, store=str(tmp / "store"), layers=(0, 1, 2, 4, 7, 8, PRENORM),
         batch=4, max_batched_tokens=64, dtype="float32",
     )
-    summary = run(cfg, log=RUN_LOGS.setdefault("exact", []).append)
+    with counting_input_passes("exact"):
+        summary = run(cfg, log=RUN_LOGS.setdefault("exact", []).append)
     return cfg, summary
 
 

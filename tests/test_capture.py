@@ -13,7 +13,7 @@ import pytest
 
 from corecap.config import PRENORM
 from corecap.store import Store, input_fingerprint
-from support.reference import NUM_LAYERS, RUN_LOGS, hf_hidden_states, record_error, relative_errors
+from support.reference import INPUT_PASSES, NUM_LAYERS, RUN_LOGS, hf_hidden_states, record_error, relative_errors
 
 pytestmark = pytest.mark.engine
 TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-7 here
@@ -64,6 +64,12 @@ def test_every_sample_matches_hf(exact_run, hf_model):
                      if line.startswith("states to the store: shared-memory ring 4 slots of"))
     assert re.search(r"slots of [1-9]\d* (KiB|MiB) in ", ring_line), ring_line  # never "0 MiB"
     _check_store(cfg, summary, hf_model, "text (tokenized)")
+
+
+def test_the_input_is_read_once_to_check_it_and_once_to_tokenize_it(exact_run):
+    """The rows are checked whole before vLLM's import (a pass that tokenizes nothing), then read
+    and tokenized once: the step loop takes the samples that pass made (corecap/data/todo.py)."""
+    assert INPUT_PASSES["exact"] == [False, True]
 
 
 def test_layers_are_distinct(exact_run, hf_model):

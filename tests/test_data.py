@@ -188,3 +188,25 @@ def test_more_bad_rows_than_listed_are_counted(tmp_path):
                        "(--invalid skip leaves out the invalid ones):"
     assert lines[1] == f"  {data}:1: token id 99 at position 1 is outside the vocabulary [0, 10)"
     assert len(lines) == 1 + MAX_PROBLEMS + 1 and lines[-1] == "  and 5 more"
+
+
+def test_the_samples_to_do_come_back_as_they_were_added_and_leave_no_file(tmp_path):
+    """corecap/data/todo.py: what the validation pass keeps for the step loop, in order, whole."""
+    import dataclasses
+
+    from corecap.data import read_samples
+    from corecap.data.todo import TodoSamples
+
+    rows = [{"id": f"s{i}", "input_ids": list(range(3, 3 + i + 1))} for i in range(50)]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    made = list(read_samples(path, tokenizer=None, vocab_size=512, max_len=100))
+    todo = TodoSamples()
+    for sample in made:
+        todo.add(sample)
+    assert not isinstance(todo.file.name, str)  # no name in any directory: nothing to leave behind
+    got = list(todo)
+    todo.close()
+    assert [s.key for s in got] == [s.key for s in made]
+    for a, b in zip(got, made):
+        assert np.array_equal(a.token_ids, b.token_ids)
+        assert {f.name for f in dataclasses.fields(a)} == {f.name for f in dataclasses.fields(b)}

@@ -4,6 +4,7 @@ the test session), the exactness dataset and the run logs of the shared runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -20,6 +21,26 @@ MAX_POSITIONS = 512  # the tiny model's context: exact_run captures a sample of 
 # Worst relative errors seen per test case, printed at the end of the test session (conftest).
 ERRORS: dict[str, dict[str, float]] = {}
 RUN_LOGS: dict[str, list[str]] = {}  # the log lines of the shared runs, by fixture
+INPUT_PASSES: dict[str, list[bool]] = {}  # each pass a shared run made over its input: tokenizing or not
+
+
+@contextlib.contextmanager
+def counting_input_passes(name: str):
+    """Record each pass corecap's data reader makes over the input during a run (INPUT_PASSES)."""
+    from corecap.data import samples
+
+    original = samples._outcomes
+    passes = INPUT_PASSES.setdefault(name, [])
+
+    def counted(*args, **kwargs):
+        passes.append(kwargs.get("render", True))
+        return original(*args, **kwargs)
+
+    samples._outcomes = counted
+    try:
+        yield
+    finally:
+        samples._outcomes = original
 
 
 def engine_line(lines: list[str]) -> str:
