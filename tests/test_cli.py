@@ -86,6 +86,9 @@ def test_a_quiet_terminal_and_the_whole_log_in_the_store(demo_store):
     lines = result.stderr.splitlines()
     first = engine_line(lines)
     assert first.startswith("engine: ") and "tokens per step" in first, lines[:3]
+    starting = [line for line in lines if line.startswith("engine starting: ")]  # a line per phase of the start
+    assert any("loading the weights" in line for line in starting), result.stderr
+    lines = [line for line in lines if line not in starting]
     assert len(lines) <= 8 and not any(" INFO " in line or "WARNING" in line for line in lines), result.stderr
     log = (cwd / "corecap.lmdb" / "corecap.log").read_text()
     assert "Resolved architecture" in log  # the driver's vLLM log

@@ -23,7 +23,7 @@ import torch
 
 from support import tiny_models
 from support.machine import in_ci
-from support.reference import VOCAB, record_error, relative_errors, write_jsonl
+from support.reference import NUM_LAYERS, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from support.server import MooncakeMaster, Server
 
 pytestmark = [pytest.mark.engine, pytest.mark.full]
@@ -216,6 +216,51 @@ def test_speculators_reads_states_from_mooncake_equal_to_hf(mooncake, tiny_model
         n for n in os.listdir(server.hidden_states_path) if n.startswith("corecap-")]
 
 
+def test_specforge_reads_states_from_mooncake_equal_to_hf(mooncake, tiny_model):
+    """SpecForge's online producer (its SGLangServerCaptureAdapter, posting /generate with
+    spec_capture) against the same server; its MooncakeFeatureStore reads what the server wrote:
+    the aux layers concatenated (ids one lower than HF's) and the state after the final norm,
+    HF's, and its own input_ids and loss_mask as it sent them."""
+    server, tmp, master = mooncake
+    _mooncake()
+    from specforge.inference.adapters.server_capture import SGLangServerCaptureAdapter, ServerCaptureSchema
+    from specforge.inference.capture import CaptureConfig
+    from specforge.runtime.contracts import PromptTask
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
+    store = MooncakeFeatureStore(store_id="run1", setup_kwargs=dict(
+        local_hostname="127.0.0.1", metadata_server="P2PHANDSHAKE", master_server_addr=master.address,
+        protocol="tcp", rdma_devices="", global_segment_size=0, local_buffer_size=64 << 20))
+    schema = ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target",
+                                 passthrough=(("input_ids", "input_ids", ()), ("loss_mask", "loss_mask", ())),
+                                 attention_mask_feature="attention_mask")
+    adapter = SGLangServerCaptureAdapter(server.url, store, run_id="run1", algorithm="eagle3", schema=schema)
+    aux = LLAMA_LAYERS[:-2]
+    capture = CaptureConfig.from_strategy(
+        ["hidden_state", "target", "input_ids", "loss_mask", "attention_mask"], [k - 1 for k in aux],
+        target_repr="hidden_state", target_hidden_size=hidden)
+    rows = _rows(VOCAB)[:6]
+    masks = [[i % 2 for i in range(len(r["input_ids"]))] for r in rows]
+    tasks = [PromptTask(task_id=r["id"], run_id="run1", source_id="test", max_length=512,
+                        payload={"input_ids": r["input_ids"], "loss_mask": m}) for r, m in zip(rows, masks)]
+    refs = adapter.produce_refs(tasks, capture=capture)
+    reference = tiny_models.reference_in_a_process(tiny_model, write_jsonl(tmp / "sf-rows.jsonl", rows),
+                                                   str(tmp / "sf-ref.pt"))
+    for ref, row, mask in zip(refs, rows, masks):
+        assert not hasattr(ref, "reason"), ref  # a ServerCaptureFailure
+        tensors, _ = store.get(ref)
+        num_tokens = len(row["input_ids"])
+        assert tensors["input_ids"].tolist() == [row["input_ids"]] and tensors["loss_mask"].tolist() == [mask]
+        assert tensors["attention_mask"].tolist() == [[1] * num_tokens]
+        got = torch.cat([tensors["hidden_state"][0].view(num_tokens, len(aux), hidden).transpose(0, 1),
+                         tensors["target"]], dim=0)
+        ref_states = tiny_models.stacked(reference[row["id"]], (*aux, NUM_LAYERS))
+        per_sample, per_token = relative_errors(got, ref_states)
+        record_error("serve llama specforge", per_sample, per_token)
+        assert float(per_token.max()) <= 1e-4, (row["id"], per_token.tolist())
+
+
 def _post(url: str, body, headers=None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -231,8 +276,9 @@ BAD_REQUESTS = [
     ({"prompt": [1, 2, 3], "max_tokns": 1}, 400, "max_tokns"),
     ({"prompt": "a", "n": 2}, 400, "n"),
     ({"prompt": [1, 2], "stream": True}, 400, "stream"),
-    ({"prompt": [1, 2], "max_tokens": 5}, 400, "max_tokens"),
-    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 2], "max_tokens": 600}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 5, "temperature": -1}, 400, "sampling"),
+    ({"prompt": [1, 2], "temperature": "hot"}, 400, "temperature"),
     ({"prompt": [1, VOCAB]}, 400, "prompt"),
     ({"prompt": [1] * 600}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
@@ -249,6 +295,8 @@ def test_bad_requests_are_refused_naming_the_field_and_the_server_goes_on(llama)
         assert field in answer["error"]["message"]
     code, answer = _post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]})
     assert (code, answer["error"]["param"]) == (400, "messages[0].content"), answer
+    code, answer = _post(f"{server.url}/generate", {"input_ids": [[1, 2]], "spec_capture": [{"sample_id": "a"}]})
+    assert (code, answer["error"]["param"]) == (400, "spec_capture"), answer  # SpecForge's needs Mooncake
     code, answer = _post(f"{server.url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1})
     assert code == 200 and answer["choices"][0]["prompt_token_ids"] == [1, 2, 3], answer
     path = answer["kv_transfer_params"]["hidden_states_path"]
@@ -260,7 +308,45 @@ def test_bad_requests_are_refused_naming_the_field_and_the_server_goes_on(llama)
     assert written["hidden_states"].dtype == torch.float8_e4m3fn and written["hidden_states_scales"].shape == (3, 1, 1)
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert 'corecap_requests_total{endpoint="cmpl",status="400"} 10' in metrics, metrics
+    assert 'corecap_requests_total{endpoint="cmpl",status="400"} 11' in metrics, metrics
+
+
+NEAR_TIE = 1e-4  # HF's own top-2 logit gap below which a greedy difference is a tie, not a bug
+
+
+def test_the_model_writes_responses_while_serving_and_their_states_are_hf(llama, hf_model):
+    """max_tokens > 1: the model answers each prompt first (greedy here: HF's greedy decoding, up
+    to a near tie), and the file holds the states of prompt and response, every token, the last
+    included, against HF's over the same tokens (fp8: within its rounding)."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+    from safetensors.torch import load_file
+
+    server, _ = llama
+    prompts = [r["input_ids"] for r in _rows(VOCAB) if 5 <= len(r["input_ids"]) <= 200][:4]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: _post(f"{server.url}/v1/completions",
+                                                {"prompt": p, "max_tokens": 12, "temperature": 0}), prompts))
+    for prompt, (code, answer) in zip(prompts, answers):
+        assert code == 200, answer
+        choice = answer["choices"][0]
+        response = choice["token_ids"]
+        assert 1 <= len(response) <= 12 and choice["finish_reason"] in ("stop", "length"), choice
+        assert answer["usage"]["completion_tokens"] == len(response) and choice["prompt_token_ids"] == prompt
+        written = load_file(answer["kv_transfer_params"]["hidden_states_path"])
+        assert written["token_ids"].tolist() == prompt + response
+        states = dequantize_fp8_tensor(written["hidden_states"], written["hidden_states_scales"], torch.float32)
+        ref = hf_hidden_states(hf_model, prompt + response, LLAMA_LAYERS[:-2] + ("prenorm",))
+        per_sample, per_token = relative_errors(states.transpose(0, 1), ref)
+        record_error("serve llama fp8, prompt + response", per_sample, per_token)
+        assert float(per_token.max()) <= 0.05, per_token.max()
+        ids = list(prompt)
+        with torch.no_grad():
+            for k, token in enumerate(response):
+                top = torch.topk(hf_model(torch.tensor([ids])).logits[0, -1], 2)
+                if int(top.indices[0]) != token:
+                    assert float(top.values[0] - top.values[1]) < NEAR_TIE, (k, response)
+                    break
+                ids.append(token)
 
 
 def test_sigterm_answers_in_flight_requests_and_leaves_no_partial_file(llama):

@@ -9,7 +9,9 @@ import os
 import socket
 import types
 
+import numpy as np
 import pytest
+import torch
 
 from corecap.errors import CorecapError
 from corecap.serve.config import ServeConfig
@@ -30,7 +32,7 @@ class _Loop:
         self.quota = types.SimpleNamespace(fits=lambda: not full)
         self.asked = []
 
-    def submit(self, request):
+    def submit(self, request, spec_capture=None, settings=None):
         if self.full:
             raise ServerFull("--hidden-states-path /h: 17 MiB of states not yet taken, the quota is 16 MiB")
         self.asked.append(request)
@@ -137,3 +139,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_specforge_requests_are_checked_field_by_field():
+    from corecap.serve import specforge
+    from corecap.serve.requests import BadRequest
+
+    good = {"store_id": "run1", "sample_id": "run1:t0", "gen": 1, "replace": False,
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [{"name": "loss_mask", "data": [0, 1, 1], "shape": [1, 3], "dtype": "int64"}]}
+    [task] = specforge.tasks({"input_ids": [[5, 6, 7]], "spec_capture": [good],
+                              "sampling_params": {"temperature": 0.0, "max_new_tokens": 0}}, "m", 100, 50)
+    assert task.capture.prefix == "run1/run1:t0/g1/" and task.capture.passthrough[0].data == bytes(
+        np.array([0, 1, 1], np.int64))
+    row = specforge.row(task, 3, 64, torch.bfloat16, (1, 3, 5))["meta_info"]["spec_capture"]
+    assert row["features"] == {"loss_mask": {"shape": [1, 3], "dtype": "int64"},
+                               "hidden_state": {"shape": [1, 3, 192], "dtype": "bfloat16"},
+                               "target": {"shape": [1, 3, 64], "dtype": "bfloat16"}}
+    assert row["aux_layer_ids"] == [1, 3, 5] and row["gen"] == 1
+    bad = [
+        ({"input_ids": [[5]], "spec_capture": [good, good]}, "spec_capture"),
+        ({"input_ids": [[5]], "spec_capture": [dict(good, sample_id="")]}, "spec_capture[0].sample_id"),
+        ({"input_ids": [[5]], "spec_capture": [dict(good, features={"logits": "x"})]}, "spec_capture[0].features"),
+        ({"input_ids": [[5]], "spec_capture": [dict(good, passthrough=[dict(good["passthrough"][0], shape=[2])])]},
+         "spec_capture[0].passthrough[0].data"),
+        ({"input_ids": [[5]], "spec_capture": [good], "sampling_params": {"max_new_tokens": 8}},
+         "sampling_params.max_new_tokens"),
+        ({"input_ids": [[500]], "spec_capture": [good]}, "input_ids[0]"),
+        ({"input_ids": [[5]], "spec_capture": [good], "text": "hi"}, "text"),
+    ]
+    for body, field in bad:
+        with pytest.raises(BadRequest) as refused:
+            specforge.tasks(body, "m", 100, 50)
+        assert refused.value.field == field, (body, str(refused.value))

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from corecap.errors import CorecapError
-from corecap.serve import requests
+from corecap.serve import requests, specforge
 from corecap.serve.engine_loop import EngineLoop, ServerFull, Ticket, retry_after
 from corecap.serve.prepare import ServePlan
 
@@ -65,7 +65,8 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             return None, error(400, f"body: not JSON ({e})", "body")
         try:
             wanted = parse(body, name, plan.tokenizer, plan.vocab_size, plan.max_len)
-            ticket = loop.submit(wanted)
+            settings = loop.sampling(wanted) if wanted.max_tokens else None
+            ticket = loop.submit(wanted, settings=settings)
         except requests.BadRequest as e:
             metrics.answered(endpoint, e.status)
             return None, error(e.status, str(e), e.field)
@@ -85,31 +86,71 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             metrics.answered(endpoint, 499)
             return None, Response(status_code=499)
         metrics.answered(endpoint, 200)
-        ids = ticket.request.token_ids.tolist()
-        usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        ids, response = ticket.request.token_ids.tolist(), ticket.response
+        written = response.token_ids if response is not None else []
+        text = plan.tokenizer.decode(written, skip_special_tokens=True) if written and plan.tokenizer else ""
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(written), "total_tokens": len(ids) + len(written)}
+        choice = {"index": 0, "logprobs": None, "token_ids": list(written),
+                  "finish_reason": response.finish_reason if response is not None else "length",
+                  "stop_reason": response.stop_reason if response is not None else None}
         common = {"id": f"{endpoint}-{ticket.name}", "created": int(time.time()), "model": name,
                   "usage": usage, "kv_transfer_params": params}
-        return ids, common
+        return ids, (common, choice, text)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        ids, common = await capture(request, "cmpl", requests.completion)
+        ids, answer = await capture(request, "cmpl", requests.completion)
         if ids is None:
-            return common
-        return {**common, "object": "text_completion", "choices": [{
-            "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-            "prompt_token_ids": ids, "token_ids": [],
-        }]}
+            return answer
+        common, choice, text = answer
+        return {**common, "object": "text_completion", "choices": [{**choice, "text": text, "prompt_token_ids": ids}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        ids, common = await capture(request, "chatcmpl", requests.chat)
+        ids, answer = await capture(request, "chatcmpl", requests.chat)
         if ids is None:
-            return common
-        return {**common, "object": "chat.completion", "prompt_token_ids": ids, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": "length", "stop_reason": None, "token_ids": [],
-        }]}
+            return answer
+        common, choice, text = answer
+        return {**common, "object": "chat.completion", "prompt_token_ids": ids,
+                "choices": [{**choice, "message": {"role": "assistant", "content": text}}]}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        """SpecForge's online producer: a batch of prompts, each one's tensors to Mooncake."""
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            metrics.answered("generate", 400)
+            return error(400, f"body: not JSON ({e})", "body")
+        try:
+            if plan.spec_positions is None or plan.cfg.backend != "mooncake":
+                raise requests.BadRequest("spec_capture", "SpecForge's tensors go to a Mooncake store, the state after "
+                                          "the final norm among them: serve with --hidden-states-backend mooncake "
+                                          "and --layers holding N (not 0)")
+            tasks = specforge.tasks(body, name, plan.vocab_size, plan.max_len)
+        except requests.BadRequest as e:
+            metrics.answered("generate", e.status)
+            return error(e.status, str(e), e.field)
+        tickets = []
+        for task in tasks:
+            try:
+                tickets.append(loop.submit(task.request, task.capture))
+            except CorecapError as e:  # full, or the engine failed: this prompt's row says so
+                tickets.append(str(e))
+        rows = []
+        for task, ticket in zip(tasks, tickets):
+            why = ticket if isinstance(ticket, str) else None
+            if why is None:
+                try:
+                    if await _delivered(request, ticket, loop) is None:
+                        metrics.answered("generate", 499)
+                        return Response(status_code=499)
+                except CorecapError as e:
+                    why = str(e)
+            rows.append(specforge.row(task, len(task.request.token_ids), loop.hidden_size, loop.dtype,
+                                      plan.spec_layer_ids, why))
+        metrics.answered("generate", 200)
+        return rows
 
     return app
 

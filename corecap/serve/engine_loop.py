@@ -15,15 +15,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from corecap.errors import CorecapError
+from corecap.generation import Response, Responses, StopRule, request_seed
 from corecap.progress import Heartbeat
 from corecap.serve.metrics import Metrics
 from corecap.serve.prepare import ServePlan
 from corecap.serve.quota import Quota
-from corecap.serve.requests import CaptureRequest
+from corecap.serve.requests import BadRequest, CaptureRequest
 from corecap.sink import Sink
 from corecap.sink.budget import StatesBudget
 from corecap.sink.deliver import SUFFIX, DeliverSpec
-from corecap.sink.mooncake import manifest
+from corecap.sink.mooncake import SpecCapture, manifest
 
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a request before checking the sink
 
@@ -38,6 +39,9 @@ class Ticket:
 
     name: str
     request: CaptureRequest
+    spec_capture: SpecCapture | None = None  # SpecForge's layout (/generate), not speculators'
+    settings: dict | None = None  # with request.max_tokens: the sampling settings in effect (vLLM's names)
+    response: Response | None = None  # the response the model writes, once admitted
     future: Future = field(default_factory=Future)
     abandoned: bool = False  # its client went away: its file is removed once written
 
@@ -54,6 +58,7 @@ class EngineLoop:
         self.stopping = False
         self.failure: str | None = None  # why the engine stopped serving
         self.num_requests = 0
+        self.responses = Responses()  # the responses written, each one's record
         self.started = 0.0  # when it began serving (time.time())
         self.engine = self.sink = self.budget = None
         self.thread: threading.Thread | None = None
@@ -65,7 +70,7 @@ class EngineLoop:
 
         plan, run = self.plan, self.plan.cfg.run
         spec = DeliverSpec(self.directory, plan.positions, fp8=plan.cfg.backend == "fp8",
-                           mooncake=plan.cfg.mooncake if self.mooncake else None)
+                           mooncake=plan.cfg.mooncake if self.mooncake else None, spec_positions=plan.spec_positions)
         self.sink = Sink("", "raw", "stop", 1, plan.buffer_bytes, deliver=spec, layers=plan.layers)
         self.hidden_size = plan.vllm_config.model_config.get_hidden_size()
         self.dtype = DTYPES[Engine.dtype_of(plan.vllm_config)]
@@ -84,8 +89,22 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._serve, name="corecap-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, request: CaptureRequest) -> Ticket:
-        """Queue a request (any thread); raises ServerFull when its states would not fit."""
+    def sampling(self, request: CaptureRequest) -> dict:
+        """The settings a response is sampled with: the request's, then the model's generation
+        config; a value vLLM refuses is the request's fault (BadRequest, naming the settings)."""
+        from corecap._vllm import sampling
+
+        settings, _ = sampling.effective_sampling(request.sampling, self.plan.vllm_config)
+        try:
+            sampling.check_sampling(settings, request.sampling)
+        except CorecapError as e:
+            raise BadRequest("sampling", str(e)) from None
+        return settings
+
+    def submit(self, request: CaptureRequest, spec_capture: SpecCapture | None = None,
+               settings: dict | None = None) -> Ticket:
+        """Queue a request (any thread); raises ServerFull when its states would not fit.
+        `settings`: `sampling(request)`'s, for a request that has the model write a response."""
         if self.failure is not None:
             raise CorecapError(self.failure)
         if self.stopping:
@@ -95,7 +114,7 @@ class EngineLoop:
                              "the trainer has not taken the files written so far")
         with self.wake:
             self.num_requests += 1
-            ticket = Ticket(f"corecap-{self.num_requests:012d}", request)
+            ticket = Ticket(f"corecap-{self.num_requests:012d}", request, spec_capture, settings)
             self.waiting.append(ticket)
             self.metrics.queued = len(self.waiting)
             self.wake.notify()
@@ -135,6 +154,9 @@ class EngineLoop:
                 if self.engine.num_unfinished:
                     timing = self.engine.step()
                     self.metrics.stepped(timing.num_tokens)
+                    for name, response in self.engine.take_responses():  # written: the sink completes its sample
+                        self.sink.generated(name, response.token_ids,
+                                            self.responses.record(response, self.running[name].settings))
                 else:
                     with self.wake:
                         if not self.waiting and not self.stopping:
@@ -152,16 +174,20 @@ class EngineLoop:
         queued = 2 * self.engine.max_num_seqs
         while self.waiting and self.engine.num_unfinished < queued:
             ticket = self.waiting[0]
-            ids = ticket.request.token_ids
-            cost = self.budget.cost(len(ids), final=False)  # held whole: a file is written from one buffer
+            ids, max_tokens = ticket.request.token_ids, ticket.request.max_tokens
+            cost = self.budget.cost(len(ids) + max_tokens, final=False)  # held whole: a file is one buffer
             if not self.budget.fits(cost):
                 return
             with self.wake:
                 self.waiting.popleft()
                 self.metrics.queued = len(self.waiting)
             self.budget.reserve(cost)
-            self.engine.add(ticket.name, ids.tolist())
-            self.sink.expect(ticket.name, ticket.name, ids, None, None, 0, cost)
+            if max_tokens:
+                seed = ticket.request.seed if ticket.request.seed is not None else request_seed(0, ticket.name)
+                ticket.response = Response(num_prompt=len(ids), max_tokens=max_tokens, rule=self._stop_rule(ticket),
+                                           seed=seed)
+            self.engine.add(ticket.name, ids.tolist(), ticket.response, ticket.settings)
+            self.sink.expect(ticket.name, ticket.name, ids, None, None, max_tokens, cost, ticket.spec_capture)
             self.running[ticket.name] = ticket
             self.metrics.running = len(self.running)
 
@@ -172,16 +198,24 @@ class EngineLoop:
             if delivered.error:
                 ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
                 continue
-            num_tokens = len(ticket.request.token_ids)
+            num_tokens = len(ticket.request.token_ids) + (len(ticket.response.token_ids) if ticket.response else 0)
             self.metrics.delivered(num_tokens, delivered.nbytes)
-            if self.mooncake:
-                params = manifest(ticket.name, num_tokens, len(self.plan.positions), self.hidden_size, self.dtype)
+            if ticket.spec_capture is not None:  # the answer names the tensors (serve/specforge.py)
+                params = {}
+            elif self.mooncake:
+                params = manifest(ticket.name, num_tokens, len(self.plan.positions), self.hidden_size, self.dtype,
+                                  with_response=ticket.response is not None)
             else:
                 self.quota.add(ticket.name + SUFFIX, delivered.nbytes)
                 if ticket.abandoned:
                     self.quota.remove(ticket.name + SUFFIX)
                 params = {"hidden_states_path": os.path.join(self.directory, ticket.name + SUFFIX)}
             ticket.future.set_result(params)
+
+    def _stop_rule(self, ticket: Ticket) -> StopRule:
+        options, tokenizer = ticket.request.sampling, self.plan.tokenizer
+        decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        return StopRule(frozenset() if options.ignore_eos else self.plan.eos_token_ids, options.stop, decode)
 
     def _fail(self, why: str) -> None:
         """The engine cannot go on: every request still here gets the error, and so does the server."""

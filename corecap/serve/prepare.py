@@ -27,9 +27,14 @@ class ServePlan:
     layers: tuple  # captured, in the order the workers send them
     aux_layers: tuple[int, ...]  # the file's layers before the pre-norm state
     positions: tuple[int, ...]  # the stored layer index of each of the file's layers
+    # SpecForge's layout (/generate): the stored positions of its aux layers and of N, the state
+    # after the final norm (None: N not captured); the aux layers' ids as SGLang counts them
+    spec_positions: tuple[tuple[int, ...], int] | None
+    spec_layer_ids: tuple[int, ...]
     vllm_config: object
     devices: list
     tokenizer: object  # None: the model has none (token-id prompts only)
+    eos_token_ids: frozenset  # what ends a response (vLLM's frontend's: the tokenizer's, the generation config's)
     max_len: int  # the longest prompt
     vocab_size: int
     buffer_bytes: int  # the sink's memory bound
@@ -38,7 +43,7 @@ class ServePlan:
 
 def prepare(cfg: ServeConfig, log) -> ServePlan:
     from corecap._vllm import checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, placement
-    from corecap._vllm import vllm_version
+    from corecap._vllm import sampling, vllm_version
 
     run = cfg.run
     if run.engine.enable_prefix_caching:
@@ -50,17 +55,21 @@ def prepare(cfg: ServeConfig, log) -> ServePlan:
     check_checkpoint(model_dir, engine.load_format)
     layers = resolve_layers(run.layers, identity.num_layers)
     aux, positions = file_layers(layers, identity.num_layers)
+    spec_positions, spec_ids = specforge_layers(layers, aux, identity.num_layers)
     _check_directory(cfg.hidden_states_path)
     vllm_config = checked_vllm_config(engine, model_dir, log, layers)
     check_pipeline(vllm_config, vllm_version())
     devices = placement(vllm_config, engine.data_parallel_size)
+    tokenizer = load_tokenizer(model_dir)
     if vllm_config.parallel_config.nnodes > 1:
         raise CorecapError("--nnodes: `corecap serve` runs on one node (use -tp, -pp and -dp within it)")
     return ServePlan(
         cfg=dataclasses.replace(cfg, run=dataclasses.replace(run, engine=engine)), model_dir=model_dir,
         model_name=cfg.served_model_name or run.model or os.path.basename(model_dir),
-        layers=layers, aux_layers=aux, positions=positions, vllm_config=vllm_config, devices=devices,
-        tokenizer=load_tokenizer(model_dir), max_len=max_prompt_len(vllm_config), vocab_size=identity.vocab_size,
+        layers=layers, aux_layers=aux, positions=positions, spec_positions=spec_positions, spec_layer_ids=spec_ids,
+        vllm_config=vllm_config, devices=devices,
+        tokenizer=tokenizer, eos_token_ids=sampling.eos_token_ids(vllm_config, tokenizer),
+        max_len=max_prompt_len(vllm_config), vocab_size=identity.vocab_size,
         buffer_bytes=buffer_bytes(run.buffer_bytes, False, psutil.virtual_memory().available),
         settings_line=effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""),
     )
@@ -79,6 +88,16 @@ def file_layers(layers: tuple, num_layers: int) -> tuple[tuple[int, ...], tuple[
         raise CorecapError(f"--layers {','.join(map(str, layers))}: no aux layer below {num_layers} besides "
                            f"'{PRENORM}', e.g. --layers 2,{num_layers // 2},{num_layers - 3},{PRENORM}")
     return aux, tuple(layers.index(k) for k in (*aux, PRENORM))
+
+
+def specforge_layers(layers: tuple, aux: tuple[int, ...], num_layers: int):
+    """SpecForge's tensors: the same aux layers, named one lower (SGLang counts a decoder layer's
+    output from 0: HF's hidden_states[k] is its layer k - 1), and N, the state after the final
+    norm (its `target`). ((aux positions, N's position), their ids), or (None, ()) without N or
+    with layer 0 among the aux ones (no SGLang id names the embeddings)."""
+    if num_layers not in layers or 0 in aux:
+        return None, ()
+    return (tuple(layers.index(k) for k in aux), layers.index(num_layers)), tuple(k - 1 for k in aux)
 
 
 def _check_directory(path: str) -> None:

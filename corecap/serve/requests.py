@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from corecap.config import SamplingOptions
 from corecap.errors import CorecapError
 
 
@@ -23,10 +24,14 @@ class BadRequest(CorecapError):
 
 @dataclass(frozen=True)
 class CaptureRequest:
-    """The tokens whose states a request asks for."""
+    """The tokens whose states a request asks for; with `max_tokens`, the model first writes a
+    response of at most that many tokens after them, sampled as `sampling` says."""
 
     token_ids: np.ndarray  # int32 [T]
     model: str
+    max_tokens: int = 0  # 0: the prompt's states only
+    sampling: SamplingOptions | None = None  # the request's own settings (the model's fill the rest)
+    seed: int | None = None
 
 
 # The fields each endpoint takes; OpenAI's and vLLM's extra ones that do not change what is
@@ -41,7 +46,7 @@ CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "continue_final_me
 
 def completion(body, model: str, tokenizer, vocab_size: int, max_len: int) -> CaptureRequest:
     _check_fields(body, COMPLETION_FIELDS)
-    _check_common(body, model)
+    _check_common(body, model, max_len)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -53,12 +58,12 @@ def completion(body, model: str, tokenizer, vocab_size: int, max_len: int) -> Ca
         ids = prompt
     else:
         raise BadRequest("prompt", "expected a list of token ids or a string")
-    return CaptureRequest(_token_ids(ids, "prompt", vocab_size, max_len), body.get("model") or model)
+    return _request(body, token_ids(ids, "prompt", vocab_size, max_len), model, max_len)
 
 
 def chat(body, model: str, tokenizer, vocab_size: int, max_len: int) -> CaptureRequest:
     _check_fields(body, CHAT_FIELDS)
-    _check_common(body, model)
+    _check_common(body, model, max_len)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content} objects")
@@ -83,7 +88,7 @@ def chat(body, model: str, tokenizer, vocab_size: int, max_len: int) -> CaptureR
         raise BadRequest("messages", f"the chat template refused them ({e})") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    return CaptureRequest(_token_ids(ids, "messages", vocab_size, max_len), body.get("model") or model)
+    return _request(body, token_ids(ids, "messages", vocab_size, max_len), model, max_len)
 
 
 def _check_fields(body, allowed: set) -> None:
@@ -94,25 +99,53 @@ def _check_fields(body, allowed: set) -> None:
         raise BadRequest(unknown[0], f"unknown field (this server takes {', '.join(sorted(allowed))})")
 
 
-def _check_common(body: dict, model: str) -> None:
+def _check_common(body: dict, model: str, max_len: int) -> None:
     name = body.get("model")
     if name is not None and name != model:
         raise BadRequest("model", f"{name!r} is not served here (this server serves {model!r})", status=404)
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 1))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or max_tokens < 0):
-        raise BadRequest("max_tokens", "expected an integer of 0 or more")
-    if max_tokens is not None and max_tokens > 1:
-        raise BadRequest("max_tokens", f"{max_tokens}: this server captures the prompt's states (max_tokens 0 or 1); "
-                                       "it does not write responses yet")
     if body.get("n", 1) != 1:
         raise BadRequest("n", "expected 1")
     if body.get("stream", False) is not False:
         raise BadRequest("stream", "streaming is not offered: expected false")
-    for name in ("temperature", "top_p"):
+    for name in _NUMBERS:
         value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-            raise BadRequest(name, "expected a number of 0 or more")
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise BadRequest(name, "expected a number")
+    for name in ("top_k", "seed"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise BadRequest(name, "expected an integer")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or isinstance(stop, list) and all(
+            isinstance(s, str) and s for s in stop)):
+        raise BadRequest("stop", "expected a string or a list of strings")
+
+
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _request(body: dict, ids: np.ndarray, model: str, max_len: int) -> CaptureRequest:
+    """max_tokens 0 or 1: the prompt's states, as speculators asks for them (vLLM's extraction
+    returns the prompt's with max_tokens 1). More: the model writes the response first, and the
+    states cover prompt and response, every token, as `corecap run --max-tokens` stores them."""
+    field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
+    max_tokens = body.get(field, 1)
+    if max_tokens is None:
+        max_tokens = max_len - len(ids)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise BadRequest(field, "expected an integer of 0 or more")
+    if max_tokens <= 1:
+        return CaptureRequest(ids, body.get("model") or model)
+    if len(ids) + max_tokens > max_len:
+        raise BadRequest(field, f"{max_tokens}: the prompt's {len(ids)} tokens and the response's must fit the "
+                                f"server's --max-model-len ({max_len} tokens in all)")
+    stop = body.get("stop") or ()
+    options = SamplingOptions(
+        max_tokens=max_tokens, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        ignore_eos=_flag(body, "ignore_eos", False),
+        **{name: body[name] for name in (*_NUMBERS, "top_k") if body.get(name) is not None},
+    )
+    return CaptureRequest(ids, body.get("model") or model, max_tokens, options, body.get("seed"))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -122,7 +155,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _token_ids(ids, field: str, vocab_size: int, max_len: int) -> np.ndarray:
+def token_ids(ids, field: str, vocab_size: int, max_len: int) -> np.ndarray:
     if not ids:
         raise BadRequest(field, "no tokens")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
-from corecap.sink.mooncake import MooncakeOptions, MooncakeWriter
+from corecap.sink.mooncake import MooncakeOptions, MooncakeWriter, SpecCapture
 
 PARTIAL = ".partial"  # a file being written; never a name the server hands out
 SUFFIX = ".safetensors"
@@ -37,6 +37,9 @@ class DeliverSpec:
     positions: tuple[int, ...]
     fp8: bool = False
     mooncake: MooncakeOptions | None = None
+    # SpecForge's layout: the stored positions of its aux layers and of the post-norm state N (None:
+    # N is not captured, and /generate refuses spec_capture)
+    spec_positions: tuple[tuple[int, ...], int] | None = None
 
 
 class Deliverer:
@@ -47,10 +50,20 @@ class Deliverer:
         self.spec = spec
         self.mooncake = MooncakeWriter(spec.mooncake) if spec.mooncake is not None else None
 
-    def deliver(self, name: str, token_ids: np.ndarray, states: torch.Tensor) -> tuple[int, str]:
-        """One sample (`states`: the stored layers [L_stored, T, H]); (bytes written, "") or, for
-        a write that fails (a full disk, a full store), (0, why): it fails that request, not the sink."""
+    def deliver(self, name: str, token_ids: np.ndarray, states: torch.Tensor,
+                spec_capture: SpecCapture | None = None) -> tuple[int, str]:
+        """One sample (`states`: the stored layers [L_stored, T, H]) in speculators' layout, or
+        SpecForge's where `spec_capture` says so; (bytes written, "") or, for a write that fails (a
+        full disk, a full store), (0, why): it fails that request, not the sink."""
         try:
+            if spec_capture is not None:
+                aux, target = self.spec.spec_positions
+                features = {}
+                if spec_capture.aux is not None:  # the aux layers side by side: [1, T, A*H]
+                    features[spec_capture.aux] = torch.cat([states[p] for p in aux], dim=-1).unsqueeze(0)
+                if spec_capture.target is not None:
+                    features[spec_capture.target] = states[target].unsqueeze(0)
+                return self.mooncake.put_tensors(spec_capture, features), ""
             if self.mooncake is not None:
                 return self.mooncake.put(name, token_ids, torch.stack([states[p] for p in self.spec.positions], 1)), ""
             return write_sample(self.spec, name + SUFFIX, token_ids, states), ""

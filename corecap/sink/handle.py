@@ -18,6 +18,7 @@ from corecap import writer_lock as lock
 from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.deliver import DeliverSpec
+from corecap.sink.mooncake import SpecCapture
 from corecap.sink.messages import (
     Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
 )
@@ -87,13 +88,14 @@ class Sink:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
-        max_new: int = 0, reserved: int = 0,
+        max_new: int = 0, reserved: int = 0, spec_capture: SpecCapture | None = None,
     ) -> None:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
-        adds to `released` once the sample is committed (corecap/sink/budget.py)."""
+        adds to `released` once the sample is committed (corecap/sink/budget.py). `spec_capture`:
+        a delivering sink writes the sample in SpecForge's layout (corecap/sink/mooncake.py)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
         self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
-                          block_hashes=block_hashes, max_new=max_new, reserved=reserved))
+                          block_hashes=block_hashes, max_new=max_new, reserved=reserved, spec_capture=spec_capture))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from corecap.sink.mooncake import SpecCapture
 from corecap.store.generated import Generation
 
 
@@ -16,6 +17,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     block_hashes: list[bytes] | None = None  # vLLM's, of each full block, with prefix caching on
     max_new: int = 0  # the model writes up to this many tokens after token_ids (`Generated` says which)
     reserved: int = 0  # bytes of --buffer-gb the driver reserved for it, released at its commit (sink/budget.py)
+    spec_capture: SpecCapture | None = None  # `corecap serve`'s /generate: SpecForge's objects, not the default
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):

@@ -1,10 +1,16 @@
 """Each sample into a Mooncake store instead of a file (`corecap serve --hidden-states-backend
 mooncake`): no shared file system between the server and the trainer, only Mooncake's transfer
-engine. One object a sample, in the layout speculators' reader (hs_connectors'
-`MooncakeHiddenStatesStore.get_sample`) loads: `hidden_states` [T, L, H] in the captured dtype,
-then `token_ids` [T] int64, each at a 64-byte-aligned offset, described by the manifest the
-server answers with (`kv_transfer_params`). A write that fails leaves `KEY:error` ({"error": why})
-for the reader, which waits for one key or the other.
+engine. Two layouts, each its trainer's own:
+
+- speculators (`/v1/completions`): one object a sample, as hs_connectors'
+  `MooncakeHiddenStatesStore.get_sample` loads it: `hidden_states` [T, L, H] in the captured
+  dtype, then `token_ids` [T] int64, each at a 64-byte-aligned offset, described by the manifest
+  the server answers with (`kv_transfer_params`). A write that fails leaves `KEY:error`
+  ({"error": why}) for the reader, which waits for one key or the other.
+- SpecForge (`/generate` with `spec_capture`): one object a tensor, `{store_id}/{sample_id}/g{gen}/
+  {name}` as its `MooncakeFeatureStore` reads them: the raw bytes of the aux layers concatenated
+  [1, T, A*H], the state after the final norm [1, T, H], and the client's own tensors
+  (`passthrough`), hard-pinned; the shapes and dtypes travel in the HTTP answer.
 
 The objects live in the segment this process (the sink) gives the store: they last as long as
 the server runs, and the trainer removes each once read."""
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -22,6 +29,23 @@ from corecap.errors import CorecapError
 ALIGN = 64  # each tensor's offset in the object, as hs_connectors packs them
 VERSION = 1  # the manifest's version that speculators' reader takes
 ERROR_SUFFIX = ":error"
+
+
+class Passthrough(msgspec.Struct, array_like=True):
+    """A tensor the client sends to be stored as it is (SpecForge's input_ids, loss_mask, ...)."""
+
+    name: str
+    data: bytes  # its raw bytes, C order
+
+
+class SpecCapture(msgspec.Struct, array_like=True, kw_only=True):
+    """Where SpecForge wants one sample's tensors: `{prefix}{name}` for each."""
+
+    prefix: str  # "{store_id}/{sample_id}/g{gen}/"
+    aux: str | None  # the aux layers' feature name (None: not wanted)
+    target: str | None  # the post-norm state's feature name (None: not wanted)
+    replace: bool = False  # a retry: what an earlier attempt put under these keys goes first
+    passthrough: list[Passthrough] = []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,11 +72,13 @@ def layout(num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtyp
     return tensors, offset
 
 
-def manifest(handle: str, num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype) -> dict:
+def manifest(handle: str, num_tokens: int, num_layers: int, hidden_size: int, dtype: torch.dtype,
+             with_response: bool = False) -> dict:
     """What the server answers with: where the sample is, and how to read it."""
     tensors, total = layout(num_tokens, num_layers, hidden_size, dtype)
+    mode = "all" if with_response else "prompt_only"  # hs_connectors' names: the response's tokens too, or not
     return {"handle": handle, "version": VERSION, "tensors": tensors,
-            "metadata": {"num_tokens": num_tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only"}}
+            "metadata": {"num_tokens": num_tokens, "total_aligned_bytes": total, "extract_mode": mode}}
 
 
 class MooncakeWriter:
@@ -72,6 +98,38 @@ class MooncakeWriter:
             raise CorecapError(f"--mooncake-master {options.master}: joining the Mooncake store failed (status "
                                f"{status}); is mooncake_master running there, with --mooncake-metadata-server "
                                f"{options.metadata_server} as its clients use?")
+
+    def put_tensors(self, capture: SpecCapture, tensors: dict[str, torch.Tensor]) -> int:
+        """SpecForge's objects, one a tensor; their bytes. On a failure, what this call put is
+        removed again (no half sample is ever readable) and OSError says why."""
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = 1
+        config.with_hard_pin = True  # as SpecForge's own writer: never evicted before the trainer frees it
+        tensors = dict(tensors, **{p.name: torch.frombuffer(bytearray(p.data), dtype=torch.uint8)
+                                   for p in capture.passthrough})
+        keys = [capture.prefix + name for name in tensors]
+        if capture.replace:  # Mooncake keeps the first value put under a key: an earlier attempt's goes
+            for key in keys:
+                self.store.remove(key, force=True)
+        written, total = [], 0
+        for key, tensor in zip(keys, tensors.values()):
+            tensor = tensor.contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+            self.store.register_buffer(tensor.data_ptr(), nbytes)
+            try:
+                status = self.store.put_from(key, tensor.data_ptr(), nbytes, config)
+            finally:
+                self.store.unregister_buffer(tensor.data_ptr())
+            if status != 0:
+                for done in written:
+                    self.store.remove(done, force=True)
+                raise OSError(f"the Mooncake store refused {key} ({nbytes:,} bytes, status {status}: full, "
+                              "or unreachable)")
+            written.append(key)
+            total += nbytes
+        return total
 
     def put(self, handle: str, token_ids: np.ndarray, states: torch.Tensor) -> int:
         """One sample (`states` [T, L, H]) under `handle`; its bytes. Raises OSError if the store

@@ -129,6 +129,7 @@ class _Loop:
         self.rss_start = rss()
         if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
             self.deliverer = Deliverer(spec.deliver)
+            self.spec_captures: dict = {}  # key → SpecForge's layout for it (Expect.spec_capture)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
             return
         store = Store.open_for_writing(spec.store)
@@ -155,7 +156,8 @@ class _Loop:
 
     def _deliver(self, p) -> None:
         """A sample every position of which is here, to its file (`corecap serve`)."""
-        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states())
+        spec_capture = self.spec_captures.pop(p.key, None)
+        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states(), spec_capture)
         self.buffers.give(p.states)
         self.released.add(p.reserved)
         self.notify(Delivered(p.key, nbytes, error))
@@ -195,6 +197,8 @@ class _Loop:
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
             self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes,
                                   msg.max_new, msg.reserved)
+            if msg.spec_capture is not None:
+                self.spec_captures[msg.key] = msg.spec_capture
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):
