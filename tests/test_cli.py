@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -36,6 +38,62 @@ def test_demo_run_then_get(demo_store):
     assert info["num_samples"] == 23 and info["layers"] == [2, 4, 5, 8, "prenorm"] and info["format_version"] == 3
     assert "prenorm = the residual stream after the last decoder layer, before the final norm" in info["layer_meaning"]
     assert info["model"]["weights_fingerprint"] and info["vllm_version"]
+
+
+# What differs from run to run in README's quick start, replaced in both before they are compared.
+_VARYING = [
+    (re.compile(r"^\S*/corecap/demo_data\.jsonl"), ".../corecap/demo_data.jsonl"),
+    (re.compile(r"corecap-ring-\d+-[0-9a-f]+"), "corecap-ring-PID-ID"),
+    (re.compile(r"net:\[\d+\]"), "net:[N]"),
+    (re.compile(r"\(\d+ s\)$"), "(T s)"),
+    (re.compile(r"[\d.]+s waiting"), "Ts waiting"),
+    (re.compile(r"[\d.]+ MB \(\d+ B/token, codec ratio [\d.]+x\) in [\d.]+s \(\d+ tokens/s\)"),
+     "S MB (B B/token, codec ratio Rx) in Ts (R tokens/s)"),
+]
+
+
+def _readme_quick_start() -> list[tuple[str, list[str]]]:
+    """Each `$ command` of README's quick start and the lines it shows."""
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## Quick start"):]
+    section = section[: section.index("\n## ", 1)]
+    runs = []
+    for line in section.splitlines():
+        if line.startswith("    $ "):
+            runs.append((line[6:], []))
+        elif line.startswith("    ") and runs:
+            runs[-1][1].append(line[4:])
+    return runs
+
+
+def _normal(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        for pattern, replacement in _VARYING:
+            line = pattern.sub(replacement, line)
+        out.append(line)
+    return out
+
+
+@pytest.mark.engine
+def test_the_quick_start_prints_what_readme_shows(demo_store):
+    """README's quick start is the demo's real output: every line it shows, in order, but the
+    run's timings, sizes and names; its `...` stands for the engine start's other phase lines."""
+    cwd, env, result = demo_store
+    runs = dict(_readme_quick_start())
+    shown = _normal(runs.pop("corecap run"))
+    printed = _normal([line for line in result.stderr.splitlines() + result.stdout.splitlines()
+                       if line.strip() and not line.startswith("removed ")])
+    starting = [line for line in printed if line.startswith("engine starting: ")]
+    for line in shown:
+        if line.startswith("engine starting: "):
+            assert line in starting, (line, starting)
+    shown_rest = [line for line in shown if line != "..." and not line.startswith("engine starting: ")]
+    assert shown_rest == [line for line in printed if line not in starting], printed
+    for command, lines in runs.items():  # ls | head -3, get, verify
+        words = command.split(" | ")[0].split()
+        out = corecap(*words[1:], cwd=cwd).stdout.splitlines()
+        assert (out[:3] if "head -3" in command else out) == lines, (command, out)
 
 
 @pytest.mark.engine
