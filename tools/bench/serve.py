@@ -1,0 +1,132 @@
+"""`corecap serve` against `corecap run` on the same prompts: the rate at which each delivers
+the prompts' states, on the CPU.
+
+    python3 -m tools.bench.serve [--samples 96] [--lengths 128,768] [--clients 4,16] [--out DIR]
+
+A synthetic Llama (4 layers of hidden 1,024, float32, a fixed seed), the same random prompts
+(token ids from a fixed seed), layers 1,2,3,prenorm, vLLM's prefix caching off in both (the
+server runs without it), 16 sequences and 2,048 tokens a step, compiled.
+
+- run: `corecap run` into a store; its rate is its summary's (the samples' tokens from the
+  first engine step to the last commit).
+- serve: `corecap serve --hidden-states-backend file`, once healthy; C client threads post
+  every prompt once to /v1/completions (token ids, max_tokens 1, as speculators asks) and remove
+  each file once answered, as speculators' reader does; the rate is the prompts' tokens over the
+  time from the first request to the last answer.
+
+Each result is a JSON line in DIR/bench_serve.jsonl; the table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from tools.common.child import append_jsonl, child_env, command_line
+from tools.common.generation import random_prompts, write_jsonl
+from tools.common.models import tiny_llama
+
+LAYERS = "1,2,3,prenorm"
+ENGINE = ["--dtype", "float32", "--max-num-seqs", "16", "--max-num-batched-tokens", "2048",
+          "--no-enable-prefix-caching", "--layers", LAYERS]
+SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=2048)
+
+
+def run_rate(model: str, data: str, workdir: str) -> dict:
+    store = os.path.join(workdir, "run.lmdb")
+    proc = subprocess.run([sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data,
+                           "--store", store, *ENGINE], capture_output=True, text=True, env=child_env(), timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"corecap run failed:\n{proc.stderr[-3000:]}")
+    found = re.search(r"committed (\d+) samples \((\d+) tokens\).* in ([\d.]+)s \((\d+) tokens/s\)", proc.stdout)
+    return {"mode": "run", "samples": int(found[1]), "tokens": int(found[2]), "seconds": float(found[3]),
+            "tokens_per_s": int(found[4])}
+
+
+def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int) -> dict:
+    port = _free_port()
+    hidden = os.path.join(workdir, f"hidden-{clients}")
+    log = open(os.path.join(workdir, f"serve-{clients}.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "corecap.cli", "serve", "--model", model, "--port", str(port),
+                               "--hidden-states-path", hidden, *ENGINE], stdout=log, stderr=subprocess.STDOUT,
+                              env=child_env())
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server)
+
+        def ask(ids: list[int]) -> int:
+            body = json.dumps({"prompt": ids, "max_tokens": 1}).encode()
+            request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as answer:
+                path = json.loads(answer.read())["kv_transfer_params"]["hidden_states_path"]
+            os.remove(path)  # what speculators' reader does once it has the states
+            return len(ids)
+
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            tokens = sum(pool.map(ask, prompts))
+        seconds = time.monotonic() - start
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(120)
+        log.close()
+    return {"mode": "serve", "clients": clients, "samples": len(prompts), "tokens": tokens,
+            "seconds": round(seconds, 2), "tokens_per_s": int(tokens / seconds)}
+
+
+def _wait_healthy(url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"corecap serve exited ({server.returncode})")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit("corecap serve did not become healthy")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--lengths", default="128,768", help="prompt lengths, low,high")
+    ap.add_argument("--clients", default="4,16", help="concurrent clients of the server, comma-separated")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    workdir = tempfile.mkdtemp(prefix="bench-serve-")
+    model = tiny_llama(os.path.join(workdir, "model"), seed=0, **SHAPE)
+    low, high = map(int, args.lengths.split(","))
+    rows = random_prompts(args.samples, (low, high), (3, SHAPE["vocab_size"]), seed=0)
+    data = write_jsonl(os.path.join(workdir, "prompts.jsonl"), rows)
+    results = [run_rate(model, data, workdir)]
+    results += [serve_rate(model, [r["input_ids"] for r in rows], workdir, int(c)) for c in args.clients.split(",")]
+    for result in results:
+        append_jsonl(os.path.join(args.out, "bench_serve.jsonl"), {**result, "command": command_line()})
+    base = results[0]["tokens_per_s"]
+    for r in results:
+        who = "corecap run" if r["mode"] == "run" else f"corecap serve, {r['clients']} clients"
+        print(f"{who:28s} {r['tokens_per_s']:>8,} tokens/s  {r['tokens_per_s'] / base:.3f}x  "
+              f"({r['tokens']:,} tokens in {r['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
