@@ -57,12 +57,18 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     async def prometheus():
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
-    async def capture(request: Request, endpoint: str, parse):
+    async def json_body(request: Request, endpoint: str):
+        """(the request's JSON, None), or (None, the 400 that says it is not JSON)."""
         try:
-            body = json.loads(await request.body() or b"null")
+            return json.loads(await request.body() or b"null"), None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             metrics.answered(endpoint, 400)
             return None, error(400, f"body: not JSON ({e})", "body")
+
+    async def capture(request: Request, endpoint: str, parse):
+        body, refused = await json_body(request, endpoint)
+        if refused is not None:
+            return None, refused
         try:
             wanted = parse(body, name, plan.tokenizer, plan.vocab_size, plan.max_len)
             settings = loop.sampling(wanted) if wanted.max_tokens else None
@@ -117,11 +123,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         """SpecForge's online producer: a batch of prompts, each one's tensors to Mooncake."""
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            metrics.answered("generate", 400)
-            return error(400, f"body: not JSON ({e})", "body")
+        body, refused = await json_body(request, "generate")
+        if refused is not None:
+            return refused
         try:
             if plan.spec_positions is None or plan.cfg.backend != "mooncake":
                 raise requests.BadRequest("spec_capture", "SpecForge's tensors go to a Mooncake store, the state after "
