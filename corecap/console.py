@@ -53,6 +53,7 @@ class RunLog:
         sys.stdout.flush()
         sys.stderr.flush()
         self._saved = [os.dup(1), os.dup(2)]
+        self._start_resource_tracker()
         self.terminal_out = os.fdopen(os.dup(self._saved[0]), "w", buffering=1)
         self.terminal_err = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
         read_end, write_end = os.pipe()
@@ -62,6 +63,17 @@ class RunLog:
         self._thread = threading.Thread(target=self._copy, args=(read_end,), daemon=True, name="corecap-log")
         self._thread.start()
         return self
+
+    def _start_resource_tracker(self) -> None:
+        """Python's multiprocessing resource tracker, which the run's first shared-memory object
+        starts, lives until this process exits and keeps the descriptors 1 and 2 it inherited:
+        started here with both on the log file, it writes its warnings there and never holds the
+        pipe open, which closing the log would otherwise wait DRAIN_SECONDS for."""
+        from multiprocessing import resource_tracker
+
+        os.dup2(self.file.fileno(), 1)
+        os.dup2(self.file.fileno(), 2)
+        resource_tracker.ensure_running()
 
     def _copy(self, fd: int) -> None:
         try:
