@@ -1,5 +1,5 @@
 """`python -m corecap.cli`."""
 
-from corecap.cli import main
+from corecap.cli.entry import entry
 
-main()
+entry()
