@@ -298,9 +298,12 @@ def _stop(cmd, name: str, interrupt) -> Stopped:
 
 def _sigterm(run, worker: psutil.Process, pause_file: str) -> str:
     """The paused worker goes on, and SIGTERM comes at once: with ~1,100 of the rerun's ~1,200
-    steps still to run (~180 samples of ~210 tokens, 32 a step)."""
+    steps still to run (~180 samples of ~210 tokens, 32 a step). To the whole process group, as a
+    job scheduler or systemd stopping a service sends it: the driver, the sink and vLLM's workers
+    alike (the workers and the sink ignore it, so this is also what `kill PID` to the driver
+    alone comes to). Each process's shared memory and the run's record of it must be gone."""
     os.unlink(pause_file)
-    run.proc.send_signal(signal.SIGTERM)  # the driver only, as `kill PID` or a job scheduler does
+    os.killpg(run.pgid, signal.SIGTERM)
     return ""
 
 

@@ -80,13 +80,17 @@ def watch() -> None:
 
 
 def ignore_interrupts() -> None:
-    """In a worker (corecap/_vllm/worker.py, on import): ignore SIGINT. A terminal's Ctrl-C goes
-    to the whole process group, and vLLM's handler (installed just before) would end the worker
-    mid-step, which the driver would report as a worker's death; the driver stops the workers
-    itself once it has committed what is complete. Only in vLLM's worker processes (children
-    that know where to record errors): never in the driver, which may import this module too."""
+    """In a worker (corecap/_vllm/worker.py, on import): ignore SIGINT and SIGTERM. A terminal's
+    Ctrl-C goes to the whole process group, and so does the SIGTERM of a job scheduler or of
+    systemd stopping a service; vLLM's handler (installed just before) would end the worker
+    mid-step, which the driver would report as a worker's death, and the worker's shared memory
+    would outlive the run. The driver stops the workers itself once it has committed what is
+    complete; a worker whose driver is gone ends by itself (vLLM's death pipe). Only in vLLM's
+    worker processes (children that know where to record errors): never in the driver, which
+    may import this module too."""
     if os.environ.get(ENV) and multiprocessing.parent_process() is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
