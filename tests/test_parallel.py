@@ -138,7 +138,8 @@ def _num_stored(store: str) -> int:
 
 @pytest.fixture(scope="module")
 def dp2_runs(exact_run, tmp_path_factory):
-    """-dp 2 on exact_run's inputs (plus rows with loss masks) and settings: first a run whose
+    """-dp 2 on exact_run's inputs (plus rows with loss masks) and settings, --enforce-eager (the
+    replicas are the subject; compiled capture is exact_run's): first a run whose
     replica loses its rank-0 worker mid-capture (SIGKILL while it waits at capture step 8),
     then the rerun that completes the store."""
     from corecap.config import TestHooks
@@ -153,7 +154,8 @@ def dp2_runs(exact_run, tmp_path_factory):
     # with caching on is tests/test_prefix.py's.
     cfg = dataclasses.replace(
         exact_cfg, data=data, store=str(tmp / "store"),
-        engine=dataclasses.replace(exact_cfg.engine, data_parallel_size=2, enable_prefix_caching=False),
+        engine=dataclasses.replace(exact_cfg.engine, data_parallel_size=2, enable_prefix_caching=False,
+                                   enforce_eager=True),
     )
     killed_log: list[str] = []
     outcome: dict = {}

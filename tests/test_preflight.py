@@ -169,7 +169,7 @@ def test_a_worker_failing_mid_capture_is_one_line(tiny_model, tmp_path):
     store = str(tmp_path / "store")
     result = subprocess.run(
         [sys.executable, str(script), "run", "--model", tiny_model, "--data", data, "--store", store,
-         "--layers", "2,8"],
+         "--layers", "2,8", "--enforce-eager"],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,
     )
     assert result.returncode == 2, result.stderr[-3000:]
