@@ -181,6 +181,67 @@ def test_speculators_reads_fp8_states_within_their_rounding(llama, tiny_model):
     _check_against_hf(got, rows, reference, LLAMA_LAYERS[:-2], "serve llama fp8", 0.05, fp8_tolerance=0.02)
 
 
+TRAIN_STEPS = 4
+
+
+def test_speculators_trains_an_eagle3_draft_on_served_states(llama, tiny_model, hf_model, monkeypatch):
+    """`speculators train --vllm-endpoint URL --on-missing generate --hidden-states-backend fp8`
+    on the CPU, by speculators' own code (tests/support/speculators_training.py: its options,
+    its EAGLE-3 draft of one layer over the verifier's whole vocabulary, its loaders, its Trainer's
+    step; what the CPU changes is said there). Every batch its loader fetched from the server is
+    what the draft's forward takes, and the draft's teacher, its verifier lm_head(norm(last
+    state)), gives HF's logits for the same tokens within the fp8 and bfloat16 rounding. Then
+    TRAIN_STEPS steps on one batch: a finite loss, a finite gradient on every trainable parameter
+    and none on the verifier's, each trainable parameter moved, and each step's loss below the last."""
+    from torch.utils.data import DataLoader
+
+    from support import speculators_training as training
+
+    _speculators()
+    server, tmp = llama
+    rows = _rows(VOCAB)
+    args = training.train_options(
+        "--verifier-name-or-path", tiny_model, "--data-path", _arrow_dataset(tmp / "train-prepared", rows),
+        "--save-path", str(tmp / "draft"), "--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate",
+        "--hidden-states-backend", "fp8", "--target-layer-ids", *map(str, LLAMA_LAYERS[:-2]), "--num-layers", "1",
+        "--total-seq-len", "512", "--num-workers", "0", "--epochs", "1",
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+    )
+    draft = training.build_draft(args)
+    batches = list(training.loaders(args, draft)[0])
+    hidden = draft.config.transformer_layer_config.hidden_size
+    for batch in batches:
+        assert batch["hidden_states"].shape == (1, 512, len(LLAMA_LAYERS[:-2]) * hidden)
+        assert batch["verifier_last_hidden_states"].shape == (1, 512, hidden) and batch["error_records"] == 0
+        assert {batch[k].dtype for k in ("hidden_states", "verifier_last_hidden_states")} == {torch.bfloat16}
+        assert {batch[k].shape for k in ("input_ids", "loss_mask", "position_ids", "document_ids")} == {(1, 512)}
+        for ids, last in training.documents(batch):
+            row = next(r["input_ids"] for r in rows if r["input_ids"][1: 1 + len(ids)] == ids)  # shifted by one
+            with torch.no_grad():
+                teacher = draft.verifier_lm_head(draft.verifier_norm(last.float()))
+                ref = hf_model(torch.tensor([row])).logits[0, 1: 1 + len(ids)]
+            per_sample, per_token = relative_errors(teacher[None], ref[None])
+            record_error("serve llama fp8 teacher logits", per_sample, per_token)
+            assert float(per_token.max()) <= 0.05, per_token
+    train_rows = rows[: int(len(rows) * args.train_data_ratio)]  # ArrowDataset's train split
+    expected = sorted(r["input_ids"][1:] for r in train_rows if len(r["input_ids"]) > 1)
+    assert sorted(ids for b in batches for ids, _ in training.documents(b)) == expected
+
+    trainable = {name: p.detach().clone() for name, p in draft.named_parameters() if p.requires_grad}
+    trainer = training.cpu_trainer(args, draft, DataLoader([batches[0]] * TRAIN_STEPS, batch_size=None), monkeypatch)
+    losses = [step["loss"] for step in training.train_epoch(trainer)]
+    assert len(losses) == TRAIN_STEPS and all(np.isfinite(losses)), losses
+    for name, param in draft.named_parameters():
+        if name in trainable:
+            assert param.grad is not None and bool(param.grad.isfinite().all()) and bool(param.grad.any()), name
+            assert not torch.equal(param.detach(), trainable[name]), name
+        else:
+            assert param.grad is None, name
+    assert {"fc.weight", "verifier_lm_head.weight"} <= {name for name, _ in draft.named_parameters()}
+    assert "fc.weight" in trainable and "verifier_lm_head.weight" not in trainable
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses  # each step's update helped
+
+
 @pytest.fixture(scope="module")
 def mooncake(tiny_model, tmp_path_factory):
     _mooncake()
