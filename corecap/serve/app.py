@@ -147,6 +147,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             if why is None:
                 try:
                     if await _delivered(request, ticket, loop) is None:
+                        for other in tickets:  # the batch's other prompts too: nobody will take them
+                            if not isinstance(other, str):
+                                loop.abandon(other)
                         metrics.answered("generate", 499)
                         return Response(status_code=499)
                 except CorecapError as e:
@@ -161,7 +164,7 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
 
 async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> dict | None:
     """Where the states are once written (`kv_transfer_params`); None if the client disconnected
-    first (a file is then removed once written: nobody will take it)."""
+    first: its request is then aborted and its states freed (engine_loop.py, `abandon`)."""
     waiting = asyncio.wrap_future(ticket.future)
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
