@@ -180,3 +180,50 @@ def test_a_request_whose_client_went_away_is_aborted_and_its_sample_forgotten(tm
     assert loop.engine.calls == [("abort", running.name)] and loop.sink.calls == [("forget", running.name)]
     assert list(loop.running) == [other.name] and running.future.cancelled() and not other.future.done()
     assert "corecap_requests_aborted_total 2" in loop.metrics.text()
+
+
+def test_the_server_sees_a_client_go_away_with_the_api_key_on():
+    """A real uvicorn (the engine thread a stand-in whose answer never comes): a client that closes
+    its socket mid-request has its ticket abandoned, with the API key's middleware in the way."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from corecap.serve.app import build_app
+    from corecap.serve.engine_loop import Ticket
+
+    class Loop:
+        metrics, failure, started, abandoned = Metrics(), None, 0.0, []
+
+        def submit(self, request, spec_capture=None, settings=None):
+            return Ticket("corecap-000000000001", request)  # never answered
+
+        def abandon(self, ticket):
+            self.abandoned.append(ticket.name)
+
+    plan = types.SimpleNamespace(model_name="tiny", cfg=types.SimpleNamespace(api_key="k"), tokenizer=None,
+                                 vocab_size=100, max_len=50, model_dir="/m")
+    loop = Loop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(plan, loop), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = json.dumps({"prompt": [1, 2]}).encode()
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)
+        client.close()
+        deadline = time.monotonic() + 5
+        while not loop.abandoned and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.abandoned == ["corecap-000000000001"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
