@@ -62,6 +62,14 @@ def test_sampling_params_without_detokenize(tmp_path):
     ]
 
 
+def test_a_scheduler_that_cannot_abort_a_request(tmp_path):
+    """The server aborts a disconnected client's request (Engine.abort): finish_requests without
+    the status it finishes them with."""
+    source = moved(tmp_path, member("vllm.v1.core.sched.scheduler.Scheduler", "finish_requests",
+                                    "def finish_requests(self, request_ids):\n    pass"))
+    assert _problems(source) == ["Scheduler.finish_requests() no longer accepts finished_status"]
+
+
 def test_executor_without_sample_tokens(tmp_path):
     source = moved(tmp_path, member(f"{_EXECUTOR}.MultiprocExecutor", "sample_tokens"),
                     member("vllm.v1.executor.abstract.Executor", "sample_tokens"))

@@ -69,7 +69,8 @@ def test_no_import_circle():
 def test_layers_import_downwards():
     """cli → api → run → the adapter, the sink, the data → transport → export, training → store → trace → progress
     → config."""
-    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.logs", "corecap.serve", "corecap.probe",
+    order = ["corecap.__main__", "corecap.cli", "corecap.api", "corecap.logs", "corecap.serve", "corecap.client",
+             "corecap.probe",
              "corecap.run",
              "corecap.plan", "corecap.resume",
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",

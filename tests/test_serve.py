@@ -410,6 +410,61 @@ def test_the_model_writes_responses_while_serving_and_their_states_are_hf(llama,
                 ids.append(token)
 
 
+def test_corecaps_client_reads_states_equal_to_hf_and_its_dataset_yields_each_sample_once(llama, hf_model):
+    """corecap.Client against the fp8 server: HF's states within fp8's rounding, the file taken;
+    then a DataLoader of 2 workers over ServerDataset: every row once, padded."""
+    from corecap import Client, ServerDataset
+
+    server, _ = llama
+    before = set(os.listdir(server.hidden_states_path))
+    prompt = _rows(VOCAB)[2]["input_ids"]
+    got = Client(server.url).states(prompt)
+    ref = hf_hidden_states(hf_model, prompt, LLAMA_LAYERS[:-2] + ("prenorm",))
+    per_sample, per_token = relative_errors(got.hidden_states, ref)
+    record_error("serve llama fp8, corecap's client", per_sample, per_token)
+    assert float(per_token.max()) <= 0.05 and got.token_ids.tolist() == prompt
+    rows = _rows(VOCAB)[:6]
+    loader = torch.utils.data.DataLoader(ServerDataset(rows, server.url), batch_size=2, num_workers=2)
+    keys = [key for batch in loader for key in batch["key"]]
+    assert sorted(keys) == sorted(r["id"] for r in rows), keys
+    assert set(os.listdir(server.hidden_states_path)) <= before  # every file taken
+
+
+def _aborted(server: Server) -> int:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        line = next(n for n in response.read().decode().splitlines() if n.startswith("corecap_requests_aborted_total"))
+    return int(line.split()[-1])
+
+
+def test_a_client_that_disconnects_has_its_request_aborted_while_another_is_answered(llama):
+    """A long generation whose client closes its socket mid-request: the server aborts it (counted
+    in /metrics), no file is left, and a request sent beside it is answered."""
+    import socket
+    import time
+
+    server, _ = llama
+    before, aborted = set(os.listdir(server.hidden_states_path)), _aborted(server)
+    body = json.dumps({"prompt": list(range(3, 13)), "max_tokens": 480, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    gone = socket.create_connection(("127.0.0.1", server.port))
+    gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(_post, f"{server.url}/v1/completions", {"prompt": list(range(3, 40)), "max_tokens": 4})
+        time.sleep(1.5)
+        gone.close()  # the client goes away mid-generation
+        code, answer = beside.result()
+    assert code == 200, answer
+    os.remove(answer["kv_transfer_params"]["hidden_states_path"])
+    deadline = time.monotonic() + 30
+    while _aborted(server) == aborted and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(server) == aborted + 1
+    time.sleep(1)  # a file written after the abort would appear by now
+    left = {n for n in set(os.listdir(server.hidden_states_path)) - before if not n.endswith(".lock")}
+    assert not left, left
+
+
 def test_sigterm_answers_in_flight_requests_and_leaves_no_partial_file(llama):
     """Last in this module: it stops the shared server."""
     server, _ = llama

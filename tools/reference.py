@@ -34,6 +34,8 @@ API = {
     "Store": ("corecap/store/store.py", "Store", ("keys", "get", "close")),
     "Sample": ("corecap/store/format.py", "Sample", ("loss_mask",)),
     "StoreDataset": ("corecap/training/__init__.py", "StoreDataset", ("__len__", "__getitem__")),
+    "Client": ("corecap/client/__init__.py", "Client", ("states",)),
+    "ServerDataset": ("corecap/client/dataset.py", "ServerDataset", ("share",)),
     "CorecapError": ("corecap/errors.py", "CorecapError", ()),
 }
 API_EXTRA = {"Store", "Sample"}  # what open_store and Store.get return, documented beside them

@@ -126,7 +126,7 @@ def _request(source: Source):
     return signature_problem("Request", method_of(source.cls("vllm.v1.request.Request"), "__init__"), passed)
 
 
-@_check("Scheduler: schedule (reads request.max_tokens), get_grammar_bitmask, update_from_output; "
+@_check("Scheduler: schedule (reads request.max_tokens), get_grammar_bitmask, update_from_output, finish_requests; "
         "SchedulerOutput, EngineCoreOutput; Request.max_tokens, num_output_tokens")
 def _scheduler(source: Source):
     scheduler = source.cls("vllm.v1.core.sched.scheduler.Scheduler")
@@ -144,6 +144,12 @@ def _scheduler(source: Source):
                           {"self", "scheduler_output"}),
         signature_problem("Scheduler.update_from_output", method_of(scheduler, "update_from_output"),
                           {"self", "scheduler_output", "model_runner_output"}),
+        # Engine.abort: finish_requests ends a request whose batch may still be at the workers,
+        # and update_from_output passes over a finished request's output
+        signature_problem("Scheduler.finish_requests", method_of(scheduler, "finish_requests"),
+                          {"self", "request_ids", "finished_status"}),
+        lacks("Scheduler.update_from_output reads no", {"is_finished"},
+              method_of(scheduler, "update_from_output").names()),
         lacks("SchedulerOutput has no field", {"num_scheduled_tokens", "total_num_scheduled_tokens"},
               source.cls("vllm.v1.core.sched.output.SchedulerOutput").fields()),
         lacks("EngineCoreOutputs has no field", {"outputs"}, source.cls("vllm.v1.engine.EngineCoreOutputs").fields()),

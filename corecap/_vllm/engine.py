@@ -237,6 +237,20 @@ class Engine:
             self.prefix.told(req_id, len(request.block_hashes))
         return list(request.block_hashes)
 
+    def abort(self, req_id: str) -> bool:
+        """End an unfinished request now (its client went away): vLLM frees its KV blocks, and a
+        batch of it still at the workers is skipped when its output comes back (the scheduler's
+        update_from_output passes over finished requests). False: not here, or already finished."""
+        from vllm.v1.request import RequestStatus
+
+        if req_id not in self.tokens:
+            return False
+        self.core.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        self.responses.pop(req_id, None)
+        self.num_unfinished -= 1
+        self.num_outstanding_tokens -= self.tokens.pop(req_id)
+        return True
+
     def take_prefix_actions(self) -> list[tuple]:
         """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix_tracker.py)."""
         return self.prefix.take_actions() if self.prefix is not None else []

@@ -77,6 +77,10 @@ class Replicas:
         """To the replica with the fewest prompt tokens still to capture (ties: the first)."""
         return min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids, response, settings)
 
+    def abort(self, req_id: str) -> bool:
+        """End an unfinished request on whichever replica runs it (False: none does)."""
+        return any(e.abort(req_id) for e in self.engines)
+
     def take_prefix_actions(self) -> list[tuple]:
         return [a for e in self.engines for a in e.take_prefix_actions()]
 

@@ -34,13 +34,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                             status_code=status, headers=headers)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(401, "missing or wrong API key: send `Authorization: Bearer KEY` (--api-key)")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_Authorize, api_key=api_key,
+                           refused=error(401, "missing or wrong API key: send `Authorization: Bearer KEY` (--api-key)"))
 
     @app.get("/health")
     async def health():
@@ -147,6 +143,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             if why is None:
                 try:
                     if await _delivered(request, ticket, loop) is None:
+                        for other in tickets:  # the batch's other prompts too: nobody will take them
+                            if not isinstance(other, str):
+                                loop.abandon(other)
                         metrics.answered("generate", 499)
                         return Response(status_code=499)
                 except CorecapError as e:
@@ -159,9 +158,24 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     return app
 
 
+class _Authorize:
+    """The API key on every /v1/ request. A plain ASGI middleware: Starlette's `@app.middleware`
+    wraps the handlers' `receive`, which then never reports the client's disconnect."""
+
+    def __init__(self, app, api_key: str, refused: Response):
+        self.app, self.expected, self.refused = app, f"Bearer {api_key}".encode(), refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await self.refused(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> dict | None:
     """Where the states are once written (`kv_transfer_params`); None if the client disconnected
-    first (a file is then removed once written: nobody will take it)."""
+    first: its request is then aborted and its states freed (engine_loop.py, `abandon`)."""
     waiting = asyncio.wrap_future(ticket.future)
     while True:
         done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)

@@ -33,7 +33,7 @@ class ServerFull(CorecapError):
     """No room for another request's states now (HTTP 503, with Retry-After)."""
 
 
-@dataclass
+@dataclass(eq=False)  # one ticket equals only itself (`abandon` finds it in the queue)
 class Ticket:
     """One request on its way: its name, and the future its handler awaits (its kv_transfer_params)."""
 
@@ -43,7 +43,7 @@ class Ticket:
     settings: dict | None = None  # with request.max_tokens: the sampling settings in effect (vLLM's names)
     response: Response | None = None  # the response the model writes, once admitted
     future: Future = field(default_factory=Future)
-    abandoned: bool = False  # its client went away: its file is removed once written
+    abandoned: bool = False  # its client went away: aborted, or its file removed once written
 
 
 class EngineLoop:
@@ -53,6 +53,7 @@ class EngineLoop:
         self.quota = Quota(self.directory, plan.cfg.quota_bytes)
         self.mooncake = plan.cfg.backend == "mooncake"  # else files, counted by the quota
         self.waiting: collections.deque[Ticket] = collections.deque()
+        self.abandoned: list[Ticket] = []  # admitted, their clients gone: the engine thread aborts them
         self.running: dict[str, Ticket] = {}
         self.wake = threading.Condition()
         self.stopping = False
@@ -121,9 +122,22 @@ class EngineLoop:
         return ticket
 
     def abandon(self, ticket: Ticket) -> None:
-        """Its client went away: nobody will read its file."""
-        ticket.abandoned = True
-        if ticket.future.done() and not self.mooncake:
+        """Its client went away: nobody will read its file. A request still waiting is dropped, one
+        in the engine aborted (its KV blocks and the states captured so far freed), one answered
+        has its file removed."""
+        with self.wake:
+            ticket.abandoned = True
+            if ticket in self.waiting:
+                self.waiting.remove(ticket)
+                self.metrics.queued = len(self.waiting)
+                self.metrics.aborted()
+                ticket.future.cancel()
+                return
+            if not ticket.future.done():
+                self.abandoned.append(ticket)
+                self.wake.notify()
+                return
+        if not self.mooncake:
             self.quota.remove(ticket.name + SUFFIX)
 
     def stop(self, timeout: float) -> None:
@@ -150,6 +164,7 @@ class EngineLoop:
     def _serve(self) -> None:
         try:
             while not (self.stopping and not self.running):
+                self._abort()
                 self._admit()
                 if self.engine.num_unfinished:
                     timing = self.engine.step()
@@ -168,6 +183,20 @@ class EngineLoop:
                     raise CorecapError(problem)
         except BaseException as e:
             self._fail(str(e) if isinstance(e, CorecapError) else f"internal error: {type(e).__name__}: {e}")
+
+    def _abort(self) -> None:
+        """End the requests whose clients went away: out of the engine, their samples out of the
+        sink. One the engine already finished is still being written: its file goes once written."""
+        with self.wake:
+            abandoned, self.abandoned = self.abandoned, []
+        for ticket in abandoned:
+            if ticket.name not in self.running or not self.engine.abort(ticket.name):
+                continue
+            self.sink.forget(ticket.name)
+            del self.running[ticket.name]
+            self.metrics.running = len(self.running)
+            self.metrics.aborted()
+            ticket.future.cancel()
 
     def _admit(self) -> None:
         """Give the engine the waiting requests, about twice what it runs at once, within --buffer-gb."""
@@ -193,7 +222,11 @@ class EngineLoop:
 
     def _answer(self) -> None:
         for delivered in self.sink.take_delivered():
-            ticket = self.running.pop(delivered.req_id)
+            ticket = self.running.pop(delivered.req_id, None)
+            if ticket is None:  # aborted after the sink had written it: nobody will read it
+                if not self.mooncake and not delivered.error:
+                    self.quota.remove(delivered.req_id + SUFFIX)
+                continue
             self.metrics.running = len(self.running)
             if delivered.error:
                 ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))

@@ -19,6 +19,7 @@ class Metrics:
         self.num_bytes = 0  # bytes of states files written
         self.queued = 0  # requests waiting for the engine
         self.running = 0  # requests in the engine or the sink
+        self.num_aborted = 0  # requests ended early: their clients went away
         self.steps: collections.deque = collections.deque()  # (time, tokens) of recent steps
 
     def answered(self, endpoint: str, status: int) -> None:
@@ -32,6 +33,10 @@ class Metrics:
             self.steps.append((now, num_tokens))
             while self.steps and now - self.steps[0][0] > _RATE_WINDOW_S:
                 self.steps.popleft()
+
+    def aborted(self) -> None:
+        with self.lock:
+            self.num_aborted += 1
 
     def delivered(self, num_tokens: int, nbytes: int) -> None:
         with self.lock:
@@ -60,6 +65,10 @@ class Metrics:
                 "# HELP corecap_delivered_bytes_total Bytes of states files written for clients.",
                 "# TYPE corecap_delivered_bytes_total counter",
                 f"corecap_delivered_bytes_total {self.num_bytes}",
+                "# HELP corecap_requests_aborted_total Requests ended before their states were written: "
+                "their clients went away.",
+                "# TYPE corecap_requests_aborted_total counter",
+                f"corecap_requests_aborted_total {self.num_aborted}",
                 "# HELP corecap_queue_depth Requests waiting for the engine.",
                 "# TYPE corecap_queue_depth gauge",
                 f"corecap_queue_depth {self.queued}",

@@ -115,6 +115,7 @@ class Collector:
         self.on_complete = on_complete
         self.buffers = buffers
         self.pending: dict[str, _Pending] = {}
+        self.forgotten: set[str] = set()  # aborted requests, whose states may still be on their way
         self.num_referring = 0  # samples handed on with a reference (stored once)
         self.num_referred_tokens = 0
         self.num_stored_whole = 0  # with hits, but their source was not yet handed to the writer
@@ -304,8 +305,17 @@ class Collector:
         p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes, fp8=states.dtype == torch.uint8)
         self.num_streamed += 1
 
+    def forget(self, req_id: str):
+        """Drop a pending sample (its request was aborted); later states of it are skipped. The
+        sample, for its buffer and reservation to go back (None: none pending, or delivered)."""
+        self.forgotten.add(req_id)
+        p = self.pending.pop(req_id, None)
+        if p is not None and p.spill is not None:
+            p.spill.discard()
+        return p
+
     def knows(self, msg: wire.DecodedChunk) -> bool:
-        return all(seg.req_id in self.pending for seg in msg.header.segments)
+        return all(seg.req_id in self.pending or seg.req_id in self.forgotten for seg in msg.header.segments)
 
     def take(self, msg: wire.DecodedChunk, t_recv: float) -> None:
         h = msg.header
@@ -319,6 +329,8 @@ class Collector:
             lo, hi = offset, offset + n
             offset = hi
             p = self.pending.get(seg.req_id)
+            if p is None and seg.req_id in self.forgotten:
+                continue
             if p is None:
                 raise CorecapError(f"worker sent states for unknown request {seg.req_id!r}")
             start = positions[lo]

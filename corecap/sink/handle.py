@@ -20,7 +20,7 @@ from corecap.sink.budget import Released
 from corecap.sink.deliver import DeliverSpec
 from corecap.sink.mooncake import SpecCapture
 from corecap.sink.messages import (
-    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits, Status,
+    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits, Status,
 )
 from corecap.sink.process import CAPTURE, CONTROL, STATUS, SinkSpec, main
 from corecap.store.generated import Generation
@@ -99,6 +99,11 @@ class Sink:
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
+
+    def forget(self, req_id: str) -> None:
+        """Drop a request's sample (aborted): its buffer and its reservation go back, and no
+        file is written for it; its states still on their way are dropped as they come."""
+        self._send(Forget(req_id))
 
     def prefix(self, actions) -> None:
         """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks),

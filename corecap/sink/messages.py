@@ -50,6 +50,12 @@ class Generated(msgspec.Struct, array_like=True, tag=9):
     generation: Generation
 
 
+class Forget(msgspec.Struct, array_like=True, tag=11):
+    """Drop this request's sample, what is here and what is still on its way (the server aborted it)."""
+
+    req_id: str
+
+
 class Finish(msgspec.Struct, array_like=True, tag=2):
     pass
 
@@ -91,5 +97,5 @@ class Failed(msgspec.Struct, array_like=True, tag=5):
     num_committed: int
 
 
-Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated
+Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated | Forget
 Status = Done | Failed | Delivered

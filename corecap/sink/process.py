@@ -30,7 +30,7 @@ from corecap.sink.collect import Collector
 from corecap.sink.deliver import DeliverSpec, Deliverer
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
-    BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Generated, Hits,
+    BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits,
 )
 from corecap import writer_lock as lock
 from corecap.transport import ring, wire
@@ -207,6 +207,13 @@ class _Loop:
             self.collector.hits(msg.req_id, msg.num_blocks)
         elif isinstance(msg, Drop):
             self.collector.drop(msg.block_hash, msg.count)
+        elif isinstance(msg, Forget):
+            p = self.collector.forget(msg.req_id)
+            if p is not None:
+                getattr(self, "spec_captures", {}).pop(p.key, None)
+                if p.states is not None:
+                    self.buffers.give(p.states)
+                self.released.add(p.reserved)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:

@@ -1,0 +1,229 @@
+"""corecap's client of `corecap serve` and its dataset, without an engine: a stand-in server (the
+standard library's, scripted answer by answer) for the retries and errors, a stand-in client for
+the dataset's shares; then the engine thread's abort of a request whose client went away, with
+its engine and sink replaced by recorders. tests/test_serve.py runs them against a live server."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import threading
+import types
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from corecap.client import Client, ServerError, States
+from corecap.client.dataset import ServerDataset
+from corecap.errors import CorecapError
+from corecap.serve.engine_loop import EngineLoop
+from corecap.serve.metrics import Metrics
+from corecap.serve.requests import CaptureRequest
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    script: list = []  # (status, headers, body) answered in turn
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, headers, body = self.script.pop(0)
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        data = json.dumps(body).encode()
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def scripted():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _answer(path: str, prompt: list[int]) -> dict:
+    return {"choices": [{"text": "", "token_ids": [], "prompt_token_ids": prompt, "finish_reason": "length"}],
+            "kv_transfer_params": {"hidden_states_path": path}}
+
+
+def _file(tmp_path, name: str, num_tokens: int, fp8: bool = False) -> tuple[str, torch.Tensor]:
+    """A server's file: [T, L, H] states (fp8: codes and per-token scales) and its lock."""
+    states = torch.randn(num_tokens, 3, 4)
+    path = str(tmp_path / f"{name}.safetensors")
+    tensors = {"hidden_states": states, "token_ids": torch.arange(num_tokens)}
+    if fp8:
+        scales = states.abs().amax(dim=(1, 2), keepdim=True) / 448.0
+        tensors = {"hidden_states": (states / scales).to(torch.float8_e4m3fn), "hidden_states_scales": scales,
+                   "token_ids": torch.arange(num_tokens)}
+        states = tensors["hidden_states"].float() * scales
+    save_file(tensors, path)
+    open(path + ".lock", "w").close()
+    return path, states
+
+
+def test_states_are_the_files_layers_first_and_the_file_is_taken(scripted, tmp_path):
+    server, url = scripted
+    for fp8 in (False, True):
+        path, states = _file(tmp_path, f"s{fp8}", 5, fp8)
+        _Scripted.script = [(200, {}, _answer(path, [0, 1, 2, 3, 4]))]
+        got = Client(url + "/v1").states([0, 1, 2, 3, 4])
+        assert torch.equal(got.hidden_states, states.transpose(0, 1)) and got.token_ids.tolist() == [0, 1, 2, 3, 4]
+        assert got.num_prompt == 5 and got.finish_reason is None
+        assert not os.path.exists(path) and not os.path.exists(path + ".lock")
+
+
+def test_503_is_asked_again_after_retry_after_and_4xx_is_raised_with_the_servers_message(scripted, tmp_path):
+    server, url = scripted
+    path, _ = _file(tmp_path, "a", 2)
+    full = (503, {"Retry-After": "0"}, {"error": {"message": "quota full", "param": None}})
+    _Scripted.script = [full, full, (200, {}, _answer(path, [1, 2]))]
+    assert Client(url, backoff=5.0).states([1, 2]).num_prompt == 2  # Retry-After 0 over the 5 s backoff
+    _Scripted.script = [full] * 3
+    with pytest.raises(CorecapError, match=f"{url}/v1/completions: no answer after 3 tries .*503 quota full"):
+        Client(url, max_retries=2, backoff=0.0).states([1])
+    _Scripted.script = [(400, {}, {"error": {"message": "prompt: token id 900 is outside", "param": "prompt"}})]
+    with pytest.raises(ServerError, match="400 prompt: token id 900") as refused:
+        Client(url, backoff=60.0).states([900])  # at once: no retry
+    assert refused.value.param == "prompt" and refused.value.status == 400
+
+
+def test_a_server_not_there_is_one_error_naming_its_url():
+    with pytest.raises(CorecapError, match=r"http://127.0.0.1:9/v1/completions: no answer after 3 tries"):
+        Client("http://127.0.0.1:9", max_retries=2, backoff=0.01).states([1])
+
+
+class _FakeClient(Client):
+    """Answers each request with the prompt's own ids as states, and records what it was asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def states(self, input_ids=None, *, messages=None, max_tokens=1, **fields):
+        self.asked.append(list(input_ids))
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        return States(hidden_states=ids.float().view(1, -1, 1).expand(2, -1, 3), token_ids=ids, num_prompt=len(ids))
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"id": f"s{i}", "input_ids": [i] * (1 + i % 3)} for i in range(n)]
+
+
+def test_two_ranks_of_two_workers_ask_for_every_sample_exactly_once(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(11)))
+    keys = []
+    for rank in range(2):
+        ds = ServerDataset(path, _FakeClient(), rank=rank, world_size=2)
+        loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2)
+        for batch in loader:  # padded by StoreDataset's collate
+            assert batch["hidden_states"].shape[:3] == (len(batch["key"]), 2, batch["input_ids"].shape[1])
+            keys += batch["key"]
+    assert sorted(keys) == sorted(f"s{i}" for i in range(11)) and len(keys) == 11
+
+
+def test_a_restarted_rank_asks_only_for_what_it_had_not_finished(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    first = ServerDataset(_rows(12), _FakeClient())
+    mine = [key for _, key, _ in first.share()]
+    assert mine == ["s1", "s4", "s7", "s10"]
+    finished = []
+    for item in first:
+        finished.append(item["key"])
+        if len(finished) == 2:
+            break  # the rank fails here
+    client = _FakeClient()
+    again = [item["key"] for item in ServerDataset(_rows(12), client, done=finished)]
+    assert again == ["s7", "s10"] and client.asked == [[7, 7], [10, 10]]
+
+
+def test_loss_mask_is_the_rows_and_zero_over_a_prompt_the_model_answered():
+    rows = [{"input_ids": [4, 5, 6], "loss_mask": [0, 1, 1]}]
+    [item] = list(ServerDataset(rows, _FakeClient(), rank=0, world_size=1))
+    assert item["key"] == "1" and item["loss_mask"].tolist() == [0, 1, 1]
+    with pytest.raises(CorecapError, match="rank 2 is outside a world of 2"):
+        ServerDataset(rows, _FakeClient(), rank=2, world_size=2)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args)) or True
+
+
+def test_a_request_whose_client_went_away_is_aborted_and_its_sample_forgotten(tmp_path):
+    plan = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_states_path=str(tmp_path), quota_bytes=1 << 30,
+                                                           backend="file"))
+    loop = EngineLoop(plan, print, Metrics())
+    loop.engine, loop.sink = _Recorder(), _Recorder()
+    request = CaptureRequest(token_ids=torch.arange(3).numpy(), model="m")
+    waiting, running, other = (loop.submit(request) for _ in range(3))
+    loop.abandon(waiting)  # never reached the engine: dropped from the queue
+    assert list(loop.waiting) == [running, other] and waiting.future.cancelled()
+    loop.waiting.clear()
+    loop.running = {running.name: running, other.name: other}
+    loop.abandon(running)
+    loop._abort()  # the engine thread's turn
+    assert loop.engine.calls == [("abort", running.name)] and loop.sink.calls == [("forget", running.name)]
+    assert list(loop.running) == [other.name] and running.future.cancelled() and not other.future.done()
+    assert "corecap_requests_aborted_total 2" in loop.metrics.text()
+
+
+def test_the_server_sees_a_client_go_away_with_the_api_key_on():
+    """A real uvicorn (the engine thread a stand-in whose answer never comes): a client that closes
+    its socket mid-request has its ticket abandoned, with the API key's middleware in the way."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from corecap.serve.app import build_app
+    from corecap.serve.engine_loop import Ticket
+
+    class Loop:
+        metrics, failure, started, abandoned = Metrics(), None, 0.0, []
+
+        def submit(self, request, spec_capture=None, settings=None):
+            return Ticket("corecap-000000000001", request)  # never answered
+
+        def abandon(self, ticket):
+            self.abandoned.append(ticket.name)
+
+    plan = types.SimpleNamespace(model_name="tiny", cfg=types.SimpleNamespace(api_key="k"), tokenizer=None,
+                                 vocab_size=100, max_len=50, model_dir="/m")
+    loop = Loop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(plan, loop), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = json.dumps({"prompt": [1, 2]}).encode()
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.3)
+        client.close()
+        deadline = time.monotonic() + 5
+        while not loop.abandoned and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.abandoned == ["corecap-000000000001"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
