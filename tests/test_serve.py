@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from support import tiny_models
+from support import modelopt_reader, tiny_models
 from support.machine import in_ci
 from support.reference import NUM_LAYERS, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
-from support.server import MooncakeMaster, Server
+from support.server import MooncakeMaster, Server, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.full]
 
@@ -122,10 +122,12 @@ def _check_against_hf(got: list[dict], rows: list[dict], reference: dict, aux: t
 @pytest.fixture(scope="module")
 def llama(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-llama")
+    sidecar = free_port() if modelopt_reader.available() is None else None  # ModelOpt's reader's port
     server = Server("--model", tiny_model, "--dtype", "float32", "--layers", ",".join(map(str, LLAMA_LAYERS)),
                     "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--hidden-states-backend", "fp8",
-                    "--enforce-eager",
+                    "--enforce-eager", *(("--nixl-sidecar-port", str(sidecar)) if sidecar else ()),
                     hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
+    server.sidecar_port = sidecar
     yield server, tmp
     server.stop()
 
@@ -370,6 +372,38 @@ def test_bad_requests_are_refused_naming_the_field_and_the_server_goes_on(llama)
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'corecap_requests_total{endpoint="cmpl",status="400"} 11' in metrics, metrics
+
+
+def test_modelopt_reads_states_over_nixl_equal_to_hf(llama, tiny_model):
+    """ModelOpt's streaming dataset (`EagleVllmStreamingDataset._fetch`, then `_format`) on the fp8
+    server's sidecar port: each sample read with a NIXL READ from the server's memory, in the
+    stored dtype whatever the files' backend, equal to HF's (1e-4 per token); the pool empty after."""
+    missing = modelopt_reader.available()
+    if missing:
+        if in_ci():
+            pytest.fail(f"{missing} (CI=true: mandatory)", pytrace=False)
+        pytest.skip(missing)
+    server, tmp = llama
+    rows = _rows(VOCAB)
+    files = set(os.listdir(server.hidden_states_path))
+    got = modelopt_reader.read_in_a_process(f"http://127.0.0.1:{server.sidecar_port}", tiny_model,
+                                            write_jsonl(tmp / "mo-rows.jsonl", rows), str(tmp / "mo.pt"), 300)
+    if (tmp / "ref.pt").exists():  # the fp8 test's, for the same rows
+        reference = torch.load(tmp / "ref.pt")
+    else:
+        reference = tiny_models.reference_in_a_process(tiny_model, write_jsonl(tmp / "rows.jsonl", rows),
+                                                       str(tmp / "ref.pt"))
+    layers = (*LLAMA_LAYERS[:-2], "prenorm")
+    for row in rows:
+        sample = got[row["id"]]
+        assert sample["token_ids"].tolist() == row["input_ids"] and sample["hidden_states"].dtype == torch.float32
+        assert sample["formatted"]["aux_hidden_states"].shape == (len(row["input_ids"]), 3 * sample[
+            "hidden_states"].shape[-1])
+        per_sample, per_token = relative_errors(sample["hidden_states"].transpose(0, 1),
+                                                tiny_models.stacked(reference[row["id"]], layers))
+        record_error("serve llama modelopt nixl", per_sample, per_token)
+        assert float(per_token.max()) <= 1e-4, (row["id"], per_token.tolist())
+    assert set(os.listdir(server.hidden_states_path)) == files  # each file went to the pool, then away
 
 
 NEAR_TIE = 1e-4  # HF's own top-2 logit gap below which a greedy difference is a tie, not a bug

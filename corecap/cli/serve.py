@@ -40,6 +40,13 @@ from corecap.errors import CorecapError
               help="Directory the files are written to; the trainer reads and removes them.")
 @click.option("--hidden-states-quota-gb", type=click.FloatRange(min=0.001), default=16.0, show_default=True,
               help="States written and not yet taken, at most; beyond, requests are answered 503 with Retry-After.")
+@click.option("--nixl-sidecar-port", type=click.IntRange(1, 65535), default=None,
+              help="Also serve ModelOpt's streaming dataset on this port (its data.streaming_server_url): the "
+                   "completions asked there are read over NIXL from the server's memory, guided by the sidecar's "
+                   "/meta, /desc and /done on the same port.")
+@click.option("--nixl-pool-gb", type=click.FloatRange(min=0.001), default=2.0, show_default=True,
+              help="Memory registered with NIXL for the states not yet read (--nixl-sidecar-port); beyond, requests "
+                   "are answered 503 with Retry-After.")
 @click.option("--verbose", "-v", is_flag=True, help="Show vLLM's own log on the terminal too.")
 @_LAYERS_OPTION
 @click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
@@ -98,6 +105,7 @@ def _serve_config(extra_args: list[str], options: dict):
         run=run, host=options["host"], port=options["port"], api_key=options["api_key"],
         served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],
         hidden_states_path=options["hidden_states_path"], quota_bytes=int(options["hidden_states_quota_gb"] * 2**30),
+        nixl_sidecar_port=options["nixl_sidecar_port"], nixl_pool_bytes=int(options["nixl_pool_gb"] * 2**30),
         mooncake=MooncakeOptions(
             master=options["mooncake_master"], metadata_server=options["mooncake_metadata_server"],
             protocol=options["mooncake_protocol"], device=options["mooncake_device"],

@@ -35,12 +35,21 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
     from corecap.serve.prepare import prepare
 
     _check_port(cfg.host, cfg.port)
+    if cfg.nixl_sidecar_port is not None:
+        from corecap.serve import nixl
+
+        nixl.check_installed()
+        _check_port(cfg.host, cfg.nixl_sidecar_port, "--nixl-sidecar-port")
     with environment():
         plan = prepare(cfg, log)
         log(plan.settings_line)
         log(f"layers {list(plan.layers)}: files hold {[*plan.aux_layers, 'prenorm']} "
             f"(--hidden-states-backend {cfg.backend}, in {plan.cfg.hidden_states_path})")
         loop = EngineLoop(plan, log, Metrics())
+        if cfg.nixl_sidecar_port is not None:
+            loop.nixl = nixl.NixlStates(cfg.nixl_sidecar_port, cfg.nixl_pool_bytes, plan.max_len)
+            log(f"ModelOpt's streaming dataset: data.streaming_server_url http://{cfg.host}:{cfg.nixl_sidecar_port} "
+                f"(states over NIXL, {nixl.backends()}; --nixl-pool-gb {cfg.nixl_pool_bytes / 2**30:g})")
         loop.start()
         loop.started = time.time()
         server = _server_class()(uvicorn.Config(
@@ -61,7 +70,7 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
         threading.Thread(target=stop_when_asked, daemon=True, name="corecap-stop").start()
         log(f"serving {plan.model_name} on http://{cfg.host}:{cfg.port}/v1 (Ctrl-C or SIGTERM stops)")
         try:
-            server.run()
+            server.run(sockets=_sockets(cfg))
         finally:
             loop.stop(timeout=_SHUTDOWN_S)
     if loop.failure is not None:
@@ -83,15 +92,30 @@ def _server_class():
     return Server
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, option: str = "--port") -> None:
     """The address is free, before the model loads (a taken port is a minute's load wasted)."""
+    _bound(host, port, option).close()
+
+
+def _bound(host: str, port: int, option: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise CorecapError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        raise CorecapError(f"--host {host} {option} {port}: cannot listen there ({e.strerror})") from None
+    return s
+
+
+def _sockets(cfg: ServeConfig) -> list[socket.socket]:
+    """The API's port and, with --nixl-sidecar-port, the sidecar's: one app answers both (the
+    handlers tell them apart by the port a request came to)."""
+    sockets = [_bound(cfg.host, cfg.port, "--port")]
+    if cfg.nixl_sidecar_port is not None:
+        sockets.append(_bound(cfg.host, cfg.nixl_sidecar_port, "--nixl-sidecar-port"))
+    return sockets
 
 
 __all__ = ["ServeConfig", "serve"]

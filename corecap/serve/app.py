@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from corecap.errors import CorecapError
-from corecap.serve import requests, specforge
+from corecap.serve import modelopt, requests, specforge
 from corecap.serve.engine_loop import EngineLoop, ServerFull, Ticket, retry_after
 from corecap.serve.prepare import ServePlan
 
@@ -28,6 +28,9 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     app = FastAPI(title="corecap serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics, name = loop.metrics, plan.model_name
     api_key = plan.cfg.api_key
+    nixl_states = getattr(loop, "nixl", None)  # ModelOpt's reader's pool (--nixl-sidecar-port)
+    if nixl_states is not None:
+        modelopt.add_routes(app, nixl_states)
 
     def error(status: int, message: str, param: str | None = None, headers=None):
         kind = "invalid_request_error" if status < 500 else "server_error"
@@ -65,10 +68,13 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
         body, refused = await json_body(request, endpoint)
         if refused is not None:
             return None, refused
+        nixl = modelopt.over_nixl(request, nixl_states)
         try:
             wanted = parse(body, name, plan.tokenizer, plan.vocab_size, plan.max_len)
+            if nixl:
+                modelopt.check_body(body)
             settings = loop.sampling(wanted) if wanted.max_tokens else None
-            ticket = loop.submit(wanted, settings=settings)
+            ticket = loop.submit(wanted, settings=settings, **({"nixl": True} if nixl else {}))
         except requests.BadRequest as e:
             metrics.answered(endpoint, e.status)
             return None, error(e.status, str(e), e.field)

@@ -12,6 +12,7 @@ from corecap.sink.mooncake import MooncakeOptions
 
 BACKENDS = ("file", "fp8", "mooncake")  # speculators' --hidden-states-backend names that corecap serves
 DEFAULT_QUOTA_BYTES = 16 * 2**30
+DEFAULT_NIXL_POOL_BYTES = 2 * 2**30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,12 +26,21 @@ class ServeConfig:
     hidden_states_path: str = "/tmp/hidden_states"  # speculators' launcher's default
     quota_bytes: int = DEFAULT_QUOTA_BYTES  # states written and not yet taken by a reader, at most
     mooncake: MooncakeOptions = field(default_factory=MooncakeOptions)  # with backend "mooncake"
+    # ModelOpt's streaming dataset: the port of its sidecar (and of its completions), whose states
+    # go to a pool of this many bytes registered with NIXL (corecap/serve/nixl.py)
+    nixl_sidecar_port: int | None = None
+    nixl_pool_bytes: int = DEFAULT_NIXL_POOL_BYTES
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise CorecapError(f"--hidden-states-backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if not 0 < self.port < 65536:
             raise CorecapError(f"--port {self.port}: expected 1 to 65535")
+        if self.nixl_sidecar_port is not None and not (0 < self.nixl_sidecar_port < 65536
+                                                       and self.nixl_sidecar_port != self.port):
+            raise CorecapError(f"--nixl-sidecar-port {self.nixl_sidecar_port}: expected 1 to 65535, not --port")
+        if self.nixl_pool_bytes <= 0:
+            raise CorecapError("--nixl-pool-gb: expected more than 0")
         if self.quota_bytes <= 0:
             raise CorecapError("--hidden-states-quota-gb: expected more than 0")
         if not _loopback(self.host) and not self.api_key:

@@ -44,6 +44,7 @@ class Ticket:
     response: Response | None = None  # the response the model writes, once admitted
     future: Future = field(default_factory=Future)
     abandoned: bool = False  # its client went away: aborted, or its file removed once written
+    nixl: bool = False  # ModelOpt's reader's: its states to NIXL's pool (corecap/serve/nixl.py), not a file
 
 
 class EngineLoop:
@@ -63,6 +64,7 @@ class EngineLoop:
         self.started = 0.0  # when it began serving (time.time())
         self.engine = self.sink = self.budget = None
         self.thread: threading.Thread | None = None
+        self.nixl = None  # NixlStates, with --nixl-sidecar-port
 
     def start(self) -> None:
         """Start the sink and the engine (the weights load here), then the stepping thread."""
@@ -103,7 +105,7 @@ class EngineLoop:
         return settings
 
     def submit(self, request: CaptureRequest, spec_capture: SpecCapture | None = None,
-               settings: dict | None = None) -> Ticket:
+               settings: dict | None = None, nixl: bool = False) -> Ticket:
         """Queue a request (any thread); raises ServerFull when its states would not fit.
         `settings`: `sampling(request)`'s, for a request that has the model write a response."""
         if self.failure is not None:
@@ -115,18 +117,22 @@ class EngineLoop:
                              "the trainer has not taken the files written so far")
         with self.wake:
             self.num_requests += 1
-            ticket = Ticket(f"corecap-{self.num_requests:012d}", request, spec_capture, settings)
+            ticket = Ticket(f"corecap-{self.num_requests:012d}", request, spec_capture, settings, nixl=nixl)
+            if nixl:
+                self._reserve_nixl(ticket)
             self.waiting.append(ticket)
             self.metrics.queued = len(self.waiting)
             self.wake.notify()
         return ticket
 
     def abandon(self, ticket: Ticket) -> None:
-        """Its client went away: nobody will read its file. A request still waiting is dropped, one
+        """Its client went away: nobody will read its states. A request still waiting is dropped, one
         in the engine aborted (its KV blocks and the states captured so far freed), one answered
-        has its file removed."""
+        has its file removed; a ModelOpt reader's range of NIXL's pool is freed in every case."""
         with self.wake:
             ticket.abandoned = True
+            if ticket.nixl:
+                self.nixl.release(ticket.name)
             if ticket in self.waiting:
                 self.waiting.remove(ticket)
                 self.metrics.queued = len(self.waiting)
@@ -137,7 +143,7 @@ class EngineLoop:
                 self.abandoned.append(ticket)
                 self.wake.notify()
                 return
-        if not self.mooncake:
+        if not self.mooncake and not ticket.nixl:
             self.quota.remove(ticket.name + SUFFIX)
 
     def stop(self, timeout: float) -> None:
@@ -216,7 +222,8 @@ class EngineLoop:
                 ticket.response = Response(num_prompt=len(ids), max_tokens=max_tokens, rule=self._stop_rule(ticket),
                                            seed=seed)
             self.engine.add(ticket.name, ids.tolist(), ticket.response, ticket.settings)
-            self.sink.expect(ticket.name, ticket.name, ids, None, None, max_tokens, cost, ticket.spec_capture)
+            self.sink.expect(ticket.name, ticket.name, ids, None, None, max_tokens, cost, ticket.spec_capture,
+                             lossless=ticket.nixl)
             self.running[ticket.name] = ticket
             self.metrics.running = len(self.running)
 
@@ -229,12 +236,16 @@ class EngineLoop:
                 continue
             self.metrics.running = len(self.running)
             if delivered.error:
+                if ticket.nixl:
+                    self.nixl.release(ticket.name)
                 ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
                 continue
             num_tokens = len(ticket.request.token_ids) + (len(ticket.response.token_ids) if ticket.response else 0)
             self.metrics.delivered(num_tokens, delivered.nbytes)
             if ticket.spec_capture is not None:  # the answer names the tensors (serve/specforge.py)
                 params = {}
+            elif ticket.nixl:
+                params = self._to_nixl(ticket)
             elif self.mooncake:
                 params = manifest(ticket.name, num_tokens, len(self.plan.positions), self.hidden_size, self.dtype,
                                   with_response=ticket.response is not None)
@@ -244,6 +255,30 @@ class EngineLoop:
                     self.quota.remove(ticket.name + SUFFIX)
                 params = {"hidden_states_path": os.path.join(self.directory, ticket.name + SUFFIX)}
             ticket.future.set_result(params)
+
+    def _reserve_nixl(self, ticket: Ticket) -> None:
+        """Its range of NIXL's pool: every token it may have, at every layer of the file."""
+        from corecap.serve.nixl import PoolFull
+
+        num_tokens = len(ticket.request.token_ids) + ticket.request.max_tokens
+        token_bytes = len(self.plan.positions) * self.hidden_size * self.dtype.itemsize
+        try:
+            self.nixl.reserve(ticket.name, num_tokens * token_bytes)
+        except PoolFull as e:
+            raise ServerFull(str(e)) from None
+
+    def _to_nixl(self, ticket: Ticket) -> dict:
+        """The file the sink wrote into NIXL's pool (then removed): ModelOpt's reader's answer."""
+        from safetensors import safe_open
+
+        path = os.path.join(self.directory, ticket.name + SUFFIX)
+        try:
+            with safe_open(path, "pt") as f:
+                states, token_ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids").tolist()
+            self.nixl.hold(ticket.name, states, token_ids)
+        finally:
+            self.quota.remove(ticket.name + SUFFIX)
+        return self.nixl.params(ticket.name)
 
     def _stop_rule(self, ticket: Ticket) -> StopRule:
         options, tokenizer = ticket.request.sampling, self.plan.tokenizer

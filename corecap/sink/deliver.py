@@ -14,6 +14,7 @@ lock or a server killed mid-write."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 from dataclasses import dataclass
@@ -51,11 +52,14 @@ class Deliverer:
         self.mooncake = MooncakeWriter(spec.mooncake) if spec.mooncake is not None else None
 
     def deliver(self, name: str, token_ids: np.ndarray, states: torch.Tensor,
-                spec_capture: SpecCapture | None = None) -> tuple[int, str]:
+                spec_capture: SpecCapture | None = None, lossless: bool = False) -> tuple[int, str]:
         """One sample (`states`: the stored layers [L_stored, T, H]) in speculators' layout, or
-        SpecForge's where `spec_capture` says so; (bytes written, "") or, for a write that fails (a
-        full disk, a full store), (0, why): it fails that request, not the sink."""
+        SpecForge's where `spec_capture` says so, or to a file in the stored dtype with `lossless`
+        (whatever the backend: the server copies it to NIXL's memory); (bytes written, "") or, for a
+        write that fails (a full disk, a full store), (0, why): it fails that request, not the sink."""
         try:
+            if lossless:
+                return write_sample(dataclasses.replace(self.spec, fp8=False), name + SUFFIX, token_ids, states), ""
             if spec_capture is not None:
                 aux, target = self.spec.spec_positions
                 features = {}

@@ -18,6 +18,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     max_new: int = 0  # the model writes up to this many tokens after token_ids (`Generated` says which)
     reserved: int = 0  # bytes of --buffer-gb the driver reserved for it, released at its commit (sink/budget.py)
     spec_capture: SpecCapture | None = None  # `corecap serve`'s /generate: SpecForge's objects, not the default
+    lossless: bool = False  # `corecap serve`: this sample's file in the stored dtype, whatever the backend
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):

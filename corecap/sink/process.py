@@ -130,6 +130,7 @@ class _Loop:
         if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
             self.deliverer = Deliverer(spec.deliver)
             self.spec_captures: dict = {}  # key → SpecForge's layout for it (Expect.spec_capture)
+            self.lossless: set[str] = set()  # keys written to a file in the stored dtype (Expect.lossless)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
             return
         store = Store.open_for_writing(spec.store)
@@ -157,7 +158,9 @@ class _Loop:
     def _deliver(self, p) -> None:
         """A sample every position of which is here, to its file (`corecap serve`)."""
         spec_capture = self.spec_captures.pop(p.key, None)
-        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states(), spec_capture)
+        lossless = p.key in self.lossless
+        self.lossless.discard(p.key)
+        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states(), spec_capture, lossless)
         self.buffers.give(p.states)
         self.released.add(p.reserved)
         self.notify(Delivered(p.key, nbytes, error))
@@ -199,6 +202,8 @@ class _Loop:
                                   msg.max_new, msg.reserved)
             if msg.spec_capture is not None:
                 self.spec_captures[msg.key] = msg.spec_capture
+            if msg.lossless:
+                self.lossless.add(msg.key)
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):
