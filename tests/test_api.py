@@ -13,8 +13,9 @@ from corecap.config import build
 
 
 def test_the_public_names_are_in_all_and_load():
-    assert sorted(corecap.__all__) == ["Client", "CorecapError", "ServerDataset", "StoreDataset", "__version__", "capture",
-                                      "open_store"]
+    assert sorted(corecap.__all__) == [
+        "Client", "CorecapError", "ServerDataset", "StoreDataset", "__version__", "capture", "open_store",
+    ]
     for name in corecap.__all__:
         assert getattr(corecap, name) is not None
     assert (pathlib.Path(corecap.__file__).parent / "py.typed").exists()
