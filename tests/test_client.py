@@ -194,9 +194,9 @@ def test_the_server_sees_a_client_go_away_with_the_api_key_on():
     from corecap.serve.engine_loop import Ticket
 
     class Loop:
-        metrics, failure, started, abandoned = Metrics(), None, 0.0, []
+        metrics, failure, started, abandoned, nixl = Metrics(), None, 0.0, [], None
 
-        def submit(self, request, spec_capture=None, settings=None):
+        def submit(self, request, spec_capture=None, settings=None, nixl=False):
             return Ticket("corecap-000000000001", request)  # never answered
 
         def abandon(self, ticket):

@@ -31,8 +31,9 @@ class _Loop:
         self.metrics, self.failure, self.started, self.full = Metrics(), None, 0.0, full
         self.quota = types.SimpleNamespace(fits=lambda: not full)
         self.asked = []
+        self.nixl = None  # no --nixl-sidecar-port
 
-    def submit(self, request, spec_capture=None, settings=None):
+    def submit(self, request, spec_capture=None, settings=None, nixl=False):
         if self.full:
             raise ServerFull("--hidden-states-path /h: 17 MiB of states not yet taken, the quota is 16 MiB")
         self.asked.append(request)

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from corecap.errors import CorecapError
-
-_SCALES = "hidden_states_scales"  # the fp8 backend's per-token scales (corecap/export/fp8_per_token.py)
+from corecap.export.fp8_per_token import SCALES_KEY
 
 
 class ServerError(CorecapError):
@@ -150,8 +149,8 @@ def take_file(path: str) -> tuple[torch.Tensor, torch.Tensor]:
         except FileNotFoundError:
             pass
     states = tensors["hidden_states"]
-    if _SCALES in tensors:
-        states = states.to(torch.float32) * tensors[_SCALES]
+    if SCALES_KEY in tensors:
+        states = states.to(torch.float32) * tensors[SCALES_KEY]
     return states.transpose(0, 1).contiguous(), tensors["token_ids"].to(torch.int64)
 
 

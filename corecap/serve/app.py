@@ -28,7 +28,7 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
     app = FastAPI(title="corecap serve", docs_url=None, redoc_url=None, openapi_url=None)
     metrics, name = loop.metrics, plan.model_name
     api_key = plan.cfg.api_key
-    nixl_states = getattr(loop, "nixl", None)  # ModelOpt's reader's pool (--nixl-sidecar-port)
+    nixl_states = loop.nixl  # ModelOpt's reader's pool (--nixl-sidecar-port), or None
     if nixl_states is not None:
         modelopt.add_routes(app, nixl_states)
 
@@ -74,7 +74,7 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             if nixl:
                 modelopt.check_body(body)
             settings = loop.sampling(wanted) if wanted.max_tokens else None
-            ticket = loop.submit(wanted, settings=settings, **({"nixl": True} if nixl else {}))
+            ticket = loop.submit(wanted, settings=settings, nixl=nixl)
         except requests.BadRequest as e:
             metrics.answered(endpoint, e.status)
             return None, error(e.status, str(e), e.field)

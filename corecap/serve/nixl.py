@@ -81,11 +81,7 @@ class NixlStates:
     @property
     def used_bytes(self) -> int:
         with self.lock:
-            return sum(h.nbytes for h in self.held.values())
-
-    def line(self) -> str:
-        with self.lock:
-            return self._line_locked()
+            return self._used_locked()
 
     def params(self, name: str) -> dict:
         """The `kv_transfer_params` ModelOpt's reader takes from the completion's answer."""
@@ -141,7 +137,9 @@ class NixlStates:
             start = -(-(held.offset + held.nbytes) // _ALIGN) * _ALIGN
         return start if self.pool.numel() - start >= nbytes else None
 
+    def _used_locked(self) -> int:
+        return sum(h.nbytes for h in self.held.values())
+
     def _line_locked(self) -> str:
-        used = sum(h.nbytes for h in self.held.values())
-        return (f"{used / 2**20:,.0f} MiB of states not yet read over NIXL, the pool holds "
+        return (f"{self._used_locked() / 2**20:,.0f} MiB of states not yet read over NIXL, the pool holds "
                 f"{self.pool.numel() / 2**20:,.0f} MiB (--nixl-pool-gb)")

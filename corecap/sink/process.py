@@ -214,8 +214,9 @@ class _Loop:
             self.collector.drop(msg.block_hash, msg.count)
         elif isinstance(msg, Forget):
             p = self.collector.forget(msg.req_id)
-            if p is not None:
-                getattr(self, "spec_captures", {}).pop(p.key, None)
+            if p is not None:  # only a delivering sink (corecap serve) is told to forget
+                self.spec_captures.pop(p.key, None)
+                self.lossless.discard(p.key)
                 if p.states is not None:
                     self.buffers.give(p.states)
                 self.released.add(p.reserved)
