@@ -10,13 +10,21 @@ hs_connectors' fp8 connector writes them (corecap/export/fp8_per_token.py).
 The lock protocol is the readers' own: `PATH.lock` exists and is flock-ed while PATH is written;
 a reader that finds it waits for the lock, removes it, then loads PATH. PATH is written under a
 temporary name and renamed, so that no reader ever sees half a file, even one that ignores the
-lock or a server killed mid-write."""
+lock or a server killed mid-write.
+
+Files are written on threads of their own (`Deliveries`): writing a sample's file (a copy into
+the file's layer order, then the file) takes long next to reassembling chunks, and a sink that
+wrote each file before reading the next chunk held the workers' rings full and the engine
+waiting."""
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
 import os
+import queue
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +82,44 @@ class Deliverer:
         except OSError as e:
             where = "the Mooncake store" if self.mooncake is not None else os.path.join(self.spec.directory, name)
             return 0, f"{where}: {e.strerror or e}"
+
+
+class Deliveries:
+    """The writes in flight, each on a thread of the pool: `submit` one with what to do once it is
+    written, and `finished()`, called on the sink's own thread, runs those for the writes done since
+    (so the driver hears of each there, in the sink's thread, as before). A write that raised
+    anything but the OSError `Deliverer.deliver` reports is raised again there."""
+
+    def __init__(self, num_threads: int):
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="corecap-deliver")
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.num_running = 0
+
+    def submit(self, write: Callable[[], tuple[int, str]], then: Callable[[int, str], None]) -> None:
+        def run() -> None:
+            try:
+                self.done.put((then, write(), None))
+            except BaseException as e:
+                self.done.put((then, None, e))
+
+        self.num_running += 1
+        self.pool.submit(run)
+
+    def finished(self) -> None:
+        while True:
+            try:
+                then, outcome, error = self.done.get_nowait()
+            except queue.Empty:
+                return
+            self.num_running -= 1
+            if error is not None:
+                raise error
+            then(*outcome)
+
+    def close(self) -> None:
+        """Wait for the writes in flight (none is left half-written), then report them."""
+        self.pool.shutdown(wait=True)
+        self.finished()
 
 
 def write_sample(spec: DeliverSpec, name: str, token_ids: np.ndarray, states: torch.Tensor) -> int:

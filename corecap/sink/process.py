@@ -27,7 +27,7 @@ from corecap.errors import CorecapError
 from corecap.sink.budget import Released
 from corecap.sink.buffers import BufferPool
 from corecap.sink.collect import Collector
-from corecap.sink.deliver import DeliverSpec, Deliverer
+from corecap.sink.deliver import Deliveries, DeliverSpec, Deliverer
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
     BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits,
@@ -129,6 +129,8 @@ class _Loop:
         self.rss_start = rss()
         if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
             self.deliverer = Deliverer(spec.deliver)
+            # files on several threads; one for a Mooncake store, whose client corecap uses from one
+            self.deliveries = Deliveries(1 if spec.deliver.mooncake is not None else copy_threads())
             self.spec_captures: dict = {}  # key → SpecForge's layout for it (Expect.spec_capture)
             self.lossless: set[str] = set()  # keys written to a file in the stored dtype (Expect.lossless)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
@@ -160,17 +162,28 @@ class _Loop:
         spec_capture = self.spec_captures.pop(p.key, None)
         lossless = p.key in self.lossless
         self.lossless.discard(p.key)
-        nbytes, error = self.deliverer.deliver(p.key, p.token_ids, p.stored_states(), spec_capture, lossless)
-        self.buffers.give(p.states)
-        self.released.add(p.reserved)
-        self.notify(Delivered(p.key, nbytes, error))
+        key, token_ids, states, buffer, reserved = p.key, p.token_ids, p.stored_states(), p.states, p.reserved
+
+        def write() -> tuple[int, str]:  # on a delivery thread
+            try:
+                return self.deliverer.deliver(key, token_ids, states, spec_capture, lossless)
+            finally:
+                self.buffers.give(buffer)
+
+        def written(nbytes: int, error: str) -> None:  # back on this thread
+            self.released.add(reserved)
+            self.notify(Delivered(key, nbytes, error))
+
+        self.deliveries.submit(write, written)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
-        while not self.aborting and not (self.finishing and not self.collector.pending):
-            events = dict(poller.poll(100))
+        while not self.aborting and not (self.finishing and not self.collector.pending and not self._delivering()):
+            events = dict(poller.poll(5 if self._delivering() else 100))
+            if self.writer is None:
+                self.deliveries.finished()
             while self.control.poll(0):
                 self._on_control(self.control.recv())
             if self.data in events and not self.aborting:
@@ -179,7 +192,8 @@ class _Loop:
                 self.writer.raise_if_failed()
             if os.getppid() != self.spec.parent_pid:
                 self.aborting = True  # the driver is gone: keep what is complete
-        if self.writer is None:  # delivering: every sample is written, and reported, by now
+        if self.writer is None:  # delivering: every sample complete is written, and reported, by now
+            self.deliveries.close()
             return Done(num_committed=0, num_tokens=0, nbytes=0, raw_bytes=0, flagged=[], chunks=[], commits=[],
                         encodes=[], writes=[], num_incomplete=len(self.collector.pending))
         self.writer.close()
@@ -193,6 +207,10 @@ class _Loop:
             num_streamed=c.num_streamed, rss_start=self.rss_start, rss_peak=peak_rss(),
             buffers_peak=self.buffers.peak_bytes,
         )
+
+    def _delivering(self) -> int:
+        """Files being written (`corecap serve`)."""
+        return self.deliveries.num_running if self.writer is None else 0
 
     def _on_control(self, raw: bytes) -> None:
         msg = self.decoder.decode(raw)

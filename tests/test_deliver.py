@@ -1,0 +1,47 @@
+"""`corecap serve`'s sink writes each sample's file on threads of its own (corecap/sink/deliver.py
+`Deliveries`) and hears of each write back on its own thread: no engine here (the files
+themselves, read by each trainer's reader, are tests/test_serve.py's)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from corecap.sink.deliver import Deliveries
+
+
+def test_files_are_written_side_by_side_and_reported_on_the_sinks_thread():
+    deliveries = Deliveries(2)
+    both = threading.Barrier(2, timeout=10)  # broken (an error) unless two writes run at once
+    writers, reported = set(), []
+
+    def write(name: str):
+        def run() -> tuple[int, str]:
+            writers.add(threading.get_ident())
+            both.wait()
+            return len(name), ""
+        return run
+
+    def then(nbytes: int, error: str) -> None:
+        reported.append((nbytes, error, threading.get_ident()))
+
+    deliveries.submit(write("a"), then)
+    deliveries.submit(write("bb"), then)
+    assert deliveries.num_running == 2
+    deliveries.close()
+    assert sorted(r[:2] for r in reported) == [(1, ""), (2, "")]
+    assert {r[2] for r in reported} == {threading.get_ident()}
+    assert threading.get_ident() not in writers and len(writers) == 2
+    assert deliveries.num_running == 0
+
+
+def test_a_write_that_raises_is_raised_on_the_sinks_thread():
+    deliveries = Deliveries(1)
+
+    def write() -> tuple[int, str]:
+        raise ValueError("bad states")
+
+    deliveries.submit(write, lambda nbytes, error: pytest.fail("reported as written"))
+    with pytest.raises(ValueError, match="bad states"):
+        deliveries.close()
