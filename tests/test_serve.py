@@ -126,6 +126,7 @@ def llama(tiny_model, tmp_path_factory):
     server = Server("--model", tiny_model, "--dtype", "float32", "--layers", ",".join(map(str, LLAMA_LAYERS)),
                     "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--hidden-states-backend", "fp8",
                     "--enforce-eager", *(("--nixl-sidecar-port", str(sidecar)) if sidecar else ()),
+                    "--store", str(tmp / "store"),
                     hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
     server.sidecar_port = sidecar
     yield server, tmp
@@ -497,6 +498,125 @@ def test_a_client_that_disconnects_has_its_request_aborted_while_another_is_answ
     time.sleep(1)  # a file written after the abort would appear by now
     left = {n for n in set(os.listdir(server.hidden_states_path)) - before if not n.endswith(".lock")}
     assert not left, left
+
+
+def _committed(path: str, keys: set, timeout: float = 60) -> None:
+    """Wait until the store holds `keys`: the server commits each sample after its answer."""
+    import time
+
+    import corecap
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with corecap.open_store(path) as store:
+            missing = keys - set(store.keys())
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"not committed in {timeout} s: {sorted(missing)}"
+        time.sleep(0.2)
+
+
+def test_the_store_keeps_each_sample_delivered_as_corecap_run_stores_it(llama, tiny_model, hf_model):
+    """--store (the fixture's): each sample the server delivered is also committed to a corecap
+    store, read back here with corecap's reading API and `corecap export`. Keyed by the client's
+    `request_id` (corecap's ServerDataset sends the row's key), else by the server's own name for
+    the request (the answer's id); the prompt's ids and the response's, the generation record and
+    loss mask (0 over the prompt, 1 over the response) as `corecap run --max-tokens` stores them;
+    the states exact (float32, HF's within 1e-4, the post-norm layer 8 that the files lack
+    included), and exactly those the fp8 files were made of: quantized again, by the server's own
+    function or by `corecap export --dtype fp8`, they are the delivered files bit for bit. A
+    request whose client went away, and a key stored already with another input, are not stored."""
+    import socket
+    import time
+
+    import corecap
+    from corecap import ServerDataset
+    from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
+    from corecap.model import model_identity
+    from safetensors.torch import load_file
+    from support.cli import corecap as corecap_cli
+
+    server, tmp = llama
+    path, rows = str(tmp / "store"), _rows(VOCAB)
+    aborted = _aborted(server)
+    gone = socket.create_connection(("127.0.0.1", server.port))  # a client that goes away mid-request
+    body = json.dumps({"prompt": list(range(3, 13)), "max_tokens": 480, "ignore_eos": True, "temperature": 0,
+                       "request_id": "audit/gone"}).encode()
+    gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    bodies = [{"prompt": rows[3]["input_ids"], "request_id": "audit/prompt"},
+              {"prompt": rows[2]["input_ids"][:40], "max_tokens": 10, "temperature": 0, "request_id": "audit/gen"},
+              {"prompt": rows[5]["input_ids"]}]  # no id: the server's name for it
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        asked = [pool.submit(_post, f"{server.url}/v1/completions", b) for b in bodies]
+        time.sleep(1.5)
+        gone.close()  # mid-generation (480 tokens), as in the disconnect test above
+        answers = [a.result() for a in asked]
+    delivered = {}  # key → (the answer's choice, the file as the trainer's reader found it)
+    for body, (code, answer) in zip(bodies, answers):
+        assert code == 200, answer
+        key = body.get("request_id") or answer["id"].removeprefix("cmpl-")
+        file = answer["kv_transfer_params"]["hidden_states_path"]
+        delivered[key] = (answer["choices"][0], load_file(file))
+        for name in (file, file + ".lock"):
+            os.remove(name)
+    assert any(key.startswith("corecap-") for key in delivered), sorted(delivered)
+    epoch = [{"id": "ds/a", "input_ids": rows[4]["input_ids"]}, {"id": "ds/b", "input_ids": rows[6]["input_ids"]}]
+    got = {item["key"]: item for item in ServerDataset(epoch, server.url)}
+    code, answer = _post(f"{server.url}/v1/completions", {"prompt": [5, 6, 7], "request_id": "audit/prompt"})
+    assert code == 200, answer  # delivered; the key is stored already, with another input
+    os.remove(answer["kv_transfer_params"]["hidden_states_path"])
+    _committed(path, set(delivered) | set(got))
+    deadline = time.monotonic() + 30
+    while _aborted(server) == aborted and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(server) == aborted + 1
+
+    files = (*LLAMA_LAYERS[:-2], "prenorm")
+    positions = tuple(LLAMA_LAYERS.index(k) for k in files)
+    with corecap.open_store(path) as store:
+        meta = store.meta
+        identity = model_identity(tiny_model, "auto")
+        assert (tuple(meta.layers), meta.dtype, meta.hidden_size) == (LLAMA_LAYERS, "float32", identity.hidden_size)
+        assert (meta.model.config_hash, meta.model.weights_fingerprint) == (identity.config_hash,
+                                                                             identity.weights_fingerprint)
+        assert "audit/gone" not in store
+        for key, (choice, file) in delivered.items():
+            sample = store.get(key)
+            ids = choice["prompt_token_ids"] + choice["token_ids"]
+            assert sample.input_ids.tolist() == ids == file["token_ids"].tolist(), key
+            generation = sample.header.generation
+            if choice["token_ids"]:
+                assert (generation.num_prompt, generation.num_generated, generation.finish_reason) == (
+                    len(choice["prompt_token_ids"]), len(choice["token_ids"]), choice["finish_reason"])
+                assert sample.loss_mask.tolist() == [0] * generation.num_prompt + [1] * generation.num_generated
+            else:
+                assert generation is None and sample.loss_mask is None, key
+            codes, scales = quantize_per_token(sample.hidden_states, positions)
+            assert torch.equal(codes.view(torch.uint8), file["hidden_states"].view(torch.uint8)), key
+            assert torch.equal(scales, file[SCALES_KEY]), key
+            per_sample, per_token = relative_errors(sample.hidden_states, hf_hidden_states(hf_model, ids, LLAMA_LAYERS))
+            record_error("serve llama, its --store", per_sample, per_token)
+            assert float(per_token.max()) <= 1e-4, (key, per_token.max())
+        for key, item in got.items():  # what ServerDataset yielded: the fp8 file dequantized, the stored states
+            sample = store.get(key)
+            assert sample.input_ids.tolist() == item["input_ids"].tolist() and sample.loss_mask is None
+            codes, scales = quantize_per_token(sample.hidden_states, positions)
+            assert torch.equal((codes.to(torch.float32) * scales).transpose(0, 1), item["hidden_states"]), key
+        assert store.get("audit/prompt").input_ids.tolist() == rows[3]["input_ids"]  # the first copy stayed
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'corecap_store_skipped_total{input="other"} 1' in metrics and "corecap_store_failed 0" in metrics
+
+    out = tmp / "exported"
+    corecap_cli("export", "--store", path, "--format", "speculators", "--dtype", "fp8", "--out", str(out), cwd=tmp)
+    manifest = [json.loads(line) for line in (out / "corecap_manifest.jsonl").read_text().splitlines()]
+    exported = {m["key"]: load_file(out / m["file"]) for m in manifest if m["key"] in delivered}
+    assert set(exported) == set(delivered)
+    for key, (_, file) in delivered.items():
+        assert exported[key].keys() == file.keys(), key
+        for name, tensor in file.items():
+            assert torch.equal(exported[key][name].view(torch.uint8), tensor.view(torch.uint8)), (key, name)
 
 
 def test_sigterm_answers_in_flight_requests_and_leaves_no_partial_file(llama):

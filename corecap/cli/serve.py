@@ -47,6 +47,10 @@ from corecap.errors import CorecapError
 @click.option("--nixl-pool-gb", type=click.FloatRange(min=0.001), default=2.0, show_default=True,
               help="Memory registered with NIXL for the states not yet read (--nixl-sidecar-port); beyond, requests "
                    "are answered 503 with Retry-After.")
+@click.option("--store", type=str, default=None,
+              help="Also commit every sample delivered to the corecap store at this directory, as `corecap run` "
+                   "stores it (corecap get/ls/info/export and StoreDataset read it); made if absent, else it must "
+                   "hold this model's layers and dtype.")
 @click.option("--verbose", "-v", is_flag=True, help="Show vLLM's own log on the terminal too.")
 @_LAYERS_OPTION
 @click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
@@ -106,6 +110,7 @@ def _serve_config(extra_args: list[str], options: dict):
         served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],
         hidden_states_path=options["hidden_states_path"], quota_bytes=int(options["hidden_states_quota_gb"] * 2**30),
         nixl_sidecar_port=options["nixl_sidecar_port"], nixl_pool_bytes=int(options["nixl_pool_gb"] * 2**30),
+        store=options["store"],
         mooncake=MooncakeOptions(
             master=options["mooncake_master"], metadata_server=options["mooncake_metadata_server"],
             protocol=options["mooncake_protocol"], device=options["mooncake_device"],

@@ -10,7 +10,8 @@ the trainer reads them (online training), for any PyTorch trainer.
 
 Rows are what `corecap run --data` takes (a JSONL, JSON or Parquet path, or a list of dicts):
 `input_ids` (with an optional `loss_mask`), `text`, or `messages`; `id` is the key (default:
-the row's line number, as `corecap run` keys it). The loss mask is the row's own, else all ones
+the row's line number, as `corecap run` keys it), sent as the request's `request_id`: a server
+with `--store` stores the sample under it. The loss mask is the row's own, else all ones
 (a conversation's too: the server answers token ids, not which are the assistant's); with
 `max_tokens` > 1, 0 over the prompt and 1 over the response the model wrote, as `corecap run
 --max-tokens` stores it.
@@ -113,10 +114,11 @@ class ServerDataset(torch.utils.data.IterableDataset):
         if len(present) != 1:
             raise CorecapError(f"row {key!r}: expected exactly one of {', '.join(_INPUTS)}, got {present or 'none'}")
         name = present[0]
+        fields = {"request_id": key, **self.fields}  # a server's --store keys the sample as `corecap run` would
         if name in ("messages", "conversations"):
-            got = self.client.states(messages=row[name], max_tokens=self.max_tokens, **self.fields)
+            got = self.client.states(messages=row[name], max_tokens=self.max_tokens, **fields)
         else:
-            got = self.client.states(row[name], max_tokens=self.max_tokens, **self.fields)
+            got = self.client.states(row[name], max_tokens=self.max_tokens, **fields)
         num_tokens = len(got.token_ids)
         mask = torch.ones(num_tokens, dtype=torch.int64)
         if self.max_tokens > 1:

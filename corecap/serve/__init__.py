@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+from corecap import writer_lock as lock
 from corecap.errors import CorecapError
 from corecap.serve.config import ServeConfig
 
@@ -33,6 +34,7 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
     from corecap.serve.engine_loop import EngineLoop
     from corecap.serve.metrics import Metrics
     from corecap.serve.prepare import prepare
+    from corecap.serve.store_copy import StoreReport, open_store
 
     _check_port(cfg.host, cfg.port)
     if cfg.nixl_sidecar_port is not None:
@@ -40,12 +42,16 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
 
         nixl.check_installed()
         _check_port(cfg.host, cfg.nixl_sidecar_port, "--nixl-sidecar-port")
-    with environment():
+    # --store: its one writer from the start, as `corecap run` holds it (a second is refused at once)
+    with lock.held(cfg.store) if cfg.store else contextlib.nullcontext(), environment():
         plan = prepare(cfg, log)
         log(plan.settings_line)
         log(f"layers {list(plan.layers)}: files hold {[*plan.aux_layers, 'prenorm']} "
             f"(--hidden-states-backend {cfg.backend}, in {plan.cfg.hidden_states_path})")
         loop = EngineLoop(plan, log, Metrics())
+        if cfg.store:  # made, or checked against this model, its layers and dtype, before any weight loads
+            loop.num_requests = open_store(plan, log)
+            loop.store = StoreReport(cfg.store, loop.metrics, log)
         if cfg.nixl_sidecar_port is not None:
             loop.nixl = nixl.NixlStates(cfg.nixl_sidecar_port, cfg.nixl_pool_bytes, plan.max_len)
             log(f"ModelOpt's streaming dataset: data.streaming_server_url http://{cfg.host}:{cfg.nixl_sidecar_port} "
@@ -73,6 +79,8 @@ def serve(cfg: ServeConfig, log=print, stop: threading.Event | None = None) -> N
             server.run(sockets=_sockets(cfg))
         finally:
             loop.stop(timeout=_SHUTDOWN_S)
+            if loop.store is not None:
+                log(loop.store.line())
     if loop.failure is not None:
         raise CorecapError(loop.failure)
     log("stopped")

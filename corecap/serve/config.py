@@ -4,6 +4,7 @@ layers) and the server's, built once by the CLI (or `corecap.serve.build`) and n
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 
 from corecap.config import RunConfig
@@ -30,6 +31,7 @@ class ServeConfig:
     # go to a pool of this many bytes registered with NIXL (corecap/serve/nixl.py)
     nixl_sidecar_port: int | None = None
     nixl_pool_bytes: int = DEFAULT_NIXL_POOL_BYTES
+    store: str | None = None  # also commit every sample delivered to this corecap store (serve/store_copy.py)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -46,6 +48,10 @@ class ServeConfig:
         if not _loopback(self.host) and not self.api_key:
             raise CorecapError(f"--host {self.host}: a server reachable from other machines needs --api-key "
                                "(clients then send it as `Authorization: Bearer KEY`)")
+        if self.store is not None and (not self.store or os.path.realpath(self.store) == os.path.realpath(
+                self.hidden_states_path)):
+            raise CorecapError(f"--store {self.store!r}: expected a directory of its own, not --hidden-states-path "
+                               "(the trainer takes its files from there)")
         if self.run.sampling.generate:
             raise CorecapError("--max-tokens: each request of `corecap serve` names its own max_tokens")
 

@@ -45,6 +45,7 @@ class Ticket:
     future: Future = field(default_factory=Future)
     abandoned: bool = False  # its client went away: aborted, or its file removed once written
     nixl: bool = False  # ModelOpt's reader's: its states to NIXL's pool (corecap/serve/nixl.py), not a file
+    key: str = ""  # with --store: the key it is committed under once delivered (serve/store_copy.py)
 
 
 class EngineLoop:
@@ -65,6 +66,7 @@ class EngineLoop:
         self.engine = self.sink = self.budget = None
         self.thread: threading.Thread | None = None
         self.nixl = None  # NixlStates, with --nixl-sidecar-port
+        self.store = None  # StoreReport, with --store (serve/store_copy.py); `serve` sets it and num_requests
 
     def start(self) -> None:
         """Start the sink and the engine (the weights load here), then the stepping thread."""
@@ -74,7 +76,9 @@ class EngineLoop:
         plan, run = self.plan, self.plan.cfg.run
         spec = DeliverSpec(self.directory, plan.positions, fp8=plan.cfg.backend == "fp8",
                            mooncake=plan.cfg.mooncake if self.mooncake else None, spec_positions=plan.spec_positions)
-        self.sink = Sink("", "raw", "stop", 1, plan.buffer_bytes, deliver=spec, layers=plan.layers)
+        store = plan.cfg.store or ""  # each sample delivered also committed there, in its codec (sink/store_copy.py)
+        self.sink = Sink(store, "raw", "stop", run.encode_threads if store else 1, plan.buffer_bytes, deliver=spec,
+                         layers=plan.layers)
         self.hidden_size = plan.vllm_config.model_config.get_hidden_size()
         self.dtype = DTYPES[Engine.dtype_of(plan.vllm_config)]
         token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
@@ -117,7 +121,9 @@ class EngineLoop:
                              "the trainer has not taken the files written so far")
         with self.wake:
             self.num_requests += 1
-            ticket = Ticket(f"corecap-{self.num_requests:012d}", request, spec_capture, settings, nixl=nixl)
+            name = f"corecap-{self.num_requests:012d}"
+            key = (request.request_id or name) if self.store is not None else ""
+            ticket = Ticket(name, request, spec_capture, settings, nixl=nixl, key=key)
             if nixl:
                 self._reserve_nixl(ticket)
             self.waiting.append(ticket)
@@ -160,8 +166,10 @@ class EngineLoop:
             self.engine.shutdown()
         if self.sink is not None:
             self.sink.unwatch()
-            self.sink.abort(timeout=10)
+            self.sink.abort(timeout=60 if self.store is not None else 10)  # --store: its last commits
             self.sink.close()
+            if self.store is not None:
+                self.store.update(self.sink.kept)
         for ticket in self.running.values():  # not answered in time: no file is left half-written
             if not ticket.future.done():
                 ticket.future.set_exception(CorecapError("the server shut down before this request's states"))
@@ -183,6 +191,8 @@ class EngineLoop:
                         if not self.waiting and not self.stopping:
                             self.wake.wait(_IDLE_WAIT_S)
                 self.sink.check()
+                if self.store is not None:
+                    self.store.update(self.sink.kept)
                 self._answer()
                 problem = self.engine.problem()
                 if problem:
@@ -222,8 +232,8 @@ class EngineLoop:
                 ticket.response = Response(num_prompt=len(ids), max_tokens=max_tokens, rule=self._stop_rule(ticket),
                                            seed=seed)
             self.engine.add(ticket.name, ids.tolist(), ticket.response, ticket.settings)
-            self.sink.expect(ticket.name, ticket.name, ids, None, None, max_tokens, cost, ticket.spec_capture,
-                             lossless=ticket.nixl)
+            self.sink.expect(ticket.name, ticket.name, ids, ticket.request.loss_mask, None, max_tokens, cost,
+                             ticket.spec_capture, lossless=ticket.nixl, store_key=ticket.key)
             self.running[ticket.name] = ticket
             self.metrics.running = len(self.running)
 

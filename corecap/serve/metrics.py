@@ -1,5 +1,6 @@
 """What `GET /metrics` shows, in Prometheus' text format (as vLLM's server offers one): requests
-by endpoint and status, tokens captured and their rate, the queue, the bytes delivered."""
+by endpoint and status, tokens captured and their rate, the queue, the bytes delivered; with
+--store, what is committed there."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Metrics:
         self.running = 0  # requests in the engine or the sink
         self.num_aborted = 0  # requests ended early: their clients went away
         self.steps: collections.deque = collections.deque()  # (time, tokens) of recent steps
+        self.kept = None  # with --store: the sink's latest report of its copy (sink.messages.Kept)
 
     def answered(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -76,4 +78,25 @@ class Metrics:
                 "# TYPE corecap_requests_running gauge",
                 f"corecap_requests_running {self.running}",
             ]
+            if self.kept is not None:
+                lines += _store_lines(self.kept)
         return "\n".join(lines) + "\n"
+
+
+def _store_lines(kept) -> list[str]:
+    return [
+        "# HELP corecap_store_samples_total Samples delivered and committed to --store.",
+        "# TYPE corecap_store_samples_total counter",
+        f"corecap_store_samples_total {kept.num_committed}",
+        "# HELP corecap_store_bytes_total Bytes of states committed to --store.",
+        "# TYPE corecap_store_bytes_total counter",
+        f"corecap_store_bytes_total {kept.nbytes}",
+        "# HELP corecap_store_skipped_total Samples delivered but not stored: their key was stored already, "
+        "with the same input or another.",
+        "# TYPE corecap_store_skipped_total counter",
+        f'corecap_store_skipped_total{{input="same"}} {kept.num_same}',
+        f'corecap_store_skipped_total{{input="other"}} {kept.num_other}',
+        "# HELP corecap_store_failed 1 once a write to --store failed (a full disk): no more samples are stored.",
+        "# TYPE corecap_store_failed gauge",
+        f"corecap_store_failed {int(bool(kept.failure))}",
+    ]

@@ -11,6 +11,7 @@ import numpy as np
 
 from corecap.config import SamplingOptions
 from corecap.errors import CorecapError
+from corecap.store.format import MAX_KEY_BYTES
 
 
 class BadRequest(CorecapError):
@@ -32,13 +33,17 @@ class CaptureRequest:
     max_tokens: int = 0  # 0: the prompt's states only
     sampling: SamplingOptions | None = None  # the request's own settings (the model's fill the rest)
     seed: int | None = None
+    # The client's own name for the sample (vLLM's `request_id`; SpecForge's store_id/sample_id/gen):
+    # its key in --store (None: the server's name for the request, corecap-NNNNNNNNNNNN)
+    request_id: str | None = None
+    loss_mask: np.ndarray | None = None  # uint8 [T], the client's (SpecForge's passthrough), kept in --store
 
 
 # The fields each endpoint takes; OpenAI's and vLLM's extra ones that do not change what is
 # captured are accepted and left alone. A field outside these is refused (a typo, or a feature
 # this server does not have), never silently ignored.
 _COMMON = {"model", "max_tokens", "n", "stream", "temperature", "top_p", "top_k", "seed", "user",
-           "return_token_ids", "kv_transfer_params", "logprobs", "stop", "ignore_eos", "min_tokens"}
+           "return_token_ids", "kv_transfer_params", "logprobs", "stop", "ignore_eos", "min_tokens", "request_id"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "add_special_tokens"}
 CHAT_FIELDS = _COMMON | {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                          "max_completion_tokens", "top_logprobs"}
@@ -119,6 +124,18 @@ def _check_common(body: dict, model: str, max_len: int) -> None:
     if stop is not None and not (isinstance(stop, str) or isinstance(stop, list) and all(
             isinstance(s, str) and s for s in stop)):
         raise BadRequest("stop", "expected a string or a list of strings")
+    if body.get("request_id") is not None:
+        check_key(body["request_id"], "request_id")
+
+
+def check_key(key, field: str) -> None:
+    """A client's name for its sample, which --store keys it by: a string of 1 to MAX_KEY_BYTES bytes."""
+    try:
+        size = len(key.encode()) if isinstance(key, str) else 0
+    except UnicodeEncodeError:  # a lone surrogate, which JSON allows
+        size = 0
+    if not 0 < size <= MAX_KEY_BYTES:
+        raise BadRequest(field, f"expected a string of 1 to {MAX_KEY_BYTES} bytes of UTF-8 (a corecap store's key)")
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -135,7 +152,7 @@ def _request(body: dict, ids: np.ndarray, model: str, max_len: int) -> CaptureRe
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise BadRequest(field, "expected an integer of 0 or more")
     if max_tokens <= 1:
-        return CaptureRequest(ids, body.get("model") or model)
+        return CaptureRequest(ids, body.get("model") or model, request_id=body.get("request_id"))
     if len(ids) + max_tokens > max_len:
         raise BadRequest(field, f"{max_tokens}: the prompt's {len(ids)} tokens and the response's must fit the "
                                 f"server's --max-model-len ({max_len} tokens in all)")
@@ -145,7 +162,8 @@ def _request(body: dict, ids: np.ndarray, model: str, max_len: int) -> CaptureRe
         ignore_eos=_flag(body, "ignore_eos", False),
         **{name: body[name] for name in (*_NUMBERS, "top_k") if body.get(name) is not None},
     )
-    return CaptureRequest(ids, body.get("model") or model, max_tokens, options, body.get("seed"))
+    return CaptureRequest(ids, body.get("model") or model, max_tokens, options, body.get("seed"),
+                          body.get("request_id"))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from corecap.serve.requests import BadRequest, CaptureRequest, token_ids
+from corecap.serve.requests import BadRequest, CaptureRequest, check_key, token_ids
 from corecap.sink.mooncake import Passthrough, SpecCapture
 
 FIELDS = {"input_ids", "spec_capture", "sampling_params", "extra_key", "rid", "stream", "return_logprob"}
@@ -69,8 +69,10 @@ def _task(i: int, ids: list, capture, model: str, vocab_size: int, max_len: int)
     if not isinstance(features, dict) or set(features) - _FEATURES or not all(
             isinstance(v, str) and v for v in features.values()):
         raise BadRequest(f"{where}.features", f"expected names for {' and/or '.join(sorted(_FEATURES))}")
-    request = CaptureRequest(token_ids(ids, f"input_ids[{i}]", vocab_size, max_len), model)
-    passthrough, shapes = [], {}
+    ids = token_ids(ids, f"input_ids[{i}]", vocab_size, max_len)
+    key = f"{capture['store_id']}/{capture['sample_id']}/g{gen}"  # its objects' prefix: with --store, its key
+    check_key(key, f"{where}.sample_id")
+    passthrough, shapes, loss_mask = [], {}, None
     for k, item in enumerate(capture.get("passthrough") or []):
         name, data, shape, dtype = (item.get(f) if isinstance(item, dict) else None
                                     for f in ("name", "data", "shape", "dtype"))
@@ -88,9 +90,12 @@ def _task(i: int, ids: list, capture, model: str, vocab_size: int, max_len: int)
             raise BadRequest(f"{field}.data", f"expected {dtype} values") from None
         passthrough.append(Passthrough(name, tensor.numpy().tobytes()))
         shapes[name] = (shape, dtype)
+        if name == "loss_mask" and tensor.numel() == len(ids):  # SpecForge's own: --store keeps it as the mask
+            loss_mask = (tensor.reshape(-1) != 0).numpy().astype(np.uint8)
+    request = CaptureRequest(ids, model, request_id=key, loss_mask=loss_mask)
     return SpecTask(
         request=request, sample_id=capture["sample_id"], store_id=capture["store_id"], gen=gen, passthrough=shapes,
-        capture=SpecCapture(prefix=f"{capture['store_id']}/{capture['sample_id']}/g{gen}/",
+        capture=SpecCapture(prefix=f"{key}/",
                             aux=features.get("aux"), target=features.get("last_hidden"),
                             replace=bool(capture.get("replace", False)), passthrough=passthrough),
     )

@@ -20,7 +20,7 @@ from corecap.sink.budget import Released
 from corecap.sink.deliver import DeliverSpec
 from corecap.sink.mooncake import SpecCapture
 from corecap.sink.messages import (
-    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits, Status,
+    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits, Kept, Status,
 )
 from corecap.sink.process import CAPTURE, CONTROL, STATUS, SinkSpec, main
 from corecap.store.generated import Generation
@@ -37,7 +37,8 @@ class Sink:
         """`tcp_address`: tcp://HOST:PORT where the sink also takes states, from the capturing
         worker of an engine whose last pipeline stage is on another node ('' : none).
         `block_size`: vLLM's block size when its prefix caching is on (0: off). `deliver`: each
-        sample to the file its key names, no store (corecap/sink/deliver.py), captured at `layers`."""
+        sample to the file its key names (corecap/sink/deliver.py), captured at `layers`; with a
+        `store` too, each one delivered also committed there (corecap/sink/store_copy.py)."""
         self.dir = wire.private_ipc_dir("corecap-")  # mode 0700: owner only
         self.capture_path = os.path.join(self.dir, CAPTURE)
         self.tcp_address = tcp_address
@@ -58,6 +59,7 @@ class Sink:
         self.proc.start()
         self.result: Done | Failed | None = None
         self.delivered: list[Delivered] = []  # reported, not yet taken
+        self.kept: Kept | None = None  # delivering with a store: the copy's latest report
         self._watching = threading.Event()
 
     def watch(self, on_death: Callable[[str], None]) -> None:
@@ -89,15 +91,17 @@ class Sink:
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
         max_new: int = 0, reserved: int = 0, spec_capture: SpecCapture | None = None, lossless: bool = False,
+        store_key: str = "",
     ) -> None:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
         adds to `released` once the sample is committed (corecap/sink/budget.py). `spec_capture`:
         a delivering sink writes the sample in SpecForge's layout (corecap/sink/mooncake.py). `lossless`:
-        to a file in the stored dtype, whatever the server's backend (ModelOpt's reader: corecap/serve/nixl.py)."""
+        to a file in the stored dtype, whatever the server's backend (ModelOpt's reader: corecap/serve/nixl.py).
+        `store_key`: once delivered, also committed to the store under this key ("": not)."""
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
         self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
                           block_hashes=block_hashes, max_new=max_new, reserved=reserved, spec_capture=spec_capture,
-                          lossless=lossless))
+                          lossless=lossless, store_key=store_key))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
@@ -122,10 +126,12 @@ class Sink:
         if self.result is None and not self.proc.is_alive():
             raise CorecapError(f"the sink process (pid {self.proc.pid}) died (exit code {self.proc.exitcode})")
 
-    def _receive(self) -> None:  # a file delivered, or the sink's final status
+    def _receive(self) -> None:  # a file delivered, the store copy's news, or the sink's final status
         msg = self.decoder.decode(self.status.recv())
         if isinstance(msg, Delivered):
             self.delivered.append(msg)
+        elif isinstance(msg, Kept):
+            self.kept = msg
         else:
             self.result = msg
 

@@ -19,6 +19,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     reserved: int = 0  # bytes of --buffer-gb the driver reserved for it, released at its commit (sink/budget.py)
     spec_capture: SpecCapture | None = None  # `corecap serve`'s /generate: SpecForge's objects, not the default
     lossless: bool = False  # `corecap serve`: this sample's file in the stored dtype, whatever the backend
+    store_key: str = ""  # `corecap serve --store`: once delivered, also committed under this key ("": not)
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):
@@ -93,10 +94,23 @@ class Delivered(msgspec.Struct, array_like=True, tag=10):
     error: str = ""
 
 
+class Kept(msgspec.Struct, array_like=True, kw_only=True, tag=12):
+    """`corecap serve --store`: what the sink's copy to the store has done since it started
+    (sink/store_copy.py), sent as it changes."""
+
+    num_committed: int
+    num_tokens: int
+    nbytes: int
+    num_same: int = 0  # delivered, not stored again: their key was stored already, with the same input
+    num_other: int = 0  # delivered, not stored: their key was stored already, with another input
+    first_other: str = ""  # the first of those keys
+    failure: str = ""  # why the store takes no more samples ("": it does)
+
+
 class Failed(msgspec.Struct, array_like=True, tag=5):
     message: str
     num_committed: int
 
 
 Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated | Forget
-Status = Done | Failed | Delivered
+Status = Done | Failed | Delivered | Kept

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class SinkSpec:
     block_size: int = 0  # vLLM's, with prefix caching on (0: off)
     released: Released | None = None  # what the sink's commits gave back of --buffer-gb (sink/budget.py)
     commit_delay: float = 0.0  # config.TestHooks
-    deliver: DeliverSpec | None = None  # `corecap serve`: each sample to a file of its own, no store
+    deliver: DeliverSpec | None = None  # `corecap serve`: each sample to a file of its own (with `store`: there too)
     layers: tuple = ()  # the captured layers, with `deliver` (a store's metadata names them otherwise)
     parent_holds_lock: bool = False  # the run holds the store's writer lock (corecap/writer_lock.py)
 
@@ -124,15 +125,22 @@ class _Loop:
         self.notify: Callable[[Delivered], None] = lambda msg: None  # main() sends them to the driver
         self.buffers = BufferPool(spec.buffer_bytes)
         self.released = spec.released or Released()
+        self.released_lock = threading.Lock()  # delivering: the main thread adds to it, and the store's commits
+        self.copy = None  # `corecap serve --store`: each sample delivered, also to the store (sink/store_copy.py)
         self.decoder = msgspec.msgpack.Decoder(Control)
         self.finishing = self.aborting = False
         self.rss_start = rss()
-        if spec.deliver is not None:  # no store: each sample to its own file (corecap serve)
+        if spec.deliver is not None:  # each sample to its own file (corecap serve)
             self.deliverer = Deliverer(spec.deliver)
             # files on several threads; one for a Mooncake store, whose client corecap uses from one
             self.deliveries = Deliveries(1 if spec.deliver.mooncake is not None else copy_threads())
             self.spec_captures: dict = {}  # key → SpecForge's layout for it (Expect.spec_capture)
             self.lossless: set[str] = set()  # keys written to a file in the stored dtype (Expect.lossless)
+            self.store_keys: dict[str, str] = {}  # key → the key it is stored under (Expect.store_key)
+            if spec.store:
+                from corecap.sink.store_copy import StoreCopy
+
+                self.copy = StoreCopy(spec.store, spec.num_threads, spec.buffer_bytes, self.buffers, self._release)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
             return
         store = Store.open_for_writing(spec.store)
@@ -158,23 +166,29 @@ class _Loop:
                         prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
 
     def _deliver(self, p) -> None:
-        """A sample every position of which is here, to its file (`corecap serve`)."""
+        """A sample every position of which is here, to its file (`corecap serve`); once written,
+        with --store, to the store's writer, which gives its buffer back at its commit."""
         spec_capture = self.spec_captures.pop(p.key, None)
         lossless = p.key in self.lossless
         self.lossless.discard(p.key)
-        key, token_ids, states, buffer, reserved = p.key, p.token_ids, p.stored_states(), p.states, p.reserved
+        store_key = self.store_keys.pop(p.key, "")
+        key, token_ids, states = p.key, p.token_ids, p.stored_states()
 
         def write() -> tuple[int, str]:  # on a delivery thread
-            try:
-                return self.deliverer.deliver(key, token_ids, states, spec_capture, lossless)
-            finally:
-                self.buffers.give(buffer)
+            return self.deliverer.deliver(key, token_ids, states, spec_capture, lossless)
 
         def written(nbytes: int, error: str) -> None:  # back on this thread
-            self.released.add(reserved)
+            if not (store_key and not error and self.copy is not None and self.copy.keep(store_key, p)):
+                self.buffers.give(p.states)
+                self._release(p.reserved)
             self.notify(Delivered(key, nbytes, error))
 
         self.deliveries.submit(write, written)
+
+    def _release(self, reserved: int) -> None:
+        """A sample's share of --buffer-gb back to the driver (from the main thread, or the store's commits)."""
+        with self.released_lock:
+            self.released.add(reserved)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
@@ -190,12 +204,19 @@ class _Loop:
                 self._on_chunk(self.data.recv_multipart(copy=False))
             if self.writer is not None:
                 self.writer.raise_if_failed()
+            if self.copy is not None:
+                self._report_copy()
             if os.getppid() != self.spec.parent_pid:
                 self.aborting = True  # the driver is gone: keep what is complete
         if self.writer is None:  # delivering: every sample complete is written, and reported, by now
             self.deliveries.close()
-            return Done(num_committed=0, num_tokens=0, nbytes=0, raw_bytes=0, flagged=[], chunks=[], commits=[],
-                        encodes=[], writes=[], num_incomplete=len(self.collector.pending))
+            committed = 0
+            if self.copy is not None:  # what was delivered is committed to the store before the sink ends
+                self.copy.close()
+                self._report_copy()
+                committed = self.copy.writer.num_committed
+            return Done(num_committed=committed, num_tokens=0, nbytes=0, raw_bytes=0, flagged=[], chunks=[],
+                        commits=[], encodes=[], writes=[], num_incomplete=len(self.collector.pending))
         self.writer.close()
         w, c = self.writer, self.collector
         return Done(
@@ -222,6 +243,8 @@ class _Loop:
                 self.spec_captures[msg.key] = msg.spec_capture
             if msg.lossless:
                 self.lossless.add(msg.key)
+            if msg.store_key:
+                self.store_keys[msg.key] = msg.store_key
         elif isinstance(msg, Generated):
             self.collector.generated(msg.req_id, np.frombuffer(msg.token_ids, "<i4"), msg.generation)
         elif isinstance(msg, BlockHash):
@@ -235,9 +258,10 @@ class _Loop:
             if p is not None:  # only a delivering sink (corecap serve) is told to forget
                 self.spec_captures.pop(p.key, None)
                 self.lossless.discard(p.key)
+                self.store_keys.pop(p.key, None)
                 if p.states is not None:
                     self.buffers.give(p.states)
-                self.released.add(p.reserved)
+                self._release(p.reserved)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:
@@ -269,8 +293,18 @@ class _Loop:
             self.free[ring_path] = sock
         return sock
 
+    def _report_copy(self) -> None:
+        """The store copy's news to the driver: its commits, its keys stored already, its failure."""
+        self.copy.check()
+        kept = self.copy.status()
+        if kept is not None:
+            self.notify(kept)
+
     def close_writer_after_failure(self) -> int:
         """Commit what is complete (the writer stops by itself if the store failed)."""
+        if self.copy is not None:
+            self.copy.close()
+            return self.copy.writer.num_committed
         if self.writer is None:
             return 0
         try:

@@ -260,6 +260,7 @@ class Writer:
 
     def _write_loop(self) -> None:
         done = False
+        held, releases = 0, []
         try:
             while not done and self.error is None:
                 item = self.queue.get()
@@ -288,13 +289,21 @@ class Writer:
                     appended = self.store.append(records)
                     self.writes.append(CommitTiming(start, time.time(), len(records), size))
                     self.written.put(_Written(appended, tokens, raw, referred, held, releases))
+                held, releases = 0, []
         except BaseException as e:
             self._fail(e)
+            self._give_back(held, releases)
         finally:
             self.written.put(_DONE)
+        while not done:  # failed: what is still queued is never written, only given back
+            item = self.queue.get()
+            done = item is _DONE
+            if not done:
+                self._give_back(_held_by(item.encoded), item.after_commit)
 
     def _commit_loop(self) -> None:
         next_trim = time.monotonic() + memory.TRIM_EVERY_S
+        item = None
         try:
             while (item := self.written.get()) is not _DONE:
                 # committed even after a later failure: it is whole
@@ -303,6 +312,7 @@ class Writer:
                     time.sleep(self.commit_delay)
                 start = time.time()
                 nbytes = self.store.commit(appended)
+                item = None
                 self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
                 self.num_committed += len(appended.records)
                 self.num_tokens += tokens
@@ -318,7 +328,22 @@ class Writer:
                     next_trim = time.monotonic() + memory.TRIM_EVERY_S
         except BaseException as e:
             self._fail(e)
-            while self.written.get() is not _DONE:
+            while item is not _DONE:  # the batch that failed, then those written after it
+                if item is not None:
+                    self._give_back(item.held, item.releases)
+                item = self.written.get()
+
+    def _give_back(self, held: int, releases: list) -> None:
+        """What a failed writer will never commit: its buffers, its encoded copies' count and its
+        share of --buffer-gb go back all the same (the `committed` callbacks run too), so that a
+        process that goes on without the store (`corecap serve --store`: sink/store_copy.py) gets
+        its memory back. Nothing is counted as committed."""
+        if held and self.ledger is not None:
+            self.ledger.drop(held)
+        for release in releases:
+            try:
+                release()
+            except Exception:  # a buffer given back twice is no reason to stop giving back the rest
                 pass
 
     def _fail(self, e: BaseException) -> None:
@@ -334,6 +359,14 @@ class Writer:
             t.join()
         self.pool.shutdown(wait=True)
         self.raise_if_failed()
+
+
+def _held_by(encoded) -> int:
+    """The bytes an encoded sample holds of --buffer-gb (0 if its encoding failed: nothing copied)."""
+    try:
+        return encoded.result()[1]
+    except BaseException:
+        return 0
 
 
 def _reason(e: BaseException, path: str) -> str:

@@ -1,7 +1,8 @@
 """`corecap serve` against `corecap run` on the same prompts: the rate at which each delivers
 the prompts' states, on the CPU.
 
-    python3 -m tools.bench.serve [--samples 96] [--lengths 128,768] [--clients 4,16] [--out DIR]
+    python3 -m tools.bench.serve [--samples 96] [--lengths 128,768] [--clients 4,16] [--modes run,serve]
+                                 [--repeat 1] [--out DIR]
 
 A synthetic Llama (4 layers of hidden 1,024, float32, a fixed seed), the same random prompts
 (token ids from a fixed seed), layers 1,2,3,prenorm, vLLM's prefix caching off in both (the
@@ -13,6 +14,9 @@ server runs without it), 16 sequences and 2,048 tokens a step, compiled.
   every prompt once to /v1/completions (token ids, max_tokens 1, as speculators asks) and remove
   each file once answered, as speculators' reader does; the rate is the prompts' tokens over the
   time from the first request to the last answer.
+- serve-store: the same with `--store` (each sample delivered also committed to a store, after
+  its answer); the rate is measured as for serve, the store's commits included only as far as
+  they hold the answers back.
 
 Each result is a JSON line in DIR/bench_serve.jsonl; the table is printed at the end.
 """
@@ -53,12 +57,14 @@ def run_rate(model: str, data: str, workdir: str) -> dict:
             "tokens_per_s": int(found[4])}
 
 
-def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int) -> dict:
+def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int, store: bool = False) -> dict:
     port = _free_port()
-    hidden = os.path.join(workdir, f"hidden-{clients}")
-    log = open(os.path.join(workdir, f"serve-{clients}.log"), "w")
+    name = f"{'serve-store' if store else 'serve'}-{clients}-{time.monotonic_ns()}"
+    hidden = os.path.join(workdir, f"hidden-{name}")
+    log = open(os.path.join(workdir, f"{name}.log"), "w")
+    keep = ["--store", os.path.join(workdir, f"{name}.lmdb")] if store else []
     server = subprocess.Popen([sys.executable, "-m", "corecap.cli", "serve", "--model", model, "--port", str(port),
-                               "--hidden-states-path", hidden, *ENGINE], stdout=log, stderr=subprocess.STDOUT,
+                               "--hidden-states-path", hidden, *keep, *ENGINE], stdout=log, stderr=subprocess.STDOUT,
                               env=child_env())
     try:
         url = f"http://127.0.0.1:{port}"
@@ -80,8 +86,15 @@ def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int)
         server.send_signal(signal.SIGTERM)
         server.wait(120)
         log.close()
-    return {"mode": "serve", "clients": clients, "samples": len(prompts), "tokens": tokens,
-            "seconds": round(seconds, 2), "tokens_per_s": int(tokens / seconds)}
+    result = {"mode": "serve-store" if store else "serve", "clients": clients, "samples": len(prompts),
+              "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": int(tokens / seconds)}
+    if store:  # its last line says what it committed: every sample, or the bench is void
+        with open(log.name) as f:
+            found = re.search(r"--store .*: (\d+) samples committed", f.read())
+        result["stored"] = int(found[1]) if found else None
+        if result["stored"] != len(prompts):
+            raise SystemExit(f"corecap serve --store committed {result['stored']} of {len(prompts)}: {log.name}")
+    return result
 
 
 def _wait_healthy(url: str, server: subprocess.Popen) -> None:
@@ -110,6 +123,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=96)
     ap.add_argument("--lengths", default="128,768", help="prompt lengths, low,high")
     ap.add_argument("--clients", default="4,16", help="concurrent clients of the server, comma-separated")
+    ap.add_argument("--modes", default="run,serve", help="run, serve, serve-store (the server with --store)")
+    ap.add_argument("--repeat", type=int, default=1, help="each server mode this many times, interleaved")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     workdir = tempfile.mkdtemp(prefix="bench-serve-")
@@ -117,14 +132,20 @@ def main() -> None:
     low, high = map(int, args.lengths.split(","))
     rows = random_prompts(args.samples, (low, high), (3, SHAPE["vocab_size"]), seed=0)
     data = write_jsonl(os.path.join(workdir, "prompts.jsonl"), rows)
-    results = [run_rate(model, data, workdir)]
-    results += [serve_rate(model, [r["input_ids"] for r in rows], workdir, int(c)) for c in args.clients.split(",")]
+    modes = args.modes.split(",")
+    results = [run_rate(model, data, workdir)] if "run" in modes else []
+    prompts = [r["input_ids"] for r in rows]
+    for _ in range(args.repeat):
+        for c in args.clients.split(","):
+            for mode in [m for m in modes if m != "run"]:
+                results.append(serve_rate(model, prompts, workdir, int(c), store=mode == "serve-store"))
     for result in results:
         append_jsonl(os.path.join(args.out, "bench_serve.jsonl"), {**result, "command": command_line()})
     base = results[0]["tokens_per_s"]
     for r in results:
-        who = "corecap run" if r["mode"] == "run" else f"corecap serve, {r['clients']} clients"
-        print(f"{who:28s} {r['tokens_per_s']:>8,} tokens/s  {r['tokens_per_s'] / base:.3f}x  "
+        who = "corecap run" if r["mode"] == "run" else f"corecap {r['mode'].replace('-store', ' --store')}, " \
+              f"{r['clients']} clients"
+        print(f"{who:36s} {r['tokens_per_s']:>8,} tokens/s  {r['tokens_per_s'] / base:.3f}x  "
               f"({r['tokens']:,} tokens in {r['seconds']} s)")
 
 
