@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from corecap.errors import CorecapError
+from corecap.generation import FINISH_EOS, FINISH_STOP
 from corecap.serve import modelopt, requests, specforge
 from corecap.serve.engine_loop import EngineLoop, ServerFull, Ticket, retry_after
 from corecap.serve.prepare import ServePlan
@@ -99,7 +100,7 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
         text = plan.tokenizer.decode(written, skip_special_tokens=True) if written and plan.tokenizer else ""
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(written), "total_tokens": len(ids) + len(written)}
         choice = {"index": 0, "logprobs": None, "token_ids": list(written),
-                  "finish_reason": response.finish_reason if response is not None else "length",
+                  "finish_reason": openai_finish_reason(response.finish_reason) if response is not None else "length",
                   "stop_reason": response.stop_reason if response is not None else None}
         common = {"id": f"{endpoint}-{ticket.name}", "created": int(time.time()), "model": name,
                   "usage": usage, "kv_transfer_params": params}
@@ -190,3 +191,9 @@ async def _delivered(request, ticket: Ticket, loop: EngineLoop) -> dict | None:
         if await request.is_disconnected():
             loop.abandon(ticket)
             return None
+
+
+def openai_finish_reason(reason: str) -> str:
+    """OpenAI's name for why a response ended, as vLLM's server answers it: "stop" for an
+    end-of-sequence token too (corecap stores "eos"; `stop_reason` is None then), else "length"."""
+    return FINISH_STOP if reason == FINISH_EOS else reason
