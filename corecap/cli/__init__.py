@@ -124,6 +124,12 @@ def worker(master_addr, master_port, node_rank, model, timeout) -> None:
     follow(master_addr, master_port, node_rank, model, timeout, log=_log)
 
 
+def _images(media) -> str:
+    """A sample's images, as `get` and `ls --long` show them."""
+    n = len(media.items)
+    return f"{n} image{'s' if n != 1 else ''} ({media.summary()})"
+
+
 def _response(generation) -> str:
     """A generated sample's response, as `get` and `ls --long` show it."""
     stop = f" {generation.stop!r}" if generation.stop is not None else ""
@@ -137,12 +143,14 @@ def _response(generation) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write a .safetensors file.")
 @_one_line_errors
 def get(key, store, out) -> None:
-    """Summarize one stored sample (for a generated one, its response's length and finish reason);
+    """Summarize one stored sample (for a generated one, its response's length and finish reason;
+    for one with images, each image's token span and reference);
     with --out, export it as safetensors (input_ids, hidden_states, and loss_mask when the sample
     has one; a generated sample's record, JSON, in the metadata's "generation")."""
     import msgspec
 
     from corecap.store import Store
+    from corecap.store.media import media_record
 
     with Store.open(store) as s:
         sample = s.get(key)
@@ -154,6 +162,7 @@ def get(key, store, out) -> None:
         f"hidden_states shape {list(hs.shape)}, codec {sample.header.codec}"
         + ("" if sample.loss_mask is None else f", loss mask on {int(sample.loss_mask.sum())} tokens")
         + ("" if generation is None else f", prompt of {generation.num_prompt} tokens, {_response(generation)}")
+        + ("" if sample.header.media is None else f", {_images(sample.header.media)}")
     )
     if out:
         import torch
@@ -165,6 +174,8 @@ def get(key, store, out) -> None:
         metadata = {"key": key, "layers": json.dumps(layers), "codec": sample.header.codec}
         if generation is not None:
             metadata["generation"] = json.dumps(msgspec.structs.asdict(generation))
+        if sample.header.media is not None:
+            metadata["media"] = json.dumps(media_record(sample.header.media))
         save_file(tensors, out, metadata=metadata)
         click.echo(f"wrote {out}")
 
@@ -189,7 +200,8 @@ def ls(store, long) -> None:
             generation = header.generation
             click.echo(f"{key}\t{header.num_tokens} tokens"
                        + ("" if generation is None
-                          else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))
+                          else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}")
+                       + ("" if header.media is None else f"\t{_images(header.media)}"))
 
 
 @main.command()

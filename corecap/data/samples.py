@@ -54,6 +54,10 @@ class Sample:
     # and token_ids is the prompt of the first answer (the later ones are made as the answers come).
     messages: tuple | None = None
     points: tuple[int, ...] = ()
+    # A conversation with images: their sources (data.media.ImageRef, in prompt order) and what the
+    # store keeps of them (store.Media: token spans, hashes, the prompt before the expansion).
+    images: tuple = ()
+    media: object = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +70,7 @@ class DatasetSummary:
     skip_reasons: dict[str, int] = field(default_factory=dict)  # reason → count
     skip_examples: tuple[str, ...] = ()  # the first few skip messages, each naming its row
     num_other_shards: int = 0  # rows that belong to other shards
+    num_images: int = 0  # images in the samples kept
 
     def outcomes(self) -> str:
         """One line with the count of each outcome, e.g. for the end of a run."""
@@ -172,7 +177,13 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        messages = parse_messages(obj, name, where, generate)
+        found: list = []
+        messages = parse_messages(obj, name, where, generate, chat.get("images"), found)
+        if found:
+            if generate:
+                raise RowError(where, "--max-tokens on a conversation with images is not supported yet "
+                               "(capture it as written, without --max-tokens)", "images with --max-tokens")
+            chat["found"] = [(image, chat["images"].check(image, where, image.ref)) for image in found]
         if not render:
             return None, None
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
@@ -206,17 +217,19 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
 
 
 def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None,
-              all_turns=False, render=True):
+              all_turns=False, render=True, images=None, expand=None):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
     Sample), ("skipped", RowError), ("invalid", RowError: a problem the policies refuse) or
     ("other shard", None); and ("rows", last row number) last. `max_tokens` > 0: each sample is a
     prompt the model answers with up to that many tokens, all within `max_len`. Without `render`,
     texts and conversations are checked but not tokenized, and no length is checked: their
-    samples have no token ids."""
+    samples have no token ids. `images` (a data.media.Images, None for a model that takes none)
+    checks the images of conversations; `expand(ids, sources)` (rendering only) is the model's
+    processor expanding each image's placeholder (corecap/_vllm/media.py: an Expanded)."""
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
-        chat: dict = {"template_kwargs": template_kwargs, "all_turns": all_turns}
+        chat: dict = {"template_kwargs": template_kwargs, "all_turns": all_turns, "images": images}
         last = 0
         for n, where, obj in rows:
             last = n
@@ -238,19 +251,31 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             try:
                 chat.pop("turns", None)
+                chat.pop("found", None)
                 ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0, render)
+                found = chat.get("found") or ()
+                media = None
+                if found and ids is not None:
+                    ids, mask, media = _expanded(ids, mask, found, expand, where)
             except RowError as e:
                 yield "skipped" if invalid == "skip" else "invalid", e
                 continue
+            sources = tuple(image for image, _ in found)
             if ids is None:
-                yield "sample", Sample(key, n, np.empty(0, np.int32), None, where)
+                yield "sample", Sample(key, n, np.empty(0, np.int32), None, where, images=sources)
                 continue
             if max_tokens:
                 messages, points = chat.get("turns", (None, ()))
                 yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points), max_len, overflow)
                 continue
             if len(ids) <= max_len:
-                yield "sample", Sample(key, n, ids, mask, where)
+                yield "sample", Sample(key, n, ids, mask, where, images=sources, media=media)
+                continue
+            if media is not None:  # cut inside or before an image, the sample would not be what the model saw
+                too_long = f"sample {key!r} has {len(ids)} tokens with its images, more than --max-len {max_len}"
+                yield ("skipped" if overflow == "skip" else "invalid"), RowError(
+                    where, too_long + ("" if overflow == "skip" else " (a sample with images is not truncated: "
+                                       "--overflow skip leaves it out)"), "longer than --max-len")
                 continue
             too_long = f"sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}"
             if overflow == "error":
@@ -268,6 +293,56 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             yield "truncated", Sample(key, n, ids[:max_len], None if mask is None else mask[:max_len], where)
         yield "rows", last
+
+
+def _expanded(ids: np.ndarray, mask: np.ndarray | None, found, expand, where: str):
+    """A rendered conversation with images, as the model's processor expands it: its token ids,
+    its loss mask (0 on every image token), and the store's record of its images."""
+    from corecap.store.media import Media, MediaItem
+
+    if expand is None:
+        raise CorecapError(f"{where}: a conversation with images needs the model's processor (vLLM's) to render")
+    try:
+        out = expand(ids, [image.source for image, _ in found])
+    except RowError:
+        raise
+    except Exception as e:  # the processor's own refusal (a placeholder count that does not match, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RowError(where, f"the model's processor refused its images ({type(e).__name__}: {first[:300]})",
+                       "images refused") from None
+    spans = out.spans
+    if len(spans) != len(found):
+        raise RowError(where, f"the model's processor found {len(spans)} image placeholders for {len(found)} images",
+                       "images refused")
+    # Each placeholder token became its image's span: the other tokens are the rendered ones, in order.
+    keep = np.ones(len(out.token_ids), bool)
+    for offset, length in spans:
+        keep[offset:offset + length] = False
+    placeholders = np.asarray(_placeholder_positions(spans), np.int64)
+    if len(placeholders) and (placeholders.min() < 0 or placeholders.max() >= len(ids)):
+        raise RowError(where, "the model's processor put an image outside the prompt", "images refused")
+    rest = np.delete(ids, placeholders)
+    if not np.array_equal(out.token_ids[keep], rest):
+        raise RowError(where, "the model's processor changed the prompt's tokens beyond replacing each image "
+                       "placeholder with the image's tokens", "images refused")
+    new_mask = None
+    if mask is not None:
+        new_mask = np.zeros(len(out.token_ids), np.uint8)
+        new_mask[keep] = np.delete(mask, placeholders)
+    items = tuple(MediaItem(modality="image", offset=o, length=n, sha256=digest, ref=image.ref)
+                  for (o, n), (image, digest) in zip(spans, found))
+    media = Media(items=items, prompt_ids=np.asarray(ids, "<i4").tobytes())
+    return out.token_ids.astype(np.int32), new_mask, media
+
+
+def _placeholder_positions(spans) -> list[int]:
+    """Where each image's one placeholder token was in the rendered ids: span k starts at
+    position p_k + (tokens the earlier spans added), p_k the placeholder's position."""
+    out, added = [], 0
+    for offset, length in spans:
+        out.append(offset - added)
+        added += length - 1
+    return out
 
 
 def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, object]:
@@ -292,7 +367,7 @@ def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, o
 def read_samples(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0,
-    template_kwargs: dict | None = None, all_turns: bool = False,
+    template_kwargs: dict | None = None, all_turns: bool = False, images=None, expand=None,
 ) -> Iterator[Sample]:
     """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
     the first problem the policies refuse. `overflow` says what happens to a sample longer than
@@ -301,7 +376,8 @@ def read_samples(
     invalid = _check_policies(overflow, invalid, shard)
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
-        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
+        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns, images=images,
+        expand=expand,
     ):
         if kind in ("sample", "truncated"):
             yield value
@@ -310,19 +386,23 @@ def read_samples(
 
 
 def check_rows(path: str, *, vocab_size: int, overflow: str = DEFAULT_OVERFLOW, invalid: str | None = None,
-               shard: tuple[int, int] | None = None, max_tokens: int = 0, all_turns: bool = False) -> None:
+               shard: tuple[int, int] | None = None, max_tokens: int = 0, all_turns: bool = False,
+               images=None) -> DatasetSummary:
     """Every check that needs neither the tokenizer nor the engine's --max-len, over the whole
     file, before vLLM is imported: a file's bad rows are all reported within seconds (JSON,
-    fields, roles and turns, ids and their uniqueness, given token ids), not after a model load."""
-    validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow, invalid=invalid,
-             shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False)
+    fields, roles and turns, ids and their uniqueness, given token ids, images: each one read
+    and decoded), not after a model load. `images`: a data.media.Images (None: the model
+    takes no images, and a row with one is refused)."""
+    return validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow,
+                    invalid=invalid, shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False,
+                    images=images)
 
 
 def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
-    all_turns: bool = False, render: bool = True,
+    all_turns: bool = False, render: bool = True, images=None, expand=None,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
     outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
@@ -335,11 +415,12 @@ def validate(
     reasons: Counter = Counter()
     examples: list[str] = []
     problems = Problems(path)
-    num_tokens = 0
+    num_tokens = num_images = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
         shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns, render=render,
+        images=images, expand=expand,
     ):
         counts[kind] += 1
         if kind == "unit":
@@ -362,6 +443,7 @@ def validate(
                 continue
             first[digest] = value.line
             num_tokens += len(value.token_ids)
+            num_images += len(value.images)
             if on_sample is not None:
                 on_sample(value)
     problems.raise_if_any()
@@ -377,6 +459,7 @@ def validate(
         skip_reasons=dict(reasons),
         skip_examples=tuple(examples),
         num_other_shards=counts["other shard"],
+        num_images=num_images,
     )
     if num_samples == 0 and counts["skipped"]:
         raise CorecapError(f"--data {path}: no samples left: {summary.outcomes()}")
