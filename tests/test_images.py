@@ -136,11 +136,13 @@ def test_sharegpt_image_tags_must_match_the_images(pictures):
         _check(directory, rows)
 
 
-def test_generation_on_image_rows_is_refused_for_now(pictures):
+def test_image_rows_take_max_tokens_but_not_every_turn_rewritten_yet(pictures):
+    """--max-tokens on image rows: tests/test_images_generate.py; --rewrite-turns all is refused."""
     directory, (a, _, _) = pictures
     rows = [{"id": "x", "messages": [_user(_text("what is it?"), _image(os.path.basename(a)))]}]
-    with pytest.raises(CorecapError, match="--max-tokens on a conversation with images is not supported yet"):
-        _check(directory, rows, max_tokens=8)
+    assert _check(directory, rows, max_tokens=8).num_images == 1
+    with pytest.raises(CorecapError, match="--rewrite-turns all on a conversation with images is not supported yet"):
+        _check(directory, rows, max_tokens=8, all_turns=True)
 
 
 def test_the_loss_mask_is_zero_on_every_image_token(pictures, tmp_path):

@@ -245,20 +245,11 @@ class Engine:
         return list(request.block_hashes)
 
     def _media_request(self, req_id: str, token_ids: list[int], images: tuple, params):
-        """The Request of a prompt with images: vLLM's processor makes its EngineCoreRequest (the
-        features, their hashes and placeholders), the engine core its Request (block hashes
-        over them). Its expanded prompt must be the one the validation pass made."""
-        from corecap._vllm.media import MediaInputs
+        from corecap._vllm.media import MediaInputs, media_request
 
         if self.media is None:
             self.media = MediaInputs(self.vllm_config)
-        prompt, sources = images
-        core_request = self.media.engine_request(req_id, prompt, sources, params)
-        if list(core_request.prompt_token_ids) != list(token_ids):
-            raise CorecapError(f"request {req_id}: vLLM's processor expanded its images to other tokens than when the "
-                               "input was checked")
-        request, _ = self.core.preprocess_add_request(core_request)
-        return request
+        return media_request(self.core, self.media, req_id, token_ids, images, params)
 
     def abort(self, req_id: str) -> bool:
         """End an unfinished request now (its client went away): vLLM frees its KV blocks, and a

@@ -85,3 +85,41 @@ def expanded(request) -> Expanded:
         spans=tuple((int(f.mm_position.offset), int(f.mm_position.length)) for f in features),
         hashes=tuple(str(f.mm_hash or f.identifier) for f in features),
     )
+
+
+def media_request(core, media: MediaInputs, req_id: str, token_ids: list[int], images: tuple, params):
+    """The Request of a prompt with images (`Engine.add`): vLLM's processor makes its
+    EngineCoreRequest (the features, their hashes and placeholders), the engine core its Request
+    (block hashes over them). `images`: (the prompt before its expansion, the images' sources);
+    the expanded prompt must be `token_ids`, the one the validation pass made."""
+    from corecap.errors import CorecapError
+
+    prompt, sources = images
+    core_request = media.engine_request(req_id, prompt, sources, params)
+    # corecap's own sampling, as a text request has it (InputProcessor adds the model's defaults to its copy)
+    core_request.sampling_params = params
+    if list(core_request.prompt_token_ids) != list(token_ids):
+        raise CorecapError(f"request {req_id}: vLLM's processor expanded its images to other tokens than when the "
+                           "input was checked")
+    request, _ = core.preprocess_add_request(core_request)
+    return request
+
+
+MULTIMODAL_NOTE = ("images: vLLM's tokenizer and multimodal processor on, its processor cache off, "
+                   "pixels normalized on the host")
+
+
+def multimodal_values(extra: dict) -> dict:
+    """What an input with images needs of vLLM's engine arguments (options.py): the tokenizer
+    (without it vLLM runs a vision-language model text-only: set there), no processor cache
+    (corecap processes a request's images in this process and hands the request to the engine
+    core itself, which then holds no copy of a cached item's data), and the pixels normalized by
+    the image processor on the host (the values the vision tower sees are the processor's output,
+    as HF's are), unless given otherwise."""
+    from corecap.errors import CorecapError
+
+    cache = extra.get("mm_processor_cache_gb")
+    if cache:
+        raise CorecapError(f"--mm-processor-cache-gb {cache}: corecap runs image rows with vLLM's processor cache off "
+                           "(it hands each request to the engine core itself)")
+    return {"mm_device_do_normalize": False, **extra, "mm_processor_cache_gb": 0}

@@ -21,6 +21,7 @@ from corecap.errors import CorecapError
 from corecap.config import (
     REFUSED, EngineOptions, Layer, UnknownOption, check_engine_arg, option_fields, unknown_option_message,
 )
+from corecap._vllm.media import MULTIMODAL_NOTE, multimodal_values
 from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
 from corecap._vllm.scheduling import async_scheduling_asked, async_scheduling_on_cpu, prefix_caching_off_by_default
 
@@ -106,8 +107,7 @@ def engine_args(options: EngineOptions, model: str, layers: tuple[Layer, ...] | 
 def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None,
                       images: bool = False) -> dict:
     """EngineArgs' field → value for `options` (corecap/_vllm/contract.py checks the names); the
-    capture's `layers` go into the compile cache's key (`_with_layers`). `images`: the input has
-    image rows, which need vLLM's multimodal input path (`_multimodal_values`)."""
+    capture's `layers` go into the compile cache's key (`_with_layers`); `images`: media.py's needs."""
     from vllm.engine.arg_utils import EngineArgs
 
     extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
@@ -135,8 +135,7 @@ def engine_arg_names() -> set[str]:
 
 
 def _values(options: EngineOptions, model: str, memory: float | None, extra: dict, images: bool = False) -> dict:
-    if images:
-        extra = _multimodal_values(extra)
+    extra = multimodal_values(extra) if images else extra
     args = dict(
         model=model,
         tokenizer=options.tokenizer,
@@ -167,24 +166,6 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
     )
     assert all(name in args for name in REFUSED if name != "speculative_config")
     return args
-
-
-MULTIMODAL_NOTE = ("images: vLLM's tokenizer and multimodal processor on, its processor cache off, "
-                   "pixels normalized on the host")
-
-
-def _multimodal_values(extra: dict) -> dict:
-    """What an input with images needs of vLLM (corecap/_vllm/media.py): the tokenizer (without it
-    vLLM runs a vision-language model text-only), no processor cache (corecap processes a
-    request's images in this process and hands the request to the engine core itself, which
-    holds no copy of a cached item's data), and the pixels normalized by the image processor on
-    the host (the values the vision tower sees are the processor's output, as HF's are), unless
-    given otherwise."""
-    cache = extra.get("mm_processor_cache_gb")
-    if cache:
-        raise CorecapError(f"--mm-processor-cache-gb {cache}: corecap runs image rows with vLLM's processor cache off "
-                           "(it hands each request to the engine core itself)")
-    return {"mm_device_do_normalize": False, **extra, "mm_processor_cache_gb": 0}
 
 
 def _with_layers(additional_config, layers: tuple[Layer, ...]) -> dict:

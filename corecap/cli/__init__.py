@@ -124,12 +124,6 @@ def worker(master_addr, master_port, node_rank, model, timeout) -> None:
     follow(master_addr, master_port, node_rank, model, timeout, log=_log)
 
 
-def _images(media) -> str:
-    """A sample's images, as `get` and `ls --long` show them."""
-    n = len(media.items)
-    return f"{n} image{'s' if n != 1 else ''} ({media.summary()})"
-
-
 def _response(generation) -> str:
     """A generated sample's response, as `get` and `ls --long` show it."""
     stop = f" {generation.stop!r}" if generation.stop is not None else ""
@@ -150,7 +144,6 @@ def get(key, store, out) -> None:
     import msgspec
 
     from corecap.store import Store
-    from corecap.store.media import media_record
 
     with Store.open(store) as s:
         sample = s.get(key)
@@ -162,7 +155,7 @@ def get(key, store, out) -> None:
         f"hidden_states shape {list(hs.shape)}, codec {sample.header.codec}"
         + ("" if sample.loss_mask is None else f", loss mask on {int(sample.loss_mask.sum())} tokens")
         + ("" if generation is None else f", prompt of {generation.num_prompt} tokens, {_response(generation)}")
-        + ("" if sample.header.media is None else f", {_images(sample.header.media)}")
+        + ("" if sample.header.media is None else f", {sample.header.media.summary()}")
     )
     if out:
         import torch
@@ -175,7 +168,7 @@ def get(key, store, out) -> None:
         if generation is not None:
             metadata["generation"] = json.dumps(msgspec.structs.asdict(generation))
         if sample.header.media is not None:
-            metadata["media"] = json.dumps(media_record(sample.header.media))
+            metadata["media"] = json.dumps(sample.header.media.record())
         save_file(tensors, out, metadata=metadata)
         click.echo(f"wrote {out}")
 
@@ -201,7 +194,7 @@ def ls(store, long) -> None:
             click.echo(f"{key}\t{header.num_tokens} tokens"
                        + ("" if generation is None
                           else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}")
-                       + ("" if header.media is None else f"\t{_images(header.media)}"))
+                       + ("" if header.media is None else f"\t{header.media.summary()}"))
 
 
 @main.command()

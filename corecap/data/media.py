@@ -19,8 +19,11 @@ import re
 import urllib.parse
 from dataclasses import dataclass
 
+import numpy as np
+
 from corecap.data.rows import RowError
 from corecap.errors import CorecapError
+from corecap.store.media import Media, MediaItem
 
 IMAGE_TAG = "<image>"  # ShareGPT/LLaVA: where an image goes in a turn's text
 _MEDIA_KINDS = ("video", "video_url", "input_video", "audio", "audio_url", "input_audio")
@@ -215,3 +218,72 @@ def text_of(content) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.get("text", "") for p in content)
+
+
+def checked_images(found: list, images: Images, every_turn: bool, where: str) -> list:
+    """(image, its bytes' SHA-256) for each image a conversation names, each one decoded."""
+    if every_turn and found:
+        raise RowError(where, "--rewrite-turns all on a conversation with images is not supported yet "
+                       "(--rewrite-turns last answers its last turn)", "images with --rewrite-turns all")
+    return [(image, images.check(image, where, image.ref)) for image in found]
+
+
+def too_long_with_images(key: str, num_tokens: int, max_len: int, overflow: str, where: str) -> tuple:
+    """The outcome of a sample with images longer than --max-len: never truncated (a cut inside
+    or before an image is not what the model saw)."""
+    too_long = f"sample {key!r} has {num_tokens} tokens with its images, more than --max-len {max_len}"
+    if overflow == "skip":
+        return "skipped", RowError(where, too_long, "longer than --max-len")
+    return "invalid", RowError(where, f"{too_long} (a sample with images is not truncated: --overflow skip leaves "
+                               "it out)", "longer than --max-len")
+
+
+def expanded(ids: np.ndarray | None, mask: np.ndarray | None, found, expand, where: str):
+    """A rendered conversation with images, as the model's processor expands it: its token ids,
+    its loss mask (0 on every image token), and the store's record of its images (None, the ids
+    and mask as they are: no images, or nothing rendered)."""
+    if not found or ids is None:
+        return ids, mask, None
+    if expand is None:
+        raise CorecapError(f"{where}: a conversation with images needs the model's processor (vLLM's) to render")
+    try:
+        out = expand(ids, [image.source for image, _ in found])
+    except RowError:
+        raise
+    except Exception as e:  # the processor's own refusal (a placeholder count that does not match, ...)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RowError(where, f"the model's processor refused its images ({type(e).__name__}: {first[:300]})",
+                       "images refused") from None
+    spans = out.spans
+    if len(spans) != len(found):
+        raise RowError(where, f"the model's processor found {len(spans)} image placeholders for {len(found)} images",
+                       "images refused")
+    # Each placeholder token became its image's span: the other tokens are the rendered ones, in order.
+    keep = np.ones(len(out.token_ids), bool)
+    for offset, length in spans:
+        keep[offset:offset + length] = False
+    placeholders = np.asarray(_placeholder_positions(spans), np.int64)
+    if len(placeholders) and (placeholders.min() < 0 or placeholders.max() >= len(ids)):
+        raise RowError(where, "the model's processor put an image outside the prompt", "images refused")
+    rest = np.delete(ids, placeholders)
+    if not np.array_equal(out.token_ids[keep], rest):
+        raise RowError(where, "the model's processor changed the prompt's tokens beyond replacing each image "
+                       "placeholder with the image's tokens", "images refused")
+    new_mask = None
+    if mask is not None:
+        new_mask = np.zeros(len(out.token_ids), np.uint8)
+        new_mask[keep] = np.delete(mask, placeholders)
+    items = tuple(MediaItem(modality="image", offset=o, length=n, sha256=digest, ref=image.ref)
+                  for (o, n), (image, digest) in zip(spans, found))
+    media = Media(items=items, prompt_ids=np.asarray(ids, "<i4").tobytes())
+    return out.token_ids.astype(np.int32), new_mask, media
+
+
+def _placeholder_positions(spans) -> list[int]:
+    """Where each image's one placeholder token was in the rendered ids: span k starts at
+    position p_k + (tokens the earlier spans added), p_k the placeholder's position."""
+    out, added = [], 0
+    for offset, length in spans:
+        out.append(offset - added)
+        added += length - 1
+    return out

@@ -23,12 +23,14 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from corecap.errors import CorecapError
 from corecap.data.chat import ChatRenderer, answer_points, parse_messages
+from corecap.data.outcomes import DatasetSummary
+from corecap.data.media import checked_images, expanded, too_long_with_images
 from corecap.data.problems import Problems
 from corecap.data.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
@@ -54,32 +56,9 @@ class Sample:
     # and token_ids is the prompt of the first answer (the later ones are made as the answers come).
     messages: tuple | None = None
     points: tuple[int, ...] = ()
-    # A conversation with images: their sources (data.media.ImageRef, in prompt order) and what the
-    # store keeps of them (store.Media: token spans, hashes, the prompt before the expansion).
+    # With images: their sources (data.media.ImageRef, in order), what the store keeps (store.Media)
     images: tuple = ()
     media: object = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class DatasetSummary:
-    num_samples: int  # samples this run captures (whole or truncated)
-    num_tokens: int  # their tokens, after truncation
-    num_lines: int  # the last line/element/row number read
-    num_truncated: int = 0  # samples cut to --max-len
-    num_skipped: int = 0  # rows left out (too long under skip, or invalid under skip)
-    skip_reasons: dict[str, int] = field(default_factory=dict)  # reason → count
-    skip_examples: tuple[str, ...] = ()  # the first few skip messages, each naming its row
-    num_other_shards: int = 0  # rows that belong to other shards
-    num_images: int = 0  # images in the samples kept
-
-    def outcomes(self) -> str:
-        """One line with the count of each outcome, e.g. for the end of a run."""
-        parts = [f"{self.num_samples} samples ({self.num_truncated} truncated to --max-len)"]
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skip_reasons.items()))
-        parts.append(f"{self.num_skipped} skipped" + (f" ({reasons})" if reasons else ""))
-        if self.num_other_shards:
-            parts.append(f"{self.num_other_shards} in other shards")
-        return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,13 +156,8 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        found: list = []
-        messages = parse_messages(obj, name, where, generate, chat.get("images"), found)
-        if found:
-            if generate:
-                raise RowError(where, "--max-tokens on a conversation with images is not supported yet "
-                               "(capture it as written, without --max-tokens)", "images with --max-tokens")
-            chat["found"] = [(image, chat["images"].check(image, where, image.ref)) for image in found]
+        messages = parse_messages(obj, name, where, generate, chat.get("images"), chat["found"])
+        chat["found"] = checked_images(chat["found"], chat["images"], generate and chat.get("all_turns"), where)
         if not render:
             return None, None
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
@@ -223,9 +197,7 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
     ("other shard", None); and ("rows", last row number) last. `max_tokens` > 0: each sample is a
     prompt the model answers with up to that many tokens, all within `max_len`. Without `render`,
     texts and conversations are checked but not tokenized, and no length is checked: their
-    samples have no token ids. `images` (a data.media.Images, None for a model that takes none)
-    checks the images of conversations; `expand(ids, sources)` (rendering only) is the model's
-    processor expanding each image's placeholder (corecap/_vllm/media.py: an Expanded)."""
+    samples have no token ids. `images`, `expand`: data/media.py's Images and `expanded`."""
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
@@ -251,31 +223,26 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             try:
                 chat.pop("turns", None)
-                chat.pop("found", None)
+                chat["found"] = []  # the row's images (parse_messages), then with their hashes (checked_images)
                 ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0, render)
-                found = chat.get("found") or ()
-                media = None
-                if found and ids is not None:
-                    ids, mask, media = _expanded(ids, mask, found, expand, where)
+                ids, mask, media = expanded(ids, mask, chat["found"], expand, where)
             except RowError as e:
                 yield "skipped" if invalid == "skip" else "invalid", e
                 continue
-            sources = tuple(image for image, _ in found)
+            sources = tuple(image for image, _ in chat["found"])
             if ids is None:
                 yield "sample", Sample(key, n, np.empty(0, np.int32), None, where, images=sources)
                 continue
             if max_tokens:
                 messages, points = chat.get("turns", (None, ()))
-                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points), max_len, overflow)
+                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points, images=sources,
+                                             media=media), max_len, overflow)
                 continue
             if len(ids) <= max_len:
                 yield "sample", Sample(key, n, ids, mask, where, images=sources, media=media)
                 continue
-            if media is not None:  # cut inside or before an image, the sample would not be what the model saw
-                too_long = f"sample {key!r} has {len(ids)} tokens with its images, more than --max-len {max_len}"
-                yield ("skipped" if overflow == "skip" else "invalid"), RowError(
-                    where, too_long + ("" if overflow == "skip" else " (a sample with images is not truncated: "
-                                       "--overflow skip leaves it out)"), "longer than --max-len")
+            if media is not None:  # never cut: not what the model saw
+                yield too_long_with_images(key, len(ids), max_len, overflow, where)
                 continue
             too_long = f"sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}"
             if overflow == "error":
@@ -293,56 +260,6 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             yield "truncated", Sample(key, n, ids[:max_len], None if mask is None else mask[:max_len], where)
         yield "rows", last
-
-
-def _expanded(ids: np.ndarray, mask: np.ndarray | None, found, expand, where: str):
-    """A rendered conversation with images, as the model's processor expands it: its token ids,
-    its loss mask (0 on every image token), and the store's record of its images."""
-    from corecap.store.media import Media, MediaItem
-
-    if expand is None:
-        raise CorecapError(f"{where}: a conversation with images needs the model's processor (vLLM's) to render")
-    try:
-        out = expand(ids, [image.source for image, _ in found])
-    except RowError:
-        raise
-    except Exception as e:  # the processor's own refusal (a placeholder count that does not match, ...)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RowError(where, f"the model's processor refused its images ({type(e).__name__}: {first[:300]})",
-                       "images refused") from None
-    spans = out.spans
-    if len(spans) != len(found):
-        raise RowError(where, f"the model's processor found {len(spans)} image placeholders for {len(found)} images",
-                       "images refused")
-    # Each placeholder token became its image's span: the other tokens are the rendered ones, in order.
-    keep = np.ones(len(out.token_ids), bool)
-    for offset, length in spans:
-        keep[offset:offset + length] = False
-    placeholders = np.asarray(_placeholder_positions(spans), np.int64)
-    if len(placeholders) and (placeholders.min() < 0 or placeholders.max() >= len(ids)):
-        raise RowError(where, "the model's processor put an image outside the prompt", "images refused")
-    rest = np.delete(ids, placeholders)
-    if not np.array_equal(out.token_ids[keep], rest):
-        raise RowError(where, "the model's processor changed the prompt's tokens beyond replacing each image "
-                       "placeholder with the image's tokens", "images refused")
-    new_mask = None
-    if mask is not None:
-        new_mask = np.zeros(len(out.token_ids), np.uint8)
-        new_mask[keep] = np.delete(mask, placeholders)
-    items = tuple(MediaItem(modality="image", offset=o, length=n, sha256=digest, ref=image.ref)
-                  for (o, n), (image, digest) in zip(spans, found))
-    media = Media(items=items, prompt_ids=np.asarray(ids, "<i4").tobytes())
-    return out.token_ids.astype(np.int32), new_mask, media
-
-
-def _placeholder_positions(spans) -> list[int]:
-    """Where each image's one placeholder token was in the rendered ids: span k starts at
-    position p_k + (tokens the earlier spans added), p_k the placeholder's position."""
-    out, added = [], 0
-    for offset, length in spans:
-        out.append(offset - added)
-        added += length - 1
-    return out
 
 
 def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, object]:
@@ -390,9 +307,8 @@ def check_rows(path: str, *, vocab_size: int, overflow: str = DEFAULT_OVERFLOW, 
                images=None) -> DatasetSummary:
     """Every check that needs neither the tokenizer nor the engine's --max-len, over the whole
     file, before vLLM is imported: a file's bad rows are all reported within seconds (JSON,
-    fields, roles and turns, ids and their uniqueness, given token ids, images: each one read
-    and decoded), not after a model load. `images`: a data.media.Images (None: the model
-    takes no images, and a row with one is refused)."""
+    fields, roles and turns, ids and their uniqueness, given token ids, images read and
+    decoded: `images`, a data.media.Images), not after a model load."""
     return validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow,
                     invalid=invalid, shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False,
                     images=images)

@@ -37,8 +37,13 @@ class Media(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
         return np.frombuffer(self.prompt_ids, "<i4").copy()
 
     def summary(self) -> str:
-        """One line: each image's span and reference."""
-        return "; ".join(f"{i.modality} at {i.offset}+{i.length} {i.ref} (sha256 {i.sha256[:12]})" for i in self.items)
+        """One line (`get`, `ls --long`): how many, each one's span and reference."""
+        spans = "; ".join(f"{i.modality} at {i.offset}+{i.length} {i.ref} (sha256 {i.sha256[:12]})" for i in self.items)
+        return f"{len(self.items)} image{'s' if len(self.items) != 1 else ''} ({spans})"
+
+    def record(self) -> dict:
+        """As JSON (`get --out`'s metadata, `export --format jsonl`)."""
+        return media_record(self)
 
 
 def media_record(media: Media) -> dict:

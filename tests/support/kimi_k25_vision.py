@@ -110,7 +110,8 @@ def pixel_values(model_dir: str, paths: list[str]):
 
 def reference(model_dir: str, samples: str, out: str) -> None:
     """HF's states for each sample of `samples` (JSON: [{"id", "input_ids", "images": [paths]}]):
-    every hidden state and the last decoder layer's output before the final norm."""
+    every hidden state and the last decoder layer's output before the final norm; with "prompt"
+    and "greedy" (counts), HF's greedy answer of that many tokens to the first "prompt" ids."""
     import torch
     import transformers
 
@@ -135,6 +136,12 @@ def reference(model_dir: str, samples: str, out: str) -> None:
             hidden = model(torch.tensor([row["input_ids"]]), output_hidden_states=True, **kwargs).hidden_states
             refs[row["id"]] = {"hidden_states": torch.stack([h[0] for h in hidden]).float(),
                                "prenorm": seen["prenorm"][0].float()}
+            # greedy decoding from the first `prompt` ids, the whole sequence run again each step
+            ids = list(row["input_ids"][: row.get("prompt", 0)])
+            for _ in range(row.get("greedy", 0)):
+                logits = model(torch.tensor([ids]), **kwargs).logits
+                ids.append(int(logits[0, -1].argmax()))
+            refs[row["id"]]["greedy"] = ids[row.get("prompt", 0):]
     torch.save(refs, out)
 
 
