@@ -405,3 +405,29 @@ def test_get_ls_info_verify_and_jsonl_show_the_images(captured, checkpoint, tmp_
 
     with safe_open(str(safetensors_out), "pt") as f:
         assert json.loads(f.metadata()["media"])["images"][1]["length"] == 4
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_a_rerun_skips_them_and_refuses_a_changed_image(captured, pictures, tmp_path):
+    """The rerun renders and expands the rows again (no engine starts: nothing is left to do) and
+    compares each with the store: the same ids and image bytes are skipped; an image replaced by
+    another of the same size gives the same ids, and is refused by its hash."""
+    import dataclasses
+
+    from PIL import Image
+
+    from corecap.run import run
+
+    cfg, _, _, rows, _ = captured
+    again = run(cfg, log=[].append)
+    assert (again.num_committed, again.num_skipped) == (0, len(rows))
+    _, (a, _, _) = pictures
+    changed = tmp_path / "changed.png"
+    pixels = np.asarray(Image.open(a)).copy()
+    pixels[0, 0] ^= 255
+    Image.fromarray(pixels).save(changed)
+    data = write_jsonl(tmp_path / "changed.jsonl", [
+        {"id": "one", "messages": [_user(_text("describe the image"), _image(changed.name)), ANSWER]}])
+    with pytest.raises(CorecapError, match=r"sample 'one' is already stored with input fingerprint \S+\+images:"):
+        run(dataclasses.replace(cfg, data=data), log=[].append)

@@ -21,7 +21,7 @@ from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
 from corecap.store import codec as codecs, fp8, fp8rows
 from corecap.store.generated import Generation
-from corecap.store.media import Media
+from corecap.store.media import Media, with_images
 from corecap.store.record import Record
 
 FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
@@ -163,10 +163,12 @@ def input_fingerprint(token_ids: np.ndarray) -> str:
 
 
 def prompt_fingerprint(header: SampleHeader) -> str:
-    """The fingerprint of what the sample's input was: its prompt where the model wrote the rest."""
+    """The fingerprint of what the sample's input was: its prompt where the model wrote the rest,
+    and its images' bytes."""
     if header.generation is None:
-        return header.input_fingerprint
-    return input_fingerprint(np.frombuffer(header.input_ids, "<i4")[: header.generation.num_prompt])
+        return with_images(header.input_fingerprint, header.media)
+    return with_images(input_fingerprint(np.frombuffer(header.input_ids, "<i4")[: header.generation.num_prompt]),
+                       header.media)
 
 
 _header_encoder = msgspec.msgpack.Encoder()

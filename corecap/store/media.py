@@ -6,6 +6,8 @@ expanded it (what a resume renders again and compares)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import numpy as np
 
@@ -51,3 +53,12 @@ def media_record(media: Media) -> dict:
     return {"images": [{"modality": i.modality, "offset": i.offset, "length": i.length, "sha256": i.sha256,
                         "ref": i.ref} for i in media.items],
             "prompt_ids": media.unexpanded.tolist()}
+
+
+def with_images(fingerprint: str, media: Media | None) -> str:
+    """An input fingerprint that also covers the images' bytes (a resume compares it): an image
+    replaced by another of the same size gives the same ids, not the same sample."""
+    if media is None:
+        return fingerprint
+    digest = hashlib.blake2b("".join(i.sha256 for i in media.items).encode(), digest_size=8).hexdigest()
+    return f"{fingerprint}+images:{digest}"
