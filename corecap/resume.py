@@ -39,7 +39,7 @@ class ResumeCheck:
         if todo:
             self.longest = max(self.longest, len(sample.token_ids))
         stored = self.committed.get(keys[0])
-        now = with_images(input_fingerprint(sample.token_ids), sample.media)
+        now = with_images(input_fingerprint(sample.token_ids), getattr(sample, "media", None))
         if stored is not None and stored != now:
             raise CorecapError(
                 f"{sample.where}: sample {keys[0]!r} is already stored with input "
