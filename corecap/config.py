@@ -182,6 +182,7 @@ class RunConfig:
     test_hooks: TestHooks | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     chat_template_kwargs: tuple[tuple[str, object], ...] = ()  # passed to the chat template (e.g. enable_thinking)
+    image_dir: str | None = None  # where conversations' images may be read from (None: the data file's directory)
 
     def __post_init__(self):
         """The combinations that cannot work, refused here, for the CLI and `corecap.capture` alike."""

@@ -5,6 +5,7 @@ weight loads (corecap/run.py then starts the engine and steps it)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -15,6 +16,7 @@ from corecap.config import RunConfig, resolve_layers
 from corecap.errors import CorecapError
 from corecap.generation import Conversations, StopRule, buffer_bytes
 from corecap.model import load_tokenizer, model_identity, resolve_model_dir
+from corecap.data.media import Images
 from corecap.data.todo import TodoSamples
 from corecap.resume import ResumeCheck, committed_fingerprints
 from corecap.sink import stream
@@ -53,14 +55,22 @@ def prepare(cfg: RunConfig, log) -> Plan:
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
     identity = model_identity(model_dir, cfg.engine.load_format)
+    images = Images.for_model(identity.architecture, cfg.image_dir or os.path.dirname(os.path.abspath(data_path)))
     # Every bad row of the input at once, before vLLM's import; their lengths once --max-len is known.
-    data.check_rows(data_path, vocab_size=identity.vocab_size, overflow=cfg.overflow, invalid=cfg.invalid,
-                    shard=cfg.shard, max_tokens=cfg.sampling.max_tokens,
-                    all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all")
+    checked = data.check_rows(data_path, vocab_size=identity.vocab_size, overflow=cfg.overflow, invalid=cfg.invalid,
+                              shard=cfg.shard, max_tokens=cfg.sampling.max_tokens,
+                              all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all", images=images)
+    with_images = checked.num_images > 0
+    if with_images and cfg.engine.enable_prefix_caching:
+        raise CorecapError("--enable-prefix-caching with images in the input is not supported yet: "
+                           "add --no-enable-prefix-caching")
     check_checkpoint(model_dir, cfg.engine.load_format)  # whole, before vLLM is asked anything
     layers = resolve_layers(cfg.layers, identity.num_layers)
     # vLLM's contract (its source first), the preflight
-    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers)
+    vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers, images=with_images)
+    if with_images and prefix_tracker.block_size(vllm_config):
+        raise CorecapError("prefix caching with images in the input is not supported yet (vLLM turns it on by "
+                           "default here): add --no-enable-prefix-caching")
     version = vllm_version()  # vLLM is imported by now, not before its source was checked
     check_pipeline(vllm_config, version)
     devices = placement(vllm_config, cfg.engine.data_parallel_size)
@@ -77,6 +87,7 @@ def prepare(cfg: RunConfig, log) -> Plan:
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
         max_tokens=cfg.sampling.max_tokens, template_kwargs=dict(cfg.chat_template_kwargs),
         all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all",
+        images=images, expand=expander(vllm_config) if with_images else None,
     )
     # Keys already committed, read before validating so that the same pass checks their inputs;
     # the store itself is created (and its metadata checked) only once the input is known good.
@@ -114,6 +125,15 @@ def prepare(cfg: RunConfig, log) -> Plan:
         todo=resume.todo, vllm_config=vllm_config, layers=layers, identity=identity, devices=devices,
         sampling=settings, stop_rule=stop_rule, total=resume.total, buffer_bytes=sink_bytes,
     )
+
+
+def expander(vllm_config):
+    """The model's processor (vLLM's, corecap/_vllm/media.py) expanding each image placeholder of
+    a rendered prompt, for the validation pass."""
+    from corecap._vllm.media import MediaInputs
+
+    media = MediaInputs(vllm_config)
+    return media.expand
 
 
 def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, StopRule | None, str]:

@@ -8,6 +8,7 @@ import os
 from corecap.errors import CorecapError
 from corecap.generation import turn_key
 from corecap.store import Store, input_fingerprint
+from corecap.store.media import with_images
 
 
 def committed_fingerprints(store_path: str) -> dict[str, str]:
@@ -38,8 +39,9 @@ class ResumeCheck:
         if todo:
             self.longest = max(self.longest, len(sample.token_ids))
         stored = self.committed.get(keys[0])
-        if stored is not None and stored != input_fingerprint(sample.token_ids):
+        now = with_images(input_fingerprint(sample.token_ids), getattr(sample, "media", None))
+        if stored is not None and stored != now:
             raise CorecapError(
                 f"{sample.where}: sample {keys[0]!r} is already stored with input "
-                f"fingerprint {stored}, but its input now has {input_fingerprint(sample.token_ids)}"
+                f"fingerprint {stored}, but its input now has {now}"
             )

@@ -202,7 +202,7 @@ class _Capture:
                     turn = turns.ready.popleft()
                     req_id = f"{turn.conversation.line}.{turn.index}"
                     turns.asked[req_id] = turn
-                    request = (req_id, turn.key, turn.token_ids, None, turn.max_tokens)
+                    request = (req_id, turn.key, turn.token_ids, None, turn.max_tokens, None)
                 else:
                     sample = next(samples, None)
                     if sample is None:
@@ -211,8 +211,9 @@ class _Capture:
                     if sample.points:  # every turn rewritten: its answers come through `turns`
                         turns.start(sample)
                         continue
-                    request = (str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens)
-                req_id, key, ids, mask, max_tokens = request
+                    request = (str(sample.line), sample.key, sample.token_ids, sample.loss_mask, sample.max_tokens,
+                               sample if sample.images else None)
+                req_id, key, ids, mask, max_tokens, with_images = request
                 cost = self.budget.cost(len(ids) + max_tokens, final=not max_tokens)
                 if not self.budget.fits(cost):  # the sink's buffers are full: wait for commits
                     waiting = request
@@ -225,8 +226,12 @@ class _Capture:
                         num_prompt=len(ids), max_tokens=max_tokens, rule=plan.stop_rule,
                         seed=request_seed(self.cfg.engine.seed, key),
                     )
-                block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling)  # scheduled only in step()
-                sink.expect(req_id, key, ids, mask, block_hashes, max_tokens, cost)
+                images = None
+                if with_images is not None:  # the prompt before its expansion, and the images
+                    images = (with_images.media.unexpanded.tolist(), [i.source for i in with_images.images])
+                block_hashes = engine.add(req_id, ids.tolist(), response, plan.sampling, images)  # scheduled in step()
+                sink.expect(req_id, key, ids, mask, block_hashes, max_tokens, cost,
+                            media=with_images.media if with_images is not None else None)
                 added += len(ids) + max_tokens
             if engine.num_unfinished == 0:
                 if waiting is None:
@@ -252,7 +257,7 @@ class _Capture:
 
     def _await_commits(self, sink: Sink, request: tuple) -> None:
         """Wait until the sink has committed enough for `request` to fit in --buffer-gb."""
-        _, _, ids, _, max_tokens = request
+        _, _, ids, _, max_tokens, _ = request
         cost = self.budget.cost(len(ids) + max_tokens, final=not max_tokens)
         deadline = time.monotonic() + self.cfg.stall_timeout
         while not self.budget.fits(cost):

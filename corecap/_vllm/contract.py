@@ -16,6 +16,7 @@ import importlib.metadata as md
 from dataclasses import dataclass
 
 from corecap._vllm import versions
+from corecap._vllm.media_contract import images_problem  # what only a run with images needs
 from corecap._vllm.source_checks import Gone, Note, first, lacks, method_of, signature_problem, using
 from corecap._vllm.vllm_source import ClassView, Source, SourceMissing
 
@@ -364,3 +365,19 @@ def _model(source: Source, architecture: str | None):
         return Note(CapturePlan(cls.name, "eagle3").line())
     return Note(f"{cls.name} has no EAGLE-3 auxiliary outputs (not SupportsEagle3): "
                 f"corecap's own, or a one-line refusal, is {later}")
+
+
+# --- images (corecap/_vllm/media.py) ------------------------------------------------------------
+
+
+@_check("images: InputProcessor(vllm_config).process_inputs, its renderer's render_cmpl, "
+        "EngineCore.preprocess_add_request, MultiModalFeatureSpec(mm_position, mm_hash), the runner's "
+        "input_ids buffer and inputs_embeds")
+def _images(source: Source):
+    """Only a run whose input has images needs these (images_problem): for the others what moved
+    is a note, not a problem."""
+    try:
+        problem = images_problem(source)
+    except (Gone, SourceMissing) as e:
+        problem = str(e)
+    return Note(f"image input not available: {problem}") if problem else None

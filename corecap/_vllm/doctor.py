@@ -166,7 +166,7 @@ def model_architecture(model: str | None) -> str | None:
     return architectures[0] if architectures and isinstance(architectures[0], str) else None
 
 
-def checked_vllm_config(options, model: str, log, layers=None):
+def checked_vllm_config(options, model: str, log, layers=None, images: bool = False):
     """The start of a run: vLLM's contract checked on its source (a CorecapError naming what
     moved, before vLLM is even imported), an untested version warned about, then vLLM imported,
     the live checks, the engine configuration (no weights) and what it makes vLLM build;
@@ -181,7 +181,12 @@ def checked_vllm_config(options, model: str, log, layers=None):
     _stop_if_moved(contract.check_contract(source, model_architecture(model)))
     versions.import_vllm()
     _stop_if_moved(live.check_live(source))
-    config = build_vllm_config(options, model, layers)
+    if images:  # what only an input with images needs (contract._images notes it for the others)
+        moved = contract.run_check("images", contract.images_problem, source)
+        if moved.problem:
+            raise CorecapError(f"the input has images, and this vLLM's multimodal input path moved: {moved.problem} "
+                               f"(known to work: {versions.known_good_line()})")
+    config = build_vllm_config(options, model, layers, images)
     _stop_if_moved(live.check_live(source, config))
     return config
 

@@ -133,6 +133,7 @@ class Engine:
         self._interrupted: str | None = None
         self._lock = threading.Lock()
         self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix_tracker.py
+        self.media = None  # vLLM's input processor, for requests with images (media.py), made on first use
         if prefix_tracker.block_size(vllm_config):
             problem = prefix_tracker.contract_problem()
             if problem:
@@ -207,9 +208,12 @@ class Engine:
                 self._interrupted = reason
                 self.executor.shutdown()
 
-    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None) -> list[bytes] | None:
+    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None,
+            images: tuple | None = None) -> list[bytes] | None:
         """Queue a sample; with prefix caching on, returns vLLM's hashes of its full blocks.
-        `response` (a generation.Response): the model writes one, sampled with `settings`."""
+        `response` (a generation.Response): the model writes one, sampled with `settings`.
+        `images`: (the prompt before its expansion, the images' sources), and `token_ids` the
+        expanded prompt: the request goes through vLLM's multimodal input path (media.py)."""
         from vllm.v1.request import Request
 
         from corecap._vllm.sampling import sampling_params
@@ -217,14 +221,17 @@ class Engine:
         params = self.sampling_params
         if response is not None:
             params = sampling_params(settings or {}, response.max_tokens, response.seed)
-        request = Request(
-            request_id=req_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=time.time(),
-            block_hasher=self.core.request_block_hasher,
-        )
+        if images:
+            request = self._media_request(req_id, token_ids, images, params)
+        else:
+            request = Request(
+                request_id=req_id,
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                pooling_params=None,
+                arrival_time=time.time(),
+                block_hasher=self.core.request_block_hasher,
+            )
         self.core.add_request(request)
         self.num_unfinished += 1
         self.tokens[req_id] = len(token_ids) + (response.max_tokens if response is not None else 0)
@@ -236,6 +243,13 @@ class Engine:
         if response is not None:  # the blocks its response completes are told as they are
             self.prefix.told(req_id, len(request.block_hashes))
         return list(request.block_hashes)
+
+    def _media_request(self, req_id: str, token_ids: list[int], images: tuple, params):
+        from corecap._vllm.media import MediaInputs, media_request
+
+        if self.media is None:
+            self.media = MediaInputs(self.vllm_config)
+        return media_request(self.core, self.media, req_id, token_ids, images, params)
 
     def abort(self, req_id: str) -> bool:
         """End an unfinished request now (its client went away): vLLM frees its KV blocks, and a

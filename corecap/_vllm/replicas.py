@@ -73,9 +73,11 @@ class Replicas:
     def steps_in_flight(self) -> int:
         return self.engines[0].steps_in_flight
 
-    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None) -> list[bytes] | None:
+    def add(self, req_id: str, token_ids: list[int], response=None, settings: dict | None = None,
+            images: tuple | None = None) -> list[bytes] | None:
         """To the replica with the fewest prompt tokens still to capture (ties: the first)."""
-        return min(self.engines, key=lambda e: e.num_outstanding_tokens).add(req_id, token_ids, response, settings)
+        engine = min(self.engines, key=lambda e: e.num_outstanding_tokens)
+        return engine.add(req_id, token_ids, response, settings, **({"images": images} if images else {}))
 
     def abort(self, req_id: str) -> bool:
         """End an unfinished request on whichever replica runs it (False: none does)."""

@@ -137,7 +137,8 @@ def _response(generation) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write a .safetensors file.")
 @_one_line_errors
 def get(key, store, out) -> None:
-    """Summarize one stored sample (for a generated one, its response's length and finish reason);
+    """Summarize one stored sample (for a generated one, its response's length and finish reason;
+    for one with images, each image's token span and reference);
     with --out, export it as safetensors (input_ids, hidden_states, and loss_mask when the sample
     has one; a generated sample's record, JSON, in the metadata's "generation")."""
     import msgspec
@@ -154,6 +155,7 @@ def get(key, store, out) -> None:
         f"hidden_states shape {list(hs.shape)}, codec {sample.header.codec}"
         + ("" if sample.loss_mask is None else f", loss mask on {int(sample.loss_mask.sum())} tokens")
         + ("" if generation is None else f", prompt of {generation.num_prompt} tokens, {_response(generation)}")
+        + ("" if sample.header.media is None else f", {sample.header.media.summary()}")
     )
     if out:
         import torch
@@ -165,6 +167,8 @@ def get(key, store, out) -> None:
         metadata = {"key": key, "layers": json.dumps(layers), "codec": sample.header.codec}
         if generation is not None:
             metadata["generation"] = json.dumps(msgspec.structs.asdict(generation))
+        if sample.header.media is not None:
+            metadata["media"] = json.dumps(sample.header.media.record())
         save_file(tensors, out, metadata=metadata)
         click.echo(f"wrote {out}")
 
@@ -189,7 +193,8 @@ def ls(store, long) -> None:
             generation = header.generation
             click.echo(f"{key}\t{header.num_tokens} tokens"
                        + ("" if generation is None
-                          else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}"))
+                          else f"\tprompt of {generation.num_prompt} tokens, {_response(generation)}")
+                       + ("" if header.media is None else f"\t{header.media.summary()}"))
 
 
 @main.command()

@@ -70,6 +70,8 @@ _CAPTURE_OPTIONS = (
                  help="Invalid rows: stop, or skip and count (default: skip under --overflow skip)."),
     click.option("--shard", type=str, default=None,
                  help="K/N: capture only shard K of N (by a stable hash of the key)."),
+    click.option("--image-dir", type=str, default=None,
+                 help="Where the conversations' images may be read from (default: the data file's directory)."),
     click.option("--progress/--no-progress", default=None,
                  help="A progress line (default: when stderr is a terminal)."),
     click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
@@ -155,6 +157,7 @@ def _run_config(store: str | None, extra_args: list[str], options: dict):
         private_network=rest["private_network"],
         sampling=sampling,
         chat_template_kwargs=_template_kwargs(rest["chat_template_kwargs"]),
+        image_dir=rest["image_dir"],
     )
 
 

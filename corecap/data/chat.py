@@ -11,6 +11,7 @@ import re
 import numpy as np
 
 from corecap.errors import CorecapError
+from corecap.data.media import IMAGE_TAG, message_content, sharegpt_images, split_image_tags, text_of
 from corecap.data.rows import RowError
 
 MESSAGE_ROLES = ("system", "user", "assistant")
@@ -19,11 +20,16 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> list[dict]:
+def parse_messages(obj: dict, name: str, where: str, generate: bool = False, images=None,
+                   found: list | None = None) -> list[dict]:
     """The conversation as OpenAI-style messages, checked; ShareGPT roles mapped. `generate`: the
-    model writes the answer, so the conversation needs a user turn, not an assistant turn."""
+    model writes the answer, so the conversation needs a user turn, not an assistant turn.
+    A content may be a list of parts with images (corecap/data/media.py): `images` (a
+    media.Images, None for a model that takes none) resolves them, appended to `found` in order."""
     turns = obj[name]
     sharegpt = name == "conversations"
+    found = [] if found is None else found
+    tagged = sharegpt_images(obj, where) if sharegpt else None
     role_field, content_field = ("from", "value") if sharegpt else ("role", "content")
     roles = SHAREGPT_ROLES if sharegpt else {r: r for r in MESSAGE_ROLES}
     if not isinstance(turns, list):
@@ -44,12 +50,14 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
             expected = ", ".join(map(repr, roles))
             raise RowError(where, f"{at}.{role_field}: unknown role {role!r} (expected one of {expected})",
                            "unknown role")
-        if not isinstance(content, str):
-            raise RowError(
-                where, f"{at}.{content_field} must be a string, got {type(content).__name__}", "non-string content"
-            )
+        if tagged is not None and isinstance(content, str) and IMAGE_TAG in content:
+            content = split_image_tags(content)  # the row's images go in order (_place_sharegpt_images)
+        elif not isinstance(content, str):
+            content = message_content(content, where, f"{at}.{content_field}", images, found)
         messages.append({"role": roles[role], "content": content})
-    if all(not m["content"].strip() for m in messages):
+    if tagged is not None:
+        _place_sharegpt_images(messages, tagged, found, images, where)
+    if all(not text_of(m["content"]).strip() and isinstance(m["content"], str) for m in messages):
         raise RowError(where, f"field {name!r} has only empty or whitespace turns", "whitespace-only conversation")
     if generate:
         if not any(m["role"] == "user" for m in prompt_turns(messages)):
@@ -61,6 +69,24 @@ def parse_messages(obj: dict, name: str, where: str, generate: bool = False) -> 
         hint = "; add --max-tokens N to let the model answer it" if answerable else ""
         raise RowError(where, f"field {name!r} has no assistant turn (nothing to train on{hint})", "no assistant turn")
     return messages
+
+
+def _place_sharegpt_images(messages: list[dict], refs: list, found: list, images, where: str) -> None:
+    """ShareGPT/LLaVA: one `<image>` in the turns' text per reference of the row's `image`, in
+    order; with none, a single image goes before the first user turn's text (LLaVA's custom)."""
+    if images is None:
+        raise CorecapError(f"{where}: field 'image': an image, which this command does not read (corecap run does)")
+    tags = sum(isinstance(m["content"], list) and sum(p["type"] == "image" for p in m["content"]) for m in messages)
+    if tags == 0 and len(refs) == 1:
+        first = next((m for m in messages if m["role"] == "user"), None)
+        if first is not None:
+            first["content"] = [{"type": "image"}, *([{"type": "text", "text": first["content"]}]
+                                                     if first["content"] else [])]
+            tags = 1
+    if tags != len(refs):
+        raise RowError(where, f"{len(refs)} images in field 'image' and {tags} {IMAGE_TAG} in the turns' text "
+                       "(expected one for each)", "bad image")
+    found.extend(images.resolve(r, where, f"image[{i}]") for i, r in enumerate(refs))
 
 
 def prompt_turns(messages: list[dict]) -> list[dict]:

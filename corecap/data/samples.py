@@ -23,12 +23,14 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from corecap.errors import CorecapError
 from corecap.data.chat import ChatRenderer, answer_points, parse_messages
+from corecap.data.outcomes import DatasetSummary
+from corecap.data.media import checked_images, expanded, too_long_with_images
 from corecap.data.problems import Problems
 from corecap.data.rows import INPUT_FIELDS, RowError, open_rows
 from corecap.store import MAX_KEY_BYTES
@@ -54,27 +56,9 @@ class Sample:
     # and token_ids is the prompt of the first answer (the later ones are made as the answers come).
     messages: tuple | None = None
     points: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class DatasetSummary:
-    num_samples: int  # samples this run captures (whole or truncated)
-    num_tokens: int  # their tokens, after truncation
-    num_lines: int  # the last line/element/row number read
-    num_truncated: int = 0  # samples cut to --max-len
-    num_skipped: int = 0  # rows left out (too long under skip, or invalid under skip)
-    skip_reasons: dict[str, int] = field(default_factory=dict)  # reason → count
-    skip_examples: tuple[str, ...] = ()  # the first few skip messages, each naming its row
-    num_other_shards: int = 0  # rows that belong to other shards
-
-    def outcomes(self) -> str:
-        """One line with the count of each outcome, e.g. for the end of a run."""
-        parts = [f"{self.num_samples} samples ({self.num_truncated} truncated to --max-len)"]
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skip_reasons.items()))
-        parts.append(f"{self.num_skipped} skipped" + (f" ({reasons})" if reasons else ""))
-        if self.num_other_shards:
-            parts.append(f"{self.num_other_shards} in other shards")
-        return ", ".join(parts)
+    # With images: their sources (data.media.ImageRef, in order), what the store keeps (store.Media)
+    images: tuple = ()
+    media: object = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +156,8 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
             raise CorecapError(f"{where}: field 'text' needs a tokenizer, and the model directory has none")
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
-        messages = parse_messages(obj, name, where, generate)
+        messages = parse_messages(obj, name, where, generate, chat.get("images"), chat["found"])
+        chat["found"] = checked_images(chat["found"], chat["images"], generate and chat.get("all_turns"), where)
         if not render:
             return None, None
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
@@ -206,17 +191,17 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
 
 
 def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard, max_tokens=0, template_kwargs=None,
-              all_turns=False, render=True):
+              all_turns=False, render=True, images=None, expand=None):
     """Yield ("unit", "line" | "element" | "row") first; then per row ("sample" | "truncated",
     Sample), ("skipped", RowError), ("invalid", RowError: a problem the policies refuse) or
     ("other shard", None); and ("rows", last row number) last. `max_tokens` > 0: each sample is a
     prompt the model answers with up to that many tokens, all within `max_len`. Without `render`,
     texts and conversations are checked but not tokenized, and no length is checked: their
-    samples have no token ids."""
+    samples have no token ids. `images`, `expand`: data/media.py's Images and `expanded`."""
     path = os.fspath(path)
     with open_rows(path) as (unit, rows):
         yield "unit", unit
-        chat: dict = {"template_kwargs": template_kwargs, "all_turns": all_turns}
+        chat: dict = {"template_kwargs": template_kwargs, "all_turns": all_turns, "images": images}
         last = 0
         for n, where, obj in rows:
             last = n
@@ -238,19 +223,26 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 continue
             try:
                 chat.pop("turns", None)
+                chat["found"] = []  # the row's images (parse_messages), then with their hashes (checked_images)
                 ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0, render)
+                ids, mask, media = expanded(ids, mask, chat["found"], expand, where)
             except RowError as e:
                 yield "skipped" if invalid == "skip" else "invalid", e
                 continue
+            sources = tuple(image for image, _ in chat["found"])
             if ids is None:
-                yield "sample", Sample(key, n, np.empty(0, np.int32), None, where)
+                yield "sample", Sample(key, n, np.empty(0, np.int32), None, where, images=sources)
                 continue
             if max_tokens:
                 messages, points = chat.get("turns", (None, ()))
-                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points), max_len, overflow)
+                yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points, images=sources,
+                                             media=media), max_len, overflow)
                 continue
             if len(ids) <= max_len:
-                yield "sample", Sample(key, n, ids, mask, where)
+                yield "sample", Sample(key, n, ids, mask, where, images=sources, media=media)
+                continue
+            if media is not None:  # never cut: not what the model saw
+                yield too_long_with_images(key, len(ids), max_len, overflow, where)
                 continue
             too_long = f"sample {key!r} has {len(ids)} tokens, more than --max-len {max_len}"
             if overflow == "error":
@@ -292,7 +284,7 @@ def _prompt_outcome(sample: Sample, max_len: int, overflow: str) -> tuple[str, o
 def read_samples(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, max_tokens: int = 0,
-    template_kwargs: dict | None = None, all_turns: bool = False,
+    template_kwargs: dict | None = None, all_turns: bool = False, images=None, expand=None,
 ) -> Iterator[Sample]:
     """Yield every sample of the file (of shard K of N: `shard=(K, N)`), raising CorecapError at
     the first problem the policies refuse. `overflow` says what happens to a sample longer than
@@ -301,7 +293,8 @@ def read_samples(
     invalid = _check_policies(overflow, invalid, shard)
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
-        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns,
+        shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns, images=images,
+        expand=expand,
     ):
         if kind in ("sample", "truncated"):
             yield value
@@ -310,19 +303,22 @@ def read_samples(
 
 
 def check_rows(path: str, *, vocab_size: int, overflow: str = DEFAULT_OVERFLOW, invalid: str | None = None,
-               shard: tuple[int, int] | None = None, max_tokens: int = 0, all_turns: bool = False) -> None:
+               shard: tuple[int, int] | None = None, max_tokens: int = 0, all_turns: bool = False,
+               images=None) -> DatasetSummary:
     """Every check that needs neither the tokenizer nor the engine's --max-len, over the whole
     file, before vLLM is imported: a file's bad rows are all reported within seconds (JSON,
-    fields, roles and turns, ids and their uniqueness, given token ids), not after a model load."""
-    validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow, invalid=invalid,
-             shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False)
+    fields, roles and turns, ids and their uniqueness, given token ids, images read and
+    decoded: `images`, a data.media.Images), not after a model load."""
+    return validate(path, tokenizer=None, vocab_size=vocab_size, max_len=_NO_LIMIT, overflow=overflow,
+                    invalid=invalid, shard=shard, max_tokens=max_tokens, all_turns=all_turns, render=False,
+                    images=images)
 
 
 def validate(
     path: str, *, tokenizer, vocab_size: int, max_len: int, overflow: str = DEFAULT_OVERFLOW,
     invalid: str | None = None, shard: tuple[int, int] | None = None, on_skip: Callable[[str], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None, max_tokens: int = 0, template_kwargs: dict | None = None,
-    all_turns: bool = False, render: bool = True,
+    all_turns: bool = False, render: bool = True, images=None, expand=None,
 ) -> DatasetSummary:
     """One streaming pass over the whole file: every check, unique ids, and the count of each
     outcome. `on_skip` is called with each skipped row's message (e.g. to log them all),
@@ -335,11 +331,12 @@ def validate(
     reasons: Counter = Counter()
     examples: list[str] = []
     problems = Problems(path)
-    num_tokens = 0
+    num_tokens = num_images = 0
     unit, last = "line", 0
     for kind, value in _outcomes(
         path, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len, overflow=overflow, invalid=invalid,
         shard=shard, max_tokens=max_tokens, template_kwargs=template_kwargs, all_turns=all_turns, render=render,
+        images=images, expand=expand,
     ):
         counts[kind] += 1
         if kind == "unit":
@@ -362,6 +359,7 @@ def validate(
                 continue
             first[digest] = value.line
             num_tokens += len(value.token_ids)
+            num_images += len(value.images)
             if on_sample is not None:
                 on_sample(value)
     problems.raise_if_any()
@@ -377,6 +375,7 @@ def validate(
         skip_reasons=dict(reasons),
         skip_examples=tuple(examples),
         num_other_shards=counts["other shard"],
+        num_images=num_images,
     )
     if num_samples == 0 and counts["skipped"]:
         raise CorecapError(f"--data {path}: no samples left: {summary.outcomes()}")

@@ -9,6 +9,9 @@ A sample the model answered (its header has a generation record) gives
      "prompt_ids", "response_ids", "loss_mask"}
 and any other sample
     {"id", "text", "input_ids", "loss_mask"}
+with, for a sample with images, "images" (each one's modality, offset, length, sha256, ref) and
+"prompt_ids" (its prompt before the processor expanded each image's placeholder; for a sample
+the model answered, "unexpanded_prompt_ids", its "prompt_ids" being the expanded prompt)
 (docs/export.md has literal lines). Text is the token ids decoded with the model's tokenizer,
 special tokens kept: a chat prompt reads as its template rendered it, since the store keeps the
 tokens, not the row's messages (join on `id` with the input file for those). The ids are the
@@ -38,6 +41,7 @@ from corecap.export.files import fsync_dir
 from corecap.progress import Progress
 from corecap.store import Store
 from corecap.store.checks import checked_header
+from corecap.store.media import media_record
 from corecap.store.format import SampleHeader
 from corecap.store.store import key_text, prefixed
 
@@ -152,12 +156,15 @@ def sample_line(key: str, header: SampleHeader, ids: np.ndarray, tokenizer) -> d
     # its states hold NaN/Inf (--nonfinite store); its text is fine
     flags = {"nonfinite": True} if header.nonfinite else {}
     g = header.generation
+    media = {} if header.media is None else media_record(header.media)  # its images' spans, hashes, refs
     if g is None:
         return {"id": key, "text": tokenizer.decode(ids.tolist()), **flags, "input_ids": ids.tolist(),
-                "loss_mask": mask}
+                "loss_mask": mask, **media}
     prompt, response = ids[: g.num_prompt].tolist(), ids[g.num_prompt :].tolist()
+    if media:  # "prompt_ids" are the prompt's expanded ids here: the rendered ones are "unexpanded_prompt_ids"
+        media = {"images": media["images"], "unexpanded_prompt_ids": media["prompt_ids"]}
     return {
         "id": key, "prompt": tokenizer.decode(prompt), "response": tokenizer.decode(response),
         "finish_reason": g.finish_reason, "stop": g.stop, "seed": g.seed, "sampling": g.sampling, **flags,
-        "prompt_ids": prompt, "response_ids": response, "loss_mask": mask,
+        "prompt_ids": prompt, "response_ids": response, "loss_mask": mask, **media,
     }

@@ -58,6 +58,7 @@ class _Pending:
     received: np.ndarray | None = None  # int32 [capacity]
     generation: object = None  # store.Generation, once the response is known
     final: bool = True  # token_ids is the whole sample
+    media: object = None  # store.Media: the sample's images
     reserved: int = 0  # bytes of --buffer-gb the driver holds for it until its commit (sink/budget.py)
 
     def cover(self, start: int, num_tokens: int) -> None:
@@ -132,7 +133,7 @@ class Collector:
 
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None = None,
-        block_hashes: list[bytes] | None = None, max_new: int = 0, reserved: int = 0,
+        block_hashes: list[bytes] | None = None, max_new: int = 0, reserved: int = 0, media=None,
     ) -> None:
         """A sample to reassemble; `max_new` > 0: the model writes up to that many tokens after
         `token_ids` (the prompt), which `generated` names once the response is written. `reserved`:
@@ -143,7 +144,7 @@ class Collector:
             block_hashes=None if block_hashes is None else list(block_hashes),
             producer=Producer(key, len(token_ids)) if self.block_size else None,
             capacity=capacity, received=np.zeros(capacity, np.int32) if max_new else None, final=not max_new,
-            reserved=reserved,
+            reserved=reserved, media=media,
         )
 
     def generated(self, req_id: str, token_ids: np.ndarray, generation) -> None:

@@ -91,7 +91,7 @@ class Sink:
     def expect(
         self, req_id: str, key: str, token_ids: np.ndarray, loss_mask: np.ndarray | None, block_hashes=None,
         max_new: int = 0, reserved: int = 0, spec_capture: SpecCapture | None = None, lossless: bool = False,
-        store_key: str = "",
+        store_key: str = "", media=None,
     ) -> None:
         """`reserved`: the bytes of --buffer-gb the driver holds for the sample, which the sink
         adds to `released` once the sample is committed (corecap/sink/budget.py). `spec_capture`:
@@ -101,7 +101,7 @@ class Sink:
         mask = None if loss_mask is None else np.asarray(loss_mask, np.uint8).tobytes()
         self._send(Expect(req_id=req_id, key=key, token_ids=np.asarray(token_ids, "<i4").tobytes(), loss_mask=mask,
                           block_hashes=block_hashes, max_new=max_new, reserved=reserved, spec_capture=spec_capture,
-                          lossless=lossless, store_key=store_key))
+                          lossless=lossless, store_key=store_key, media=media))
 
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))

@@ -7,6 +7,7 @@ import msgspec
 
 from corecap.sink.mooncake import SpecCapture
 from corecap.store.generated import Generation
+from corecap.store.media import Media
 
 
 class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
@@ -20,6 +21,7 @@ class Expect(msgspec.Struct, array_like=True, tag=1, kw_only=True):
     spec_capture: SpecCapture | None = None  # `corecap serve`'s /generate: SpecForge's objects, not the default
     lossless: bool = False  # `corecap serve`: this sample's file in the stored dtype, whatever the backend
     store_key: str = ""  # `corecap serve --store`: once delivered, also committed under this key ("": not)
+    media: Media | None = None  # the sample's images (store/media.py)
 
 
 class Hits(msgspec.Struct, array_like=True, tag=6):

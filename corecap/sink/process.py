@@ -160,10 +160,11 @@ class _Loop:
             self.released.add(reserved)
 
         if p.spill is not None:
-            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask, committed=committed)
+            self.writer.put_spilled(p.key, p.token_ids, p.spill, p.loss_mask, committed=committed, media=p.media)
             return
         self.writer.put(p.key, p.token_ids, p.stored_states(), p.loss_mask, release=self.buffers.give,
-                        prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed)
+                        prefix=p.producer.prefix if p.producer else None, generation=p.generation, committed=committed,
+                        media=p.media)
 
     def _deliver(self, p) -> None:
         """A sample every position of which is here, to its file (`corecap serve`); once written,
@@ -238,7 +239,7 @@ class _Loop:
         if isinstance(msg, Expect):
             mask = None if msg.loss_mask is None else np.frombuffer(msg.loss_mask, np.uint8)
             self.collector.expect(msg.req_id, msg.key, np.frombuffer(msg.token_ids, "<i4"), mask, msg.block_hashes,
-                                  msg.max_new, msg.reserved)
+                                  msg.max_new, msg.reserved, msg.media)
             if msg.spec_capture is not None:
                 self.spec_captures[msg.key] = msg.spec_capture
             if msg.lossless:

@@ -136,7 +136,7 @@ class Writer:
 
     def put(
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
-        prefix: tuple | None = None, generation=None, committed=None,
+        prefix: tuple | None = None, generation=None, committed=None, media=None,
     ) -> None:
         """Queue one finished sample; never waits (the driver bounds what is queued:
         corecap/sink/budget.py). `release(states)` is called once nothing reads `states`: once
@@ -150,21 +150,21 @@ class Writer:
         self.raise_if_failed()
         early = release is not None and self.codec in _COPYING_CODECS
         future = self.pool.submit(self._encode, key, token_ids, states, loss_mask, prefix, generation,
-                                  functools.partial(release, states) if early else None)
+                                  functools.partial(release, states) if early else None, media)
         after = [functools.partial(release, states)] if release is not None and not early else []
         self.queue.put(_Queued(future, len(token_ids), raw, after + ([committed] if committed else [])))
 
     def put_spilled(self, key: str, token_ids: np.ndarray, spill: SpillFile, loss_mask: np.ndarray | None = None,
-                    committed=None) -> None:
+                    committed=None, media=None) -> None:
         """Queue one finished long sample whose raw states are its spill file (sink/stream.py):
         read back a piece at a time to checksum and check them, then renamed into the state files
         at its commit. It holds no buffer, only the piece being read. `committed()` is called
         once it is committed."""
         self.raise_if_failed()
-        future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask)
+        future = self.pool.submit(self._encode_spilled, key, token_ids, spill, loss_mask, media)
         self.queue.put(_Queued(future, len(token_ids), spill.nbytes, [committed] if committed else []))
 
-    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask) -> tuple[Record, int]:
+    def _encode_spilled(self, key: str, token_ids, spill: SpillFile, loss_mask, media=None) -> tuple[Record, int]:
         start = time.time()
         meta = self.store.meta
         fp8 = self.codec == FP8
@@ -178,7 +178,7 @@ class Writer:
             decoded = len(self.layers) * len(token_ids) * meta.hidden_size * DTYPES[meta.dtype].itemsize
             record = spilled_record(key, token_ids, self.layers, meta.dtype, meta.hidden_size, checksum, spill.sync(),
                                     loss_mask, nonfinite=bool(bad), codec=FP8 if fp8 else "raw",
-                                    payload_bytes=decoded)
+                                    payload_bytes=decoded, media=media)
         except BaseException:
             spill.discard()
             raise
@@ -217,12 +217,12 @@ class Writer:
         return checksum, bad
 
     def _encode(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation,
-                release) -> tuple[Record, int]:
+                release, media=None) -> tuple[Record, int]:
         """The sample's record, and the bytes of its encoded copy counted in the ledger until its
         commit (those of a codec that copies, whose buffer `release` gives back here)."""
         start = time.time()
         record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask,
-                                      prefix, generation)
+                                      prefix, generation, media)
         self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
         held = 0
         if release is not None:
@@ -232,13 +232,14 @@ class Writer:
                 self.ledger.hold(held)
         return record, held
 
-    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation) -> Record:
+    def _encode_checked(self, key: str, token_ids, states: torch.Tensor, loss_mask, prefix, generation,
+                        media=None) -> Record:
         dtype = self.store.meta.dtype
         refused = None
         if self.codec == FP8:  # its row maxima find any NaN/Inf: no pass of all_finite's own
             try:
                 return encode_sample(key, token_ids, states, self.layers, codec=FP8, loss_mask=loss_mask, prefix=prefix,
-                                     dtype=dtype, generation=generation)
+                                     dtype=dtype, generation=generation, media=media)
             except NonFiniteStates as e:
                 refused = e  # reported below, as for the other codecs
         # fp8 rows come here only when refused: a NaN or an Inf made a row's scale one
@@ -252,7 +253,7 @@ class Writer:
                                      "(use --nonfinite store to keep and flag)")
             self.flagged.append(key)
         return encode_sample(key, token_ids, states, self.layers, codec=self.codec, loss_mask=loss_mask,
-                             nonfinite=not finite, prefix=prefix, dtype=dtype, generation=generation)
+                             nonfinite=not finite, prefix=prefix, dtype=dtype, generation=generation, media=media)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

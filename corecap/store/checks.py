@@ -56,6 +56,14 @@ def header_problems(key: str, header: SampleHeader, meta: StoreMeta) -> tuple[li
         other.append(f"loss mask of {len(mask)} bytes is not one 0/1 flag per token ({header.num_tokens} tokens)")
     if header.generation is not None and header.generation.problem(header.num_tokens):
         other.append(header.generation.problem(header.num_tokens))
+    if header.media is not None:
+        problem = header.media.problem(header.num_tokens)
+        if problem is None and mask is not None:
+            flags = np.frombuffer(mask, np.uint8)
+            if any(flags[i.offset:i.offset + i.length].any() for i in header.media.items):
+                problem = "loss mask marks an image token (expected 0 on every image token)"
+        if problem:
+            other.append(problem)
     if header.header_crc is not None and header_crc(header) != header.header_crc:
         other.append(f"header checksum mismatch (header_crc {header.header_crc}, "
                      f"its fields' crc32 {header_crc(header)})")

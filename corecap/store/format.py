@@ -21,6 +21,7 @@ from corecap.errors import CorecapError
 from corecap.config import FP8_CODEC, PRENORM, Layer
 from corecap.store import codec as codecs, fp8, fp8rows
 from corecap.store.generated import Generation
+from corecap.store.media import Media, with_images
 from corecap.store.record import Record
 
 FORMAT_VERSION = 3  # 3: a layer may be "prenorm"; 2: integer layers only (still read and resumed)
@@ -138,6 +139,7 @@ class SampleHeader(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     # are the payload's). None: the payload holds every position.
     prefix: tuple[Segment, ...] | None = None
     generation: Generation | None = None  # the model wrote the sample's response (corecap run --max-tokens)
+    media: Media | None = None  # the sample's images: their token spans, hashes and references (store/media.py)
 
     @property
     def num_prefix(self) -> int:  # n: the leading positions that other samples store
@@ -161,10 +163,12 @@ def input_fingerprint(token_ids: np.ndarray) -> str:
 
 
 def prompt_fingerprint(header: SampleHeader) -> str:
-    """The fingerprint of what the sample's input was: its prompt where the model wrote the rest."""
+    """The fingerprint of what the sample's input was: its prompt where the model wrote the rest,
+    and its images' bytes."""
     if header.generation is None:
-        return header.input_fingerprint
-    return input_fingerprint(np.frombuffer(header.input_ids, "<i4")[: header.generation.num_prompt])
+        return with_images(header.input_fingerprint, header.media)
+    return with_images(input_fingerprint(np.frombuffer(header.input_ids, "<i4")[: header.generation.num_prompt]),
+                       header.media)
 
 
 _header_encoder = msgspec.msgpack.Encoder()
@@ -182,6 +186,7 @@ def encode_sample(
     prefix: tuple[Segment, ...] | None = None,
     dtype: str | None = None,
     generation: Generation | None = None,
+    media: Media | None = None,
 ) -> Record:
     """Encode one sample for the store (the expensive part, compression, runs here: call it off
     the critical path). `codec` is one of `CODECS` or `FP8`. With `prefix` (segments covering
@@ -205,6 +210,7 @@ def encode_sample(
     header = _sample_header(
         key, ids, layers, dtype, fp8rows.hidden_size(states) if rows else states.shape[-1], codec, checksum,
         fp8rows.captured_nbytes(states, dtype) if rows else raw.nbytes, loss_mask, nonfinite, prefix, generation,
+        media,
     )
     return Record(key, header, parts, n)
 
@@ -212,6 +218,7 @@ def encode_sample(
 def _sample_header(
     key: str, ids: np.ndarray, layers, dtype: str, hidden_size: int, codec: str, checksum: int, payload_bytes: int,
     loss_mask: np.ndarray | None, nonfinite: bool, prefix=None, generation: Generation | None = None,
+    media: Media | None = None,
 ) -> bytes:
     """A sample's encoded header, its header_crc set (`encode_sample`'s and `spilled_record`'s)."""
     if loss_mask is not None and len(loss_mask) != len(ids):
@@ -231,6 +238,7 @@ def _sample_header(
         nonfinite=nonfinite,
         prefix=tuple(prefix) if prefix else None,
         generation=generation,
+        media=media,
     )
     return _header_encoder.encode(msgspec.structs.replace(header, header_crc=header_crc(header)))
 
@@ -238,7 +246,7 @@ def _sample_header(
 def spilled_record(
     key: str, token_ids: np.ndarray, layers: tuple[Layer, ...], dtype: str, hidden_size: int, checksum: int,
     spilled, loss_mask: np.ndarray | None = None, nonfinite: bool = False, codec: str = "raw",
-    payload_bytes: int = 0,
+    payload_bytes: int = 0, media: Media | None = None,
 ) -> Record:
     """The record of a long sample whose payload is the file `spilled` (spill.Spilled,
     checksummed as it was read back): raw `[L, T, H]` states, or `FP8`'s payload, whose decoded
@@ -246,7 +254,7 @@ def spilled_record(
     reads it as any other sample."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
     header = _sample_header(key, ids, layers, dtype, hidden_size, codec, checksum, payload_bytes or spilled.nbytes,
-                            loss_mask, nonfinite)
+                            loss_mask, nonfinite, media=media)
     return Record(key, header, (), 0, spilled)
 
 

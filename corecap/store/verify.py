@@ -235,10 +235,16 @@ def contents(store: Store) -> dict:
     """What a store holds, from the headers alone (`corecap info`): its samples' tokens, those in
     their own payloads (the rest, samples refer to others for: stored once, format 4), the
     samples that refer, the samples whose response the model wrote (their tokens, by finish
-    reason) and the bytes of its state files on disk."""
+    reason), the samples with images (their images and image tokens) and the bytes of its state
+    files on disk."""
     num_tokens = num_referred = num_referring = num_generated = num_generated_tokens = 0
+    num_image_samples = num_images = num_image_tokens = 0
     reasons: dict[str, int] = {}
     for _, header in headers(store):
+        if header.media is not None:
+            num_image_samples += 1
+            num_images += len(header.media.items)
+            num_image_tokens += sum(i.length for i in header.media.items)
         num_tokens += header.num_tokens
         num_referred += header.num_prefix
         num_referring += header.prefix is not None
@@ -251,7 +257,9 @@ def contents(store: Store) -> dict:
     return {"num_tokens": num_tokens, "num_stored_tokens": num_tokens - num_referred,
             "num_referring_samples": num_referring,
             "num_generated_samples": num_generated, "num_generated_tokens": num_generated_tokens,
-            "finish_reasons": dict(sorted(reasons.items())), "state_file_bytes": state_bytes}
+            "finish_reasons": dict(sorted(reasons.items())),
+            "num_image_samples": num_image_samples, "num_images": num_images, "num_image_tokens": num_image_tokens,
+            "state_file_bytes": state_bytes}
 
 
 def headers(store: Store, utf8_keys: bool = False) -> Iterator[tuple[str, SampleHeader]]:

@@ -1,0 +1,433 @@
+"""Conversations with images (issue 58's first landing): the rows (OpenAI's content parts with a
+path, a file:// URL or a data: URL; ShareGPT/LLaVA's `image` field), their checks before any
+model loads, and the capture of a tiny Kimi-K2.5 with a working vision tower
+(tests/support/kimi_k25_vision.py) against HF transformers' Kimi_K25ForConditionalGeneration
+given the same pixel values: every stored token, every layer 0..N and the pre-norm state,
+float32, with batching and chunking (one engine for the module)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import numpy as np
+import pytest
+
+from support import kimi_k25_vision, tiny_models
+from support.reference import record_error, relative_errors, write_jsonl
+from corecap.config import PRENORM
+from corecap.data import check_rows, validate
+from corecap.data.media import Images
+from corecap.errors import CorecapError
+
+N = tiny_models.NUM_LAYERS
+LAYERS = (*range(N + 1), PRENORM)
+TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-6
+KIMI = "KimiK25ForConditionalGeneration"
+
+
+def _user(*parts):
+    return {"role": "user", "content": list(parts)}
+
+
+def _text(t):
+    return {"type": "text", "text": t}
+
+
+def _image(url):
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+ANSWER = {"role": "assistant", "content": "a red square"}
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    """Three PNGs of different sizes (6, 20 and 4 image tokens) in the data's directory."""
+    directory = tmp_path_factory.mktemp("images-data")
+    paths = kimi_k25_vision.images(str(directory), [(12, 8), (16, 20), (8, 8)])
+    return str(directory), paths
+
+
+def _check(directory, rows, architecture=KIMI, image_dir=None, **kwargs):
+    data = write_jsonl(os.path.join(directory, "rows.jsonl"), rows)
+    return check_rows(data, vocab_size=1000, images=Images.for_model(architecture, image_dir or directory), **kwargs)
+
+
+# --- the rows and their checks (before vLLM) ---------------------------------------------------
+
+
+def test_image_parts_paths_file_and_data_urls_are_read(pictures):
+    directory, (a, b, c) = pictures
+    with open(c, "rb") as f:
+        data_url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    rows = [
+        {"id": "path", "messages": [_user(_text("describe"), _image(os.path.basename(a))), ANSWER]},
+        {"id": "file", "messages": [_user(_image("file://" + b), _text("and"), _image(data_url)), ANSWER]},
+        {"id": "hf", "messages": [_user({"type": "image", "image": os.path.basename(a)}), ANSWER]},
+        {"id": "llava", "image": os.path.basename(b),
+         "conversations": [{"from": "human", "value": "<image>\ndescribe"}, {"from": "gpt", "value": "a circle"}]},
+        {"id": "llava-untagged", "image": os.path.basename(b),
+         "conversations": [{"from": "human", "value": "describe"}, {"from": "gpt", "value": "a circle"}]},
+        {"id": "text-parts", "messages": [_user(_text("only "), _text("text")), ANSWER]},
+    ]
+    summary = _check(directory, rows)
+    assert (summary.num_samples, summary.num_images) == (6, 6)
+
+
+@pytest.mark.parametrize("part, message", [
+    (_image("http://example.com/cat.png"), "is not a local image"),
+    (_image("https://example.com/cat.png"), "is not a local image"),
+    (_image("file://otherhost/tmp/cat.png"), "is on another host"),
+    (_image("../outside.png"), "is outside the image directory"),
+    (_image("/etc/hostname"), "is outside the image directory"),
+    (_image("missing.png"), "not found"),
+    (_image("broken.png"), "does not decode as an image"),
+    (_image("data:image/png;base64,@@@"), "does not decode"),
+    (_image("data:image/png,plain"), "must be base64"),
+    (_image(""), "expected an image URL or path"),
+    ({"type": "video_url", "video_url": {"url": "clip.mp4"}}, "video and audio are not supported"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "video and audio are not supported"),
+    ({"type": "hologram"}, "unknown content part"),
+])
+def test_a_bad_image_is_refused_in_one_line_naming_the_row(pictures, part, message):
+    directory, _ = pictures
+    with open(os.path.join(directory, "broken.png"), "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n not really")
+    rows = [{"id": "fine", "messages": [_user(_text("hello")), ANSWER]},
+            {"id": "bad", "messages": [_user(_text("look"), part), ANSWER]}]
+    with pytest.raises(CorecapError) as e:
+        _check(directory, rows)
+    text = str(e.value)
+    assert "rows.jsonl:2" in text and message in text and "\n" not in text, text
+
+
+def test_the_image_directory_option_moves_where_images_may_be(pictures, tmp_path):
+    directory, (a, _, _) = pictures
+    rows = [{"id": "x", "messages": [_user(_image(os.path.basename(a))), ANSWER]}]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)  # the data elsewhere, the images under --image-dir
+    assert check_rows(data, vocab_size=1000, images=Images.for_model(KIMI, directory)).num_images == 1
+    with pytest.raises(CorecapError, match="not found"):
+        check_rows(data, vocab_size=1000, images=Images.for_model(KIMI, str(tmp_path)))
+
+
+def test_a_model_without_image_input_refuses_image_rows_in_one_line(pictures):
+    directory, (a, _, _) = pictures
+    rows = [{"id": "t", "messages": [_user(_text("hi")), ANSWER]},
+            {"id": "x", "messages": [_user(_image(os.path.basename(a))), ANSWER]}]
+    with pytest.raises(CorecapError) as e:
+        _check(directory, rows, architecture="LlamaForCausalLM")
+    assert str(e.value).startswith(f"{directory}/rows.jsonl:2: the row has images, and corecap captures image "
+                                   f"input for {KIMI} only, not LlamaForCausalLM"), e.value
+    llava = [{"id": "y", "image": os.path.basename(a), "conversations": [{"from": "human", "value": "<image>"},
+                                                                          {"from": "gpt", "value": "ok"}]}]
+    with pytest.raises(CorecapError, match="not LlamaForCausalLM"):
+        _check(directory, llava, architecture="LlamaForCausalLM")
+    # text rows are not affected
+    assert _check(directory, rows[:1], architecture="LlamaForCausalLM").num_images == 0
+
+
+def test_sharegpt_image_tags_must_match_the_images(pictures):
+    directory, (a, b, _) = pictures
+    rows = [{"id": "y", "image": [os.path.basename(a), os.path.basename(b)],
+             "conversations": [{"from": "human", "value": "<image> one"}, {"from": "gpt", "value": "ok"}]}]
+    with pytest.raises(CorecapError, match="2 images in field 'image' and 1 <image>"):
+        _check(directory, rows)
+
+
+def test_image_rows_take_max_tokens_but_not_every_turn_rewritten_yet(pictures):
+    """--max-tokens on image rows: tests/test_images_generate.py; --rewrite-turns all is refused."""
+    directory, (a, _, _) = pictures
+    rows = [{"id": "x", "messages": [_user(_text("what is it?"), _image(os.path.basename(a)))]}]
+    assert _check(directory, rows, max_tokens=8).num_images == 1
+    with pytest.raises(CorecapError, match="--rewrite-turns all on a conversation with images is not supported yet"):
+        _check(directory, rows, max_tokens=8, all_turns=True)
+
+
+def test_the_loss_mask_is_zero_on_every_image_token(pictures, tmp_path):
+    """The validation pass with a stand-in processor: each placeholder becomes its image's span."""
+    from corecap._vllm.media import Expanded
+    from corecap.model import load_tokenizer
+
+    directory, (a, b, _) = pictures
+    model = kimi_k25_vision.build(str(tmp_path / "model"))
+    tokenizer = load_tokenizer(model)
+    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    sizes = {a: 3, b: 5}
+
+    def expand(ids, sources):
+        out, spans = [], []
+        for t in ids.tolist():
+            if t == pad:
+                n = sizes[sources[len(spans)]]
+                spans.append((len(out), n))
+                out += [pad] * n
+            else:
+                out.append(t)
+        return Expanded(np.asarray(out, np.int32), tuple(spans), ("h",) * len(spans))
+
+    rows = [{"id": "two", "messages": [_user(_image(os.path.basename(a)), _text("and"), _image(os.path.basename(b))),
+                                       {"role": "assistant", "content": "two pictures"}]}]
+    data = write_jsonl(os.path.join(directory, "mask.jsonl"), rows)
+    kept = []
+    validate(data, tokenizer=tokenizer, vocab_size=kimi_k25_vision.kimi_k25.VOCAB, max_len=512,
+             images=Images.for_model(KIMI, directory), expand=expand, on_sample=kept.append)
+    (sample,) = kept
+    items = sample.media.items
+    assert [(i.length, i.ref) for i in items] == [(3, os.path.basename(a)), (5, os.path.basename(b))]
+    for item in items:
+        assert (sample.token_ids[item.offset:item.offset + item.length] == pad).all()
+        assert not sample.loss_mask[item.offset:item.offset + item.length].any()
+    assert sample.loss_mask.sum() > 0
+    assert len(sample.token_ids) == len(sample.media.unexpanded) + 3 - 1 + 5 - 1
+    with open(a, "rb") as f:
+        import hashlib
+
+        assert items[0].sha256 == hashlib.sha256(f.read()).hexdigest()
+
+
+def _prepare(model, data, tmp_path, **options):
+    from corecap._vllm import environment
+    from corecap.config import build
+    from corecap.plan import prepare
+
+    cfg = build(model=model, data=data, store=str(tmp_path / "store"), dtype="float32", **options)
+    with environment():
+        return prepare(cfg, [].append)
+
+
+def test_a_run_refuses_image_rows_for_a_text_model_before_vllm(tiny_model, pictures, tmp_path, monkeypatch):
+    import corecap._vllm.doctor as doctor
+
+    directory, (a, _, _) = pictures
+    monkeypatch.setattr(doctor, "checked_vllm_config", lambda *a, **k: pytest.fail("vLLM was asked"))
+    data = write_jsonl(os.path.join(directory, "llama.jsonl"),
+                       [{"id": "x", "messages": [_user(_image(os.path.basename(a))), ANSWER]}])
+    with pytest.raises(CorecapError, match=r"llama.jsonl:1: the row has images, and corecap captures image input "
+                                           r"for KimiK25ForConditionalGeneration only, not LlamaForCausalLM$"):
+        _prepare(tiny_model, data, tmp_path)
+
+
+def test_prefix_caching_with_images_is_refused_before_vllm(checkpoint, pictures, tmp_path, monkeypatch):
+    import corecap._vllm.doctor as doctor
+
+    directory, (a, _, _) = pictures
+    monkeypatch.setattr(doctor, "checked_vllm_config", lambda *a, **k: pytest.fail("vLLM was asked"))
+    data = write_jsonl(os.path.join(directory, "prefix.jsonl"),
+                       [{"id": "x", "messages": [_user(_image(os.path.basename(a))), ANSWER]}])
+    with pytest.raises(CorecapError, match="--enable-prefix-caching with images in the input is not supported yet"):
+        _prepare(checkpoint, data, tmp_path, enable_prefix_caching=True)
+
+
+# --- vLLM's multimodal path: its assumptions, without an engine ------------------------------------
+
+
+def test_the_contract_holds_for_images_on_this_vllm():
+    from corecap._vllm import contract
+    from corecap._vllm.vllm_source import Source
+
+    assert contract.images_problem(Source()) is None
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (("vllm.v1.engine.core.EngineCore", "preprocess_add_request"), "EngineCore.preprocess_add_request is gone"),
+    (("vllm.multimodal.inputs.MultiModalFeatureSpec", "mm_position"), "MultiModalFeatureSpec has no field mm_position"),
+    (("vllm.engine.arg_utils.EngineArgs", "mm_processor_cache_gb"), "EngineArgs no longer has mm_processor_cache_gb"),
+])
+def test_a_moved_multimodal_path_stops_image_runs_only(tmp_path, checkpoint, edit, problem):
+    """What only image rows need is a note for a text run (its check holds), and refuses a run
+    whose input has images, before any engine is configured."""
+    from corecap._vllm import contract
+    from corecap._vllm.doctor import checked_vllm_config
+    import corecap._vllm.doctor as doctor_module
+    from support.vllm_source_edits import member, moved
+
+    source = moved(tmp_path, member(*edit))
+    results = {r.name: r for r in contract.check_contract(source)}
+    images = next(r for name, r in results.items() if name.startswith("images:"))
+    assert images.problem is None and images.note == f"image input not available: {problem}"
+    assert contract.run_check("images", contract.images_problem, source).problem == problem
+    original = doctor_module.Source
+    doctor_module.Source = lambda: source
+    try:
+        with pytest.raises(CorecapError) as e:
+            checked_vllm_config(None, checkpoint, [].append, images=True)
+        assert str(e.value).startswith(f"the input has images, and this vLLM's multimodal input path moved: {problem} "
+                                       "(known to work: "), e.value
+    finally:
+        doctor_module.Source = original
+
+
+def test_vllms_processor_expands_each_placeholder(checkpoint, pictures):
+    """corecap/_vllm/media.py on the installed vLLM (no engine): the rendered prompt with one
+    placeholder per image comes back expanded, each image's span and the request's features."""
+    from corecap._vllm import environment
+    from corecap._vllm.media import MediaInputs
+    from corecap._vllm.options import build_vllm_config
+    from corecap.config import EngineOptions
+
+    _, (a, b, _) = pictures
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        pad = json.load(f)["image_token_id"]
+    with environment():
+        config = build_vllm_config(EngineOptions(model=checkpoint, dtype="float32", enforce_eager=True), checkpoint,
+                                   LAYERS, images=True)
+        assert config.model_config.supports_multimodal_inputs and not config.model_config.skip_tokenizer_init
+        out = MediaInputs(config).expand([3, pad, 7, pad, 9], [a, b])
+    assert out.spans == ((1, 6), (8, 20))
+    assert out.token_ids.tolist() == [3] + [pad] * 6 + [7] + [pad] * 20 + [9]
+
+
+# --- the capture, against HF ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return kimi_k25_vision.build(str(tmp_path_factory.mktemp("kimi-k25-vision") / "model"))
+
+
+@pytest.fixture(scope="module")
+def captured(checkpoint, pictures, tmp_path_factory):
+    """One engine for the module: conversations with one and two images of different sizes, a
+    LLaVA row, a text row, batched 4 at a time and chunked at 16 tokens a step (an image's
+    tokens split across steps), --enforce-eager."""
+    from corecap.config import build
+    from corecap.run import run
+
+    directory, (a, b, c) = pictures
+    with open(c, "rb") as f:
+        data_url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    rows = [
+        {"id": "one", "messages": [_user(_text("describe the image"), _image(os.path.basename(a))), ANSWER]},
+        {"id": "two", "messages": [_user(_image("file://" + b), _text("and"), _image(data_url)),
+                                   {"role": "assistant", "content": "two pictures of different sizes"}]},
+        {"id": "two-again", "messages": [_user(_image(os.path.basename(b)), _text("and"), _image(os.path.basename(a))),
+                                         {"role": "assistant", "content": "the lazy dog"}]},
+        {"id": "llava", "image": os.path.basename(b),
+         "conversations": [{"from": "human", "value": "<image>\ndescribe the image"},
+                           {"from": "gpt", "value": "a circle"}]},
+        {"id": "text", "messages": [{"role": "user", "content": "what is in this picture"},
+                                    {"role": "assistant", "content": "the quick brown fox"}]},
+    ]
+    images = {"one": [a], "two": [b, c], "two-again": [b, a], "llava": [b], "text": []}
+    data = write_jsonl(os.path.join(directory, "capture.jsonl"), rows)
+    store = str(tmp_path_factory.mktemp("images-store") / "store")
+    log: list[str] = []
+    cfg = build(model=checkpoint, data=data, store=store, layers=LAYERS, batch=4, max_batched_tokens=16,
+                dtype="float32", enforce_eager=True)
+    summary = run(cfg, log=log.append)
+    return cfg, summary, log, rows, images
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_image_conversations_match_hf(captured, checkpoint, tmp_path_factory):
+    import torch
+
+    from corecap.store import Store
+
+    cfg, summary, log, rows, images = captured
+    assert summary.num_committed == len(rows)
+    assert "images: vLLM's tokenizer and multimodal processor on, its processor cache off" in log[0], log[0]
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        pad = json.load(f)["image_token_id"]
+    with Store.open(cfg.store) as store:
+        got = {row["id"]: store.get(row["id"]) for row in rows}
+    refs = kimi_k25_vision.reference_in_a_process(
+        checkpoint, [{"id": k, "input_ids": s.input_ids.tolist(), "images": images[k]} for k, s in got.items()],
+        str(tmp_path_factory.mktemp("images-hf")))
+    for key, sample in got.items():
+        media = sample.header.media
+        ids, mask = sample.input_ids, sample.loss_mask
+        if not images[key]:
+            assert media is None and pad not in ids.tolist()
+        else:
+            assert len(media.items) == len(images[key])
+            spans = [(i.offset, i.length) for i in media.items]
+            covered = np.zeros(len(ids), bool)
+            for offset, length in spans:
+                covered[offset:offset + length] = True
+            assert (ids[covered] == pad).all() and not (ids[~covered] == pad).any(), key  # every image token
+            assert not mask[covered].any() and mask.any(), key
+            assert media.problem(len(ids)) is None
+            # the unexpanded prompt: one placeholder per image
+            assert (media.unexpanded == pad).sum() == len(images[key])
+            assert len(media.unexpanded) == len(ids) - sum(n - 1 for _, n in spans)
+            # layer 0 holds the vision features, not the placeholder token's embedding
+            layer0 = sample.hidden_states[0]
+            first = spans[0][0]
+            assert not torch.allclose(layer0[first], layer0[first + 1])
+        per_sample, per_token = relative_errors(sample.hidden_states, tiny_models.stacked(refs[key], LAYERS))
+        record_error("kimi_k25 images float32 eager", per_sample, per_token)
+        assert float(per_token.max()) <= TOLERANCE, (key, dict(zip(map(str, LAYERS), per_token.tolist())))
+    # sizes: 12x8 → 6 tokens, 16x20 → 20, 8x8 → 4 (two images of different sizes in one sample)
+    assert [i.length for i in got["two"].header.media.items] == [20, 4]
+    assert [i.length for i in got["one"].header.media.items] == [6]
+    # the same file, named two ways, has one hash
+    assert got["two"].header.media.items[0].sha256 == got["two-again"].header.media.items[0].sha256
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_get_ls_info_verify_and_jsonl_show_the_images(captured, checkpoint, tmp_path):
+    from click.testing import CliRunner
+
+    from corecap.cli import main
+
+    cfg, _, _, rows, images = captured
+
+    def corecap(*args):
+        result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    line = corecap("get", "two", "--store", cfg.store)
+    assert "2 images (image at 6+20 file://" in line and "; image at 34+4 data:image/png;base64,..." in line, line
+    listing = dict(row.split("\t", 1) for row in corecap("ls", "-l", "--store", cfg.store).splitlines())
+    assert "1 image (image at 9+6 " in listing["one"] and "image" not in listing["text"], listing
+    info = json.loads(corecap("info", "--store", cfg.store))
+    counts = (info["num_image_samples"], info["num_images"], info["num_image_tokens"])
+    assert counts == (4, 6, 6 + (20 + 4) + (20 + 6) + 20), counts
+    corecap("verify", "--store", cfg.store)  # exit 0: every header checks, the image spans' mask included
+    out = tmp_path / "samples.jsonl"
+    corecap("export", "--store", cfg.store, "--format", "jsonl", "--out", str(out), "--tokenizer", checkpoint)
+    with open(out) as f:
+        lines = {obj["id"]: obj for obj in map(json.loads, f)}
+    two = lines["two"]
+    assert [(i["offset"], i["length"]) for i in two["images"]] == [(6, 20), (34, 4)]
+    assert all(not any(two["loss_mask"][i["offset"]:i["offset"] + i["length"]]) for i in two["images"])
+    assert len(two["prompt_ids"]) == len(two["input_ids"]) - 19 - 3
+    assert "images" not in lines["text"]
+    safetensors_out = tmp_path / "two.safetensors"
+    corecap("get", "two", "--store", cfg.store, "--out", str(safetensors_out))
+    from safetensors import safe_open
+
+    with safe_open(str(safetensors_out), "pt") as f:
+        assert json.loads(f.metadata()["media"])["images"][1]["length"] == 4
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_a_rerun_skips_them_and_refuses_a_changed_image(captured, pictures, tmp_path):
+    """The rerun renders and expands the rows again (no engine starts: nothing is left to do) and
+    compares each with the store: the same ids and image bytes are skipped; an image replaced by
+    another of the same size gives the same ids, and is refused by its hash."""
+    import dataclasses
+
+    from PIL import Image
+
+    from corecap.run import run
+
+    cfg, _, _, rows, _ = captured
+    again = run(cfg, log=[].append)
+    assert (again.num_committed, again.num_skipped) == (0, len(rows))
+    _, (a, _, _) = pictures
+    changed = tmp_path / "changed.png"
+    pixels = np.asarray(Image.open(a)).copy()
+    pixels[0, 0] ^= 255
+    Image.fromarray(pixels).save(changed)
+    data = write_jsonl(tmp_path / "changed.jsonl", [
+        {"id": "one", "messages": [_user(_text("describe the image"), _image(changed.name)), ANSWER]}])
+    with pytest.raises(CorecapError, match=r"sample 'one' is already stored with input fingerprint \S+\+images:"):
+        run(dataclasses.replace(cfg, data=data), log=[].append)
