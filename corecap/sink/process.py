@@ -131,7 +131,8 @@ class _Loop:
             self.deliverer = Deliverer(spec.deliver)
             self.spec_captures: dict = {}  # key → SpecForge's layout for it (Expect.spec_capture)
             self.lossless: set[str] = set()  # keys written to a file in the stored dtype (Expect.lossless)
-            self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
+            self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads(), spec.block_size,
+                                       whole=True, on_forgotten=self._forgotten)
             return
         store = Store.open_for_writing(spec.store)
         # The store's one-writer lock now, before the engine starts (and every run's start checks
@@ -164,6 +165,14 @@ class _Loop:
         self.buffers.give(p.states)
         self.released.add(p.reserved)
         self.notify(Delivered(p.key, nbytes, error))
+
+    def _forgotten(self, p) -> None:
+        """An aborted sample, dropped (`corecap serve`): its buffer and reservation go back."""
+        self.spec_captures.pop(p.key, None)
+        self.lossless.discard(p.key)
+        if p.states is not None:
+            self.buffers.give(p.states)
+        self.released.add(p.reserved)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
@@ -212,14 +221,8 @@ class _Loop:
             self.collector.hits(msg.req_id, msg.num_blocks)
         elif isinstance(msg, Drop):
             self.collector.drop(msg.block_hash, msg.count)
-        elif isinstance(msg, Forget):
-            p = self.collector.forget(msg.req_id)
-            if p is not None:  # only a delivering sink (corecap serve) is told to forget
-                self.spec_captures.pop(p.key, None)
-                self.lossless.discard(p.key)
-                if p.states is not None:
-                    self.buffers.give(p.states)
-                self.released.add(p.reserved)
+        elif isinstance(msg, Forget):  # only a delivering sink (corecap serve) is told to forget
+            self.collector.forget(msg.req_id, msg.until)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:
