@@ -282,6 +282,159 @@ def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pend
     assert (col.num_referring, col.num_referred_tokens, col.num_stored_whole) == (2, 8, 0)
 
 
+# --- prefix caching while serving: samples delivered whole, blocks copied (corecap serve) ---------
+
+
+def _hashes(ids: np.ndarray) -> list[bytes]:
+    return [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]
+
+
+class _Serving:
+    """A delivering sink's collector (corecap/sink/process.py with `deliver`): each sample
+    snapshotted as its file would be written, then its buffer given back to the pool, reused and
+    overwritten (NaN) by the next sample that takes it."""
+
+    def __init__(self, pool_bytes: int = 1 << 20):
+        self.pool = BufferPool(pool_bytes)
+        self.delivered: dict[str, torch.Tensor] = {}
+        self.forgotten: list[str] = []
+        self.col = Collector(LAYERS, self._deliver, self.pool, block_size=BS, whole=True,
+                             on_forgotten=self._forget)
+
+    def _deliver(self, p):
+        assert p.producer.prefix == ()  # whole: never by reference
+        self.delivered[p.key] = p.stored_states().clone()
+        p.states.fill_(float("nan"))
+        self.pool.give(p.states)
+
+    def _forget(self, p):
+        self.forgotten.append(p.key)
+        if p.states is not None:
+            p.states.fill_(float("nan"))
+            self.pool.give(p.states)
+
+
+BLOCK_BYTES = len(LAYERS) * BS * HIDDEN * 4
+
+
+def test_serving_a_hit_after_its_producer_was_delivered_comes_from_the_caches_copy():
+    """a is delivered and its buffer reused; b then hits a's two blocks: b's file holds a's states
+    there, from the copies the cache made when a left (counted in the pool), and its own after."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 100, 10).astype(np.int32)
+    b = np.concatenate([a[:8], rng.integers(0, 100, 3).astype(np.int32)])
+    s = _Serving()
+    for r, ids in (("a", a), ("b", b)):
+        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
+    step0 = _chunk(0, [("a", a, 0)])
+    s.col.take(step0, 0.0)
+    assert list(s.delivered) == ["a"] and s.pool.held_bytes == 2 * BLOCK_BYTES == s.col.cache.copies.num_bytes
+    s.col.hits("b", 2)
+    step1 = _chunk(1, [("b", b[8:], 8)])
+    s.col.take(step1, 0.0)
+    assert torch.equal(s.delivered["b"][:, :8], step0.states[:, :8]) and torch.equal(s.delivered["b"][:, 8:],
+                                                                                       step1.states)
+    assert torch.equal(s.delivered["a"], step0.states) and s.col.cache.num_blocks == 2  # a's (b computed no full block)
+    s.col.drop(_hashes(a)[0], 1)  # the driver's bound: one production counted (a hit is none)
+    assert s.pool.held_bytes == BLOCK_BYTES and s.col.cache.num_blocks == 1
+    s.col.drop(_hashes(a)[1], 1)
+    assert s.pool.held_bytes == 0 == s.col.cache.copies.num_bytes and not s.col.cache.entries
+
+
+def test_serving_a_hit_on_a_pending_producer_is_copied_at_once_not_held():
+    """d hits e's block while e is still being computed (chunked); e is delivered, and its buffer
+    reused, before d completes: d holds e's states, copied when the hit was placed."""
+    rng = np.random.default_rng(6)
+    e = rng.integers(0, 100, 12).astype(np.int32)
+    d = np.concatenate([e[:4], rng.integers(0, 100, 3).astype(np.int32)])
+    s = _Serving()
+    for r, ids in (("e", e), ("d", d)):
+        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
+    step0 = _chunk(0, [("e", e[:6], 0)])
+    s.col.take(step0, 0.0)
+    s.col.hits("d", 1)
+    assert not s.col.pending["d"].held and s.pool.held_bytes == 0  # copied into d, no copy of the cache's yet
+    s.col.take(_chunk(1, [("e", e[6:], 6)]), 0.0)  # e delivered, its buffer reused
+    assert "e" in s.delivered and s.pool.held_bytes == 3 * BLOCK_BYTES  # e's blocks copied as it left
+    s.col.take(_chunk(2, [("d", d[4:], 4)]), 0.0)
+    assert torch.equal(s.delivered["d"][:, :4], step0.states[:, :4])
+
+
+def test_serving_a_hit_waits_for_its_producers_chunk_in_the_same_step():
+    rng = np.random.default_rng(7)
+    a = rng.integers(0, 100, 9).astype(np.int32)
+    c = np.concatenate([a[:8], rng.integers(0, 100, 2).astype(np.int32)])
+    s = _Serving()
+    for r, ids in (("a", a), ("c", c)):
+        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
+    s.col.hits("c", 2)  # a computes both blocks in this very step
+    step0 = _chunk(0, [("a", a, 0), ("c", c[8:], 8)])
+    s.col.take(step0, 0.0)
+    assert sorted(s.delivered) == ["a", "c"]
+    assert torch.equal(s.delivered["c"][:, :8], step0.states[:, :8])
+    assert torch.equal(s.delivered["c"][:, 8:], step0.states[:, 9:])
+
+
+def test_an_aborted_sample_is_kept_until_the_states_of_its_scheduled_steps_are_in():
+    """a's request is aborted while a step computing its positions 6..11 is in flight (the driver
+    says: 12 positions scheduled). b hits a's blocks 0..2: it waits for that step's chunk, which
+    still produces a's blocks 1 and 2; a is then dropped, never delivered, its blocks kept as
+    copies; its later states (none should come) are skipped. Aborted with nothing in flight, a
+    sample goes at once."""
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 100, 14).astype(np.int32)
+    b = np.concatenate([a[:12], rng.integers(0, 100, 2).astype(np.int32)])
+    s = _Serving()
+    for r, ids in (("a", a), ("b", b)):
+        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
+    step0 = _chunk(0, [("a", a[:6], 0)])
+    s.col.take(step0, 0.0)
+    s.col.hits("b", 3)  # block 0 is here; 1 and 2 are in a's step still in flight
+    s.col.forget("a", 12)
+    assert "a" in s.col.pending and not s.forgotten
+    step1 = _chunk(1, [("a", a[6:12], 6), ("b", b[12:], 12)])
+    s.col.take(step1, 0.0)
+    assert s.forgotten == ["a"] and "a" not in s.delivered and list(s.delivered) == ["b"]
+    assert torch.equal(s.delivered["b"][:, :6], step0.states) and torch.equal(s.delivered["b"][:, 6:], step1.states)
+    assert s.col.cache.num_blocks == 3 and s.pool.held_bytes == 3 * BLOCK_BYTES  # a's, copied as it went
+    s.col.take(_chunk(2, [("a", a[12:], 12)]), 0.0)  # skipped
+    assert not s.col.pending
+    s.col.expect("c", "c", a[:5], block_hashes=_hashes(a[:5]))
+    s.col.forget("c", 0)  # never scheduled
+    s.col.expect("d", "d", a[:6], block_hashes=_hashes(a[:6]))
+    s.col.take(_chunk(3, [("d", a[:3], 0)]), 0.0)
+    s.col.forget("d", 3)  # everything scheduled is here
+    assert s.forgotten == ["a", "c", "d"] and not s.col.pending and s.pool.lent_bytes == 0
+
+
+def test_without_prefix_caching_an_aborted_sample_goes_at_once():
+    forgotten = []
+    col = Collector(LAYERS, lambda p: None, whole=True, on_forgotten=lambda p: forgotten.append(p.key))
+    col.expect("a", "a", np.arange(8, dtype=np.int32))
+    col.take(_chunk(0, [("a", np.arange(4, dtype=np.int32), 0)]), 0.0)
+    col.forget("a", 8)
+    assert forgotten == ["a"] and not col.pending
+    col.take(_chunk(1, [("a", np.arange(4, 8, dtype=np.int32), 4)]), 0.0)  # skipped
+
+
+def test_the_caches_copies_count_in_the_pools_bound():
+    """The copies are held bytes of the pool (sink/buffers.py): free buffers make room for them."""
+    from corecap.sink.prefix_cache import BlockCopies
+
+    from corecap.sink.buffers import size_class
+
+    pool = BufferPool(size_class(BLOCK_BYTES) + 2 * BLOCK_BYTES)
+    pool.give(pool.take((len(LAYERS), BS, HIDDEN), torch.float32))
+    assert pool.free_bytes == size_class(BLOCK_BYTES)  # kept for reuse
+    copies = BlockCopies(pool)
+    kept = [copies.copy(torch.ones(len(LAYERS), BS, HIDDEN)) for _ in range(3)]
+    assert pool.held_bytes == 3 * BLOCK_BYTES and pool.free_bytes == 0  # the free buffer let go for them
+    assert copies.peak_bytes == 3 * BLOCK_BYTES and all(k.is_contiguous() for k in kept)
+    for k in kept:
+        copies.free(k)
+    assert pool.held_bytes == 0 == copies.num_bytes
+
+
 # --- decode steps: a token for each of many requests (corecap run --max-tokens) ------------------
 
 

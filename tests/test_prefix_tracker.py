@@ -55,9 +55,26 @@ def _request(scheduler, req_id, hashes):
     scheduler.requests[req_id] = SimpleNamespace(num_computed_tokens=0, block_hashes=hashes)
 
 
-def test_the_bound_defaults_to_the_kv_caches_block_count():
+def test_the_bound_defaults_to_the_kv_caches_block_count_and_never_exceeds_it():
     assert PrefixTracker(_scheduler(_Pool())).max_blocks == 100
     assert PrefixTracker(_scheduler(_Pool()), max_blocks=7).max_blocks == 7
+    assert PrefixTracker(_scheduler(_Pool()), max_blocks=700).max_blocks == 100  # vLLM never holds more
+
+
+def test_an_aborted_request_says_how_far_its_steps_were_scheduled():
+    """`corecap serve` aborts a request whose client went away: the sink must still take the states
+    of every position a step of it was scheduled for (their blocks are cached and counted), even
+    where a preemption reset its num_computed_tokens while such a step is in flight."""
+    scheduler = _scheduler(_Pool())
+    tracker = PrefixTracker(scheduler, max_blocks=10)
+    _request(scheduler, "a", [b"1", b"2", b"3"])
+    _request(scheduler, "b", [b"4"])
+    _step(scheduler, tracker, {"a": 8, "b": 3}, {"a": 0, "b": 0})
+    scheduler.requests["a"].num_computed_tokens = 0  # preempted, its step still in flight
+    assert tracker.abandon("a") == 8 and tracker.abandon("a") == 0
+    assert tracker.abandon("never-scheduled") == 0
+    tracker.forget(["b"])  # finished: nothing kept of it
+    assert not tracker.ends
 
 
 def test_hits_and_productions_and_the_bound():

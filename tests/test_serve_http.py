@@ -122,6 +122,40 @@ def test_the_files_layers_are_the_aux_ones_then_prenorm():
         file_layers((8, "prenorm"), 8)
 
 
+def test_the_prefix_caches_bound_is_a_share_of_the_sinks_memory_or_what_the_user_sets():
+    """The sink keeps a copy of every cached block's states (every engine's): by default a quarter
+    of --buffer-gb; a --prefix-blocks that leaves nothing for the requests in flight is refused."""
+    from corecap.serve.prepare import PREFIX_MEMORY_SHARE, _prefix_blocks
+
+    block = 4 * 16 * 4096 * 2  # an 8B model's four layers, bfloat16, 16-token blocks: 512 KiB
+    assert PREFIX_MEMORY_SHARE == 0.25 and _prefix_blocks(None, 4 << 30, block, 1) == 2048
+    assert _prefix_blocks(None, 4 << 30, block, 2) == 1024  # the engines' copies share it
+    assert _prefix_blocks(None, 1 << 20, block, 1) == 1  # never none
+    assert _prefix_blocks(7000, 4 << 30, block, 1) == 7000
+    with pytest.raises(CorecapError, match=r"--prefix-blocks 8192: .* in each of 2 engines .* --buffer-gb 4"):
+        _prefix_blocks(8192, 4 << 30, block, 2)
+
+
+def test_metrics_show_what_the_prefix_cache_gave_where_it_is_on():
+    from types import SimpleNamespace
+
+    from corecap.serve.engine_loop import prefix_line
+
+    metrics = Metrics()
+    assert "prefix_cache" not in metrics.text()
+    metrics.prefix = (640, 3, 8)
+    text = metrics.text()
+    for line in ("corecap_prefix_cache_hit_tokens_total 640", "corecap_prefix_cache_evicted_blocks_total 3",
+                 "corecap_prefix_cache_blocks 8"):
+        assert line in text.splitlines()
+    plan = SimpleNamespace(block_size=16, block_bytes=1 << 19, buffer_bytes=4 << 30)
+    assert prefix_line(plan, [2048]) == ("prefix caching: at most 2048 blocks of 16 tokens kept cached (1,024.0 MiB "
+                                         "of the sink's --buffer-gb 4 for a copy of their states; --prefix-blocks "
+                                         "sets it)")
+    assert "in each of 2 engines (1,024.0 MiB" in prefix_line(plan, [1024, 1024])
+    assert prefix_line(SimpleNamespace(block_size=0), []) == ""
+
+
 @pytest.mark.full  # two CLI processes: ~10 s each on 2 cores
 def test_refusals_come_before_the_model_loads(tiny_model, tmp_path):
     with socket.socket() as taken:

@@ -251,19 +251,22 @@ class Engine:
             self.media = MediaInputs(self.vllm_config)
         return media_request(self.core, self.media, req_id, token_ids, images, params)
 
-    def abort(self, req_id: str) -> bool:
+    def abort(self, req_id: str) -> int | None:
         """End an unfinished request now (its client went away): vLLM frees its KV blocks, and a
         batch of it still at the workers is skipped when its output comes back (the scheduler's
-        update_from_output passes over finished requests). False: not here, or already finished."""
+        update_from_output passes over finished requests). None: not here, or already finished;
+        else, with prefix caching on, how many of its leading positions the steps scheduled for it
+        compute (their states still reach the sink, which needs the blocks they complete:
+        prefix_tracker.py `abandon`), 0 with it off."""
         from vllm.v1.request import RequestStatus
 
         if req_id not in self.tokens:
-            return False
+            return None
         self.core.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         self.responses.pop(req_id, None)
         self.num_unfinished -= 1
         self.num_outstanding_tokens -= self.tokens.pop(req_id)
-        return True
+        return self.prefix.abandon(req_id) if self.prefix is not None else 0
 
     def take_prefix_actions(self) -> list[tuple]:
         """What the sink must do for the prefix cache since the last call (corecap/_vllm/prefix_tracker.py)."""
@@ -335,10 +338,9 @@ class Engine:
 
             done = [req_id for req_id, _ in self.written[-timing.num_responses :]]
             self.core.scheduler.finish_requests(done, RequestStatus.FINISHED_ABORTED)
-            if self.prefix is not None:
-                self.prefix.forget(done)
             timing.finished += done
         if self.prefix is not None:
+            self.prefix.forget(timing.finished)
             self.prefix.after_update()
         self.num_unfinished -= len(timing.finished)
         for req_id in timing.finished:

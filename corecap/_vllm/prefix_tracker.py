@@ -15,8 +15,17 @@ is sampled, so before vLLM can hash it: that block is told and counted once its 
 after the output that brings the token (`after_update`), before vLLM caches it (one output later:
 a hash the bound drops in between is evicted again then). vLLM evicting a
 block on its own needs no message: the sink forgets it when the bound drops it. The bound is,
-unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached: the
-sink keeps no states of its own for a hash (corecap/sink/prefix_cache.py), only who produced it.
+unless the user sets one, the KV cache's block count, the most blocks vLLM can hold cached (and
+never more: a hash vLLM no longer holds is never hit); in `corecap run` the sink keeps no states
+of its own for a hash (corecap/sink/prefix_cache.py), only who produced it. `corecap serve`'s
+sink keeps a copy of each block's states, so there the bound is what its memory for them holds
+(corecap/serve/prepare.py).
+
+A request aborted (`corecap serve`: its client went away) may already have had steps scheduled
+whose blocks vLLM caches and this tracker counted: their states reach the sink all the same, and
+the sink must take them before it forgets the request. `abandon` says how far: the furthest
+position any of its steps scheduled (not `num_computed_tokens`, which a preemption resets while
+a step of it is still in flight).
 """
 
 from __future__ import annotations
@@ -48,7 +57,9 @@ class PrefixTracker:
             )
         self.scheduler = scheduler
         self.block_size = hash_block_size
-        self.max_blocks = max_blocks or scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        num_gpu_blocks = scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        self.max_blocks = min(max_blocks or num_gpu_blocks, num_gpu_blocks)
+        self.ends: dict[str, int] = {}  # unfinished request → the furthest position a step of it scheduled
         self.counts: OrderedDict[bytes, int] = OrderedDict()  # hash → productions since the sink last dropped it
         # for the sink, in order: ("hits", req_id, n), ("drop", hash, count), ("hash", req_id, i, hash)
         self.actions: list[tuple] = []
@@ -60,9 +71,12 @@ class PrefixTracker:
     def after_schedule(self, scheduler_output) -> None:
         bs, requests = self.block_size, self.scheduler.requests
         # Productions first: a request may hit blocks that another computes in this same step.
+        ends = self.ends
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
             end = request.num_computed_tokens  # already advanced past this step's tokens
+            if end > ends.get(req_id, 0):
+                ends[req_id] = end
             told = self.num_told.get(req_id)
             for i in completed_blocks(end - num_tokens, end, bs, len(request.block_hashes)):
                 h = request.block_hashes[i]
@@ -131,8 +145,16 @@ class PrefixTracker:
         self.num_told[req_id] = num_hashes
 
     def forget(self, req_ids) -> None:
+        """Finished requests: nothing more of them is scheduled."""
         for req_id in req_ids:
             self.num_told.pop(req_id, None)
+            self.ends.pop(req_id, None)
+
+    def abandon(self, req_id: str) -> int:
+        """An aborted request: how many of its leading positions its scheduled steps compute (their
+        states, and the productions this tracker counted in them, still reach the sink)."""
+        self.num_told.pop(req_id, None)
+        return self.ends.pop(req_id, 0)
 
     def _evict(self, block_hash: bytes) -> None:
         """Every block vLLM caches under this hash (a recomputed block is cached again, in a block

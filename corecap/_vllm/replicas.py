@@ -79,15 +79,32 @@ class Replicas:
         engine = min(self.engines, key=lambda e: e.num_outstanding_tokens)
         return engine.add(req_id, token_ids, response, settings, **({"images": images} if images else {}))
 
-    def abort(self, req_id: str) -> bool:
-        """End an unfinished request on whichever replica runs it (False: none does)."""
-        return any(e.abort(req_id) for e in self.engines)
+    def abort(self, req_id: str) -> int | None:
+        """End an unfinished request on whichever replica runs it (None: none does; `Engine.abort`)."""
+        for e in self.engines:
+            until = e.abort(req_id)
+            if until is not None:
+                return until
+        return None
 
     def take_prefix_actions(self) -> list[tuple]:
         return [a for e in self.engines for a in e.take_prefix_actions()]
 
     def take_responses(self) -> list[tuple]:
         return [r for e in self.engines for r in e.take_responses()]
+
+    def prefix_bounds(self) -> list[int]:
+        """Each engine's bound on the blocks it keeps in vLLM's prefix cache (none: caching off)."""
+        return [e.prefix.max_blocks for e in self.engines if e.prefix is not None]
+
+    def prefix_counts(self) -> tuple[int, int, int] | None:
+        """Prompt tokens taken from vLLM's prefix cache, blocks evicted from it for the bound, and
+        blocks tracked now, over every engine; None where caching is off."""
+        trackers = [e.prefix for e in self.engines if e.prefix is not None]
+        if not trackers:
+            return None
+        return (sum(t.num_hit_tokens for t in trackers), sum(t.num_evicted for t in trackers),
+                sum(len(t.counts) for t in trackers))
 
     def prefix_line(self) -> str | None:
         """How much vLLM's prefix cache saved, or None where it is off."""

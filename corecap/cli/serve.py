@@ -54,7 +54,12 @@ from corecap.errors import CorecapError
 @click.option("--verbose", "-v", is_flag=True, help="Show vLLM's own log on the terminal too.")
 @_LAYERS_OPTION
 @click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
-              help="The sink's host memory for states of requests in flight (default: 4).")
+              help="The sink's host memory for states: of requests in flight and, with prefix caching, a copy of "
+                   "each cached block's (default: 4).")
+@click.option("--prefix-blocks", type=click.IntRange(min=1), default=None,
+              help="With prefix caching: the most blocks an engine keeps in vLLM's prefix cache, whose states the "
+                   "sink copies (default: what a quarter of --buffer-gb holds, at most the KV cache's blocks); "
+                   "beyond, the least recently used leave it.")
 @click.option("--private-network/--no-private-network", default=True, show_default=True,
               help="Run vLLM's workers in a network namespace with only loopback (where the machine allows it).")
 @_with(_ENGINE_OPTIONS)
@@ -104,7 +109,7 @@ def _serve_config(extra_args: list[str], options: dict):
     layers = options["layers"]
     run = RunConfig(data=None, store="", layers=parse_layers(layers) if layers is not None else None, engine=engine,
                     buffer_bytes=None if options["buffer_gb"] is None else int(options["buffer_gb"] * 2**30),
-                    private_network=options["private_network"])
+                    prefix_blocks=options["prefix_blocks"], private_network=options["private_network"])
     return ServeConfig(
         run=run, host=options["host"], port=options["port"], api_key=options["api_key"],
         served_model_name=options["served_model_name"], backend=options["hidden_states_backend"],

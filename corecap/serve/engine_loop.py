@@ -77,14 +77,13 @@ class EngineLoop:
         spec = DeliverSpec(self.directory, plan.positions, fp8=plan.cfg.backend == "fp8",
                            mooncake=plan.cfg.mooncake if self.mooncake else None, spec_positions=plan.spec_positions)
         store = plan.cfg.store or ""  # each sample delivered also committed there, in its codec (sink/store_copy.py)
-        self.sink = Sink(store, "raw", "stop", run.encode_threads if store else 1, plan.buffer_bytes, deliver=spec,
+        self.sink = Sink(store, "raw", "stop", run.encode_threads if store else 1, plan.buffer_bytes,
+                         block_size=plan.block_size, deliver=spec,
                          layers=plan.layers)
         self.hidden_size = plan.vllm_config.model_config.get_hidden_size()
         self.dtype = DTYPES[Engine.dtype_of(plan.vllm_config)]
-        token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
-        self.budget = StatesBudget(plan.buffer_bytes, token_bytes, self.sink.released)
         capture = CaptureSpec(layers=plan.layers, ipc_path=self.sink.capture_path, ring=run.ring,
-                              private_network=run.private_network)
+                              private_network=run.private_network, prefix_blocks=plan.prefix_blocks or None)
         try:
             first = plan.vllm_config if len(plan.devices) == 1 else None
             with Heartbeat("engine starting", self.log) as heartbeat:
@@ -93,6 +92,15 @@ class EngineLoop:
             self.sink.close()
             raise
         self.sink.watch(on_death=self.engine.interrupt)
+        # The samples in flight get the sink's memory less the copies of the cached blocks' states
+        # (corecap/sink/prefix_cache.py): as many as the engines may keep cached (each engine's bound,
+        # no more than its KV cache holds).
+        cached = sum(self.engine.prefix_bounds()) * plan.block_bytes
+        token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
+        self.budget = StatesBudget(plan.buffer_bytes - cached, token_bytes, self.sink.released)
+        line = prefix_line(plan, self.engine.prefix_bounds())
+        if line:
+            self.log(line)
         self.thread = threading.Thread(target=self._serve, name="corecap-engine", daemon=True)
         self.thread.start()
 
@@ -163,6 +171,8 @@ class EngineLoop:
         if self.thread is not None:
             self.thread.join(timeout)
         if self.engine is not None:
+            if self.engine.prefix_line():
+                self.log(self.engine.prefix_line())
             self.engine.shutdown()
         if self.sink is not None:
             self.sink.unwatch()
@@ -183,6 +193,9 @@ class EngineLoop:
                 if self.engine.num_unfinished:
                     timing = self.engine.step()
                     self.metrics.stepped(timing.num_tokens)
+                    # before any response: a block's hash first, then the sample whole (as `corecap run`)
+                    self.sink.prefix(self.engine.take_prefix_actions())
+                    self.metrics.prefix = self.engine.prefix_counts()
                     for name, response in self.engine.take_responses():  # written: the sink completes its sample
                         self.sink.generated(name, response.token_ids,
                                             self.responses.record(response, self.running[name].settings))
@@ -206,9 +219,10 @@ class EngineLoop:
         with self.wake:
             abandoned, self.abandoned = self.abandoned, []
         for ticket in abandoned:
-            if ticket.name not in self.running or not self.engine.abort(ticket.name):
+            until = self.engine.abort(ticket.name) if ticket.name in self.running else None
+            if until is None:  # not running, or its response already written: its file goes once written
                 continue
-            self.sink.forget(ticket.name)
+            self.sink.forget(ticket.name, until)
             del self.running[ticket.name]
             self.metrics.running = len(self.running)
             self.metrics.aborted()
@@ -231,8 +245,8 @@ class EngineLoop:
                 seed = ticket.request.seed if ticket.request.seed is not None else request_seed(0, ticket.name)
                 ticket.response = Response(num_prompt=len(ids), max_tokens=max_tokens, rule=self._stop_rule(ticket),
                                            seed=seed)
-            self.engine.add(ticket.name, ids.tolist(), ticket.response, ticket.settings)
-            self.sink.expect(ticket.name, ticket.name, ids, ticket.request.loss_mask, None, max_tokens, cost,
+            block_hashes = self.engine.add(ticket.name, ids.tolist(), ticket.response, ticket.settings)
+            self.sink.expect(ticket.name, ticket.name, ids, ticket.request.loss_mask, block_hashes, max_tokens, cost,
                              ticket.spec_capture, lossless=ticket.nixl, store_key=ticket.key)
             self.running[ticket.name] = ticket
             self.metrics.running = len(self.running)
@@ -308,6 +322,17 @@ class EngineLoop:
 
     def on_failure(self) -> None:
         """Set by the server: stop serving (the engine failed)."""
+
+
+def prefix_line(plan: ServePlan, bounds: list[int]) -> str:
+    """What the server says of vLLM's prefix caching once its engines started ('' : off)."""
+    if not plan.block_size or not bounds:
+        return ""
+    each = f"{bounds[0]} blocks" if len(set(bounds)) == 1 else f"{', '.join(map(str, bounds))} blocks"
+    engines = f" in each of {len(bounds)} engines" if len(bounds) > 1 else ""
+    return (f"prefix caching: at most {each} of {plan.block_size} tokens kept cached{engines} "
+            f"({sum(bounds) * plan.block_bytes / 2**20:,.1f} MiB of the sink's --buffer-gb "
+            f"{plan.buffer_bytes / 2**30:g} for a copy of their states; --prefix-blocks sets it)")
 
 
 def retry_after(loop: EngineLoop) -> int:

@@ -1,6 +1,6 @@
 """What `GET /metrics` shows, in Prometheus' text format (as vLLM's server offers one): requests
-by endpoint and status, tokens captured and their rate, the queue, the bytes delivered; with
---store, what is committed there."""
+by endpoint and status, tokens captured and their rate, the queue, the bytes delivered, with
+prefix caching on what vLLM's prefix cache gave, and with --store what is committed there."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ class Metrics:
         self.num_aborted = 0  # requests ended early: their clients went away
         self.steps: collections.deque = collections.deque()  # (time, tokens) of recent steps
         self.kept = None  # with --store: the sink's latest report of its copy (sink.messages.Kept)
+        # with prefix caching on (the engine thread sets it after each step): prompt tokens taken
+        # from vLLM's prefix cache, blocks evicted from it for corecap's bound, blocks tracked now
+        self.prefix: tuple[int, int, int] | None = None
 
     def answered(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -78,6 +81,22 @@ class Metrics:
                 "# TYPE corecap_requests_running gauge",
                 f"corecap_requests_running {self.running}",
             ]
+            if self.prefix is not None:
+                hits, evicted, tracked = self.prefix
+                lines += [
+                    "# HELP corecap_prefix_cache_hit_tokens_total Prompt tokens taken from vLLM's prefix cache "
+                    "(their states from the server's copy of the block).",
+                    "# TYPE corecap_prefix_cache_hit_tokens_total counter",
+                    f"corecap_prefix_cache_hit_tokens_total {hits}",
+                    "# HELP corecap_prefix_cache_evicted_blocks_total Blocks evicted from vLLM's prefix cache "
+                    "for the bound on the blocks the server keeps states of (--prefix-blocks).",
+                    "# TYPE corecap_prefix_cache_evicted_blocks_total counter",
+                    f"corecap_prefix_cache_evicted_blocks_total {evicted}",
+                    "# HELP corecap_prefix_cache_blocks Blocks whose states the server keeps now: the most a "
+                    "request may take from vLLM's prefix cache.",
+                    "# TYPE corecap_prefix_cache_blocks gauge",
+                    f"corecap_prefix_cache_blocks {tracked}",
+                ]
             if self.kept is not None:
                 lines += _store_lines(self.kept)
         return "\n".join(lines) + "\n"

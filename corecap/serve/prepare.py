@@ -1,10 +1,10 @@
 """What `corecap serve` knows before its engine starts (`ServePlan`), and `prepare`, which finds
 it out: the model's identity, the layers and where each goes in a trainer's file, vLLM's
-configuration (no weights), the tokenizer. Everything here fails before any weight loads."""
+configuration (no weights), the tokenizer, the sink's memory and its share for the blocks of
+vLLM's prefix cache. Everything here fails before any weight loads."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -37,19 +37,27 @@ class ServePlan:
     eos_token_ids: frozenset  # what ends a response (vLLM's frontend's: the tokenizer's, the generation config's)
     max_len: int  # the longest prompt
     vocab_size: int
-    buffer_bytes: int  # the sink's memory bound
+    buffer_bytes: int  # the sink's memory bound: the samples' buffers and the cached blocks' copies
     settings_line: str  # the engine's settings, as `corecap run` logs them
+    # vLLM's prefix caching (0: off): its block size, the bytes of one block's states in the sink
+    # (every captured layer), and the most blocks each engine keeps cached (`prefix_blocks`)
+    block_size: int = 0
+    block_bytes: int = 0
+    prefix_blocks: int = 0
+
+
+# With prefix caching on and no --prefix-blocks: the share of the sink's memory (--buffer-gb) for
+# the states of the blocks vLLM may keep cached (the sink keeps a copy of each: a delivered
+# sample's buffer is reused); the samples in flight get the rest.
+PREFIX_MEMORY_SHARE = 0.25
 
 
 def prepare(cfg: ServeConfig, log) -> ServePlan:
     from corecap._vllm import checked_vllm_config, check_pipeline, effective_settings, max_prompt_len, placement
-    from corecap._vllm import sampling, vllm_version
+    from corecap._vllm import prefix_tracker, sampling, vllm_version
 
     run = cfg.run
-    if run.engine.enable_prefix_caching:
-        raise CorecapError("--enable-prefix-caching: `corecap serve` runs with vLLM's prefix caching off "
-                           "(each request's states are written whole to its own file)")
-    engine = dataclasses.replace(run.engine, enable_prefix_caching=False)
+    engine = run.engine
     model_dir = resolve_model_dir(run.model) if run.model else demo.demo_model_dir()
     identity = model_identity(model_dir, engine.load_format)
     check_checkpoint(model_dir, engine.load_format)
@@ -63,16 +71,42 @@ def prepare(cfg: ServeConfig, log) -> ServePlan:
     tokenizer = load_tokenizer(model_dir)
     if vllm_config.parallel_config.nnodes > 1:
         raise CorecapError("--nnodes: `corecap serve` runs on one node (use -tp, -pp and -dp within it)")
+    memory = buffer_bytes(run.buffer_bytes, False, psutil.virtual_memory().available)
+    block_size = prefix_tracker.block_size(vllm_config)
+    block_bytes = prefix_blocks = 0
+    if block_size:
+        model_config = vllm_config.model_config
+        block_bytes = len(layers) * block_size * model_config.get_hidden_size() * model_config.dtype.itemsize
+        prefix_blocks = _prefix_blocks(run.prefix_blocks, memory, block_bytes, len(devices))
+    elif run.prefix_blocks is not None:
+        raise CorecapError("--prefix-blocks: prefix caching is off (see the engine's line)")
     return ServePlan(
-        cfg=dataclasses.replace(cfg, run=dataclasses.replace(run, engine=engine)), model_dir=model_dir,
+        cfg=cfg, model_dir=model_dir,
         model_name=cfg.served_model_name or run.model or os.path.basename(model_dir),
         layers=layers, aux_layers=aux, positions=positions, spec_positions=spec_positions, spec_layer_ids=spec_ids,
         vllm_config=vllm_config, devices=devices,
         tokenizer=tokenizer, eos_token_ids=sampling.eos_token_ids(vllm_config, tokenizer),
         max_len=max_prompt_len(vllm_config), vocab_size=identity.vocab_size,
-        buffer_bytes=buffer_bytes(run.buffer_bytes, False, psutil.virtual_memory().available),
+        buffer_bytes=memory,
         settings_line=effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else ""),
+        block_size=block_size, block_bytes=block_bytes, prefix_blocks=prefix_blocks,
     )
+
+
+def _prefix_blocks(given: int | None, memory: int, block_bytes: int, num_engines: int) -> int:
+    """The most blocks each engine keeps in vLLM's prefix cache (prefix_tracker.py's bound, lowered
+    to the KV cache's size once the engine has one): the sink holds a copy of every such block's
+    states, of all the engines, in its memory (--buffer-gb). --prefix-blocks, or what
+    PREFIX_MEMORY_SHARE of that memory holds."""
+    if given is None:
+        return max(1, int(PREFIX_MEMORY_SHARE * memory) // (block_bytes * num_engines))
+    if given * block_bytes * num_engines >= memory:
+        engines = f" in each of {num_engines} engines" if num_engines > 1 else ""
+        raise CorecapError(
+            f"--prefix-blocks {given}: the states of that many cached blocks{engines} "
+            f"({given * block_bytes * num_engines / 2**30:.3g} GiB, {block_bytes} bytes a block) leave nothing of "
+            f"--buffer-gb {memory / 2**30:g} for the requests in flight: raise --buffer-gb or lower --prefix-blocks")
+    return given
 
 
 def file_layers(layers: tuple, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,6 +1,6 @@
 """The sink's memory for states, one bound (--buffer-gb) that the driver keeps by admission.
 
-Every sample the sink holds (corecap/sink/collect.py, `_Pending.buffer`) has one buffer of its
+Every sample the sink holds (corecap/sink/pending.py, `Pending.buffer`) has one buffer of its
 whole length (a response's: prompt + --max-tokens) from its first chunk until its commit: while
 its states arrive, while the model writes its response, and while it waits in the writer's
 queue. So the driver reserves a sample's buffer when it adds the request and gets it back only
@@ -9,7 +9,9 @@ a request waits while the buffers of those held, its own included, would not fit
 still encodes and writes in its own threads, ahead of the engine, within that same bound; the
 buffer pool's free buffers are kept within it too (corecap/sink/buffers.py). A sample of given
 tokens that streams to disk (corecap/sink/stream.py) holds no buffer and reserves none. At least
-one sample is always admitted.
+one sample is always admitted. `corecap serve` with prefix caching admits within --buffer-gb less
+the most its prefix cache's copies of blocks may take (corecap/serve/engine_loop.py), an
+aborted sample's reservation coming back once the sink has dropped it.
 
 Why at admission and not in the sink: a sample's buffer is taken at its first chunk, and a sink
 that waited for room there would stop reading the very chunks that complete the samples holding

@@ -25,7 +25,8 @@ class BufferPool:
 
     The sink's memory for states is one count here against one bound, `limit_bytes` (--buffer-gb):
     the buffers taken, the free ones kept for reuse, and the encoded copies that the writer holds
-    until their commit in place of a buffer it gave back (`hold`/`drop`; corecap/sink/writer.py). A
+    until their commit in place of a buffer it gave back (`hold`/`drop`; corecap/sink/writer.py), and
+    while serving the prefix cache's copies of blocks (corecap/sink/prefix_cache.py `BlockCopies`). A
     free buffer is kept only while the whole fits in the bound, and free ones are let go to make
     room for a fresh buffer or an encoded copy. The driver admits a sample only while the buffers of
     those held fit (corecap/sink/budget.py), so what is taken or held stays within the bound and the

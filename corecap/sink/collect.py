@@ -14,6 +14,12 @@ Such a sample is stored once: it refers, for its first j hit blocks, to the prod
 j - 1, the last one already handed to the writer, and encodes only the rest, copying the states
 of any later hit blocks from their producers' buffers, still pending (`_refer`;
 corecap/store/refs.py). No cached block is ever copied twice, or at all where it is referred to.
+
+Delivering (`corecap serve`, `whole`), a sample is never stored by reference: every hit block is
+copied into it as it is placed, from the producer's buffer while that one is pending, else from
+the states cache's own copy (sink/prefix_cache.py). A sample whose request is aborted is kept
+until the states of every position its scheduled steps compute have come (`forget`), since the
+blocks they complete are cached by vLLM and may be hit later; then dropped, never delivered.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,56 +35,12 @@ import torch
 from corecap.errors import CorecapError
 from corecap.sink import stream
 from corecap.sink.buffers import BufferPool
-from corecap.sink.prefix_cache import Producer, StatesCache
+from corecap.sink.pending import Pending
+from corecap.sink.prefix_cache import BlockCopies, Producer, StatesCache
 from corecap.store import refs
 from corecap.store.spill import SpillFile
 from corecap.transport import wire
 from corecap.transport.prefix_blocks import completed_blocks
-
-
-@dataclass(kw_only=True)
-class _Pending:
-    key: str
-    token_ids: np.ndarray
-    loss_mask: np.ndarray | None
-    states: torch.Tensor | None = None
-    rows: np.ndarray | None = None  # `states` as bytes, uint8 [L, capacity, bytes a row]; or a long sample's file
-    spill: SpillFile | None = None  # a long sample's states, streamed to disk (sink/stream.py); `states` None
-    covered: np.ndarray = field(default=None)  # bool [T]
-    num_covered: int = 0
-    block_hashes: list[bytes] | None = None  # vLLM's, of each full block (prefix caching on)
-    producer: Producer | None = None  # this sample as others' source (prefix caching on)
-    num_hits: int = 0  # leading blocks vLLM took from its prefix cache
-    sources: dict[int, Producer] = field(default_factory=dict)  # hit block → the sample that produced it
-    # hit block → its producer's states (a view), not yet copied
-    held: dict[int, torch.Tensor] = field(default_factory=dict)
-    # A response the model writes: positions [len(token_ids), capacity) are its, received before
-    # the driver says which tokens it holds (`Collector.generated`); their ids as received.
-    capacity: int = 0
-    received: np.ndarray | None = None  # int32 [capacity]
-    generation: object = None  # store.Generation, once the response is known
-    final: bool = True  # token_ids is the whole sample
-    media: object = None  # store.Media: the sample's images
-    reserved: int = 0  # bytes of --buffer-gb the driver holds for it until its commit (sink/budget.py)
-
-    def cover(self, start: int, num_tokens: int) -> None:
-        if num_tokens == 1:  # a decode step's token: numpy's slice sum costs more than the check
-            self.num_covered += not self.covered[start]
-            self.covered[start] = True
-            return
-        self.num_covered += num_tokens - int(self.covered[start : start + num_tokens].sum())
-        self.covered[start : start + num_tokens] = True
-
-    def buffer(self, num_layers: int, hidden_size: int, dtype: torch.dtype, buffers) -> torch.Tensor:
-        if self.states is None:
-            shape = (num_layers, self.capacity, hidden_size)
-            self.states = buffers.take(shape, dtype) if buffers else torch.empty(shape, dtype=dtype)
-            self.rows = self.states.view(torch.uint8).numpy().reshape(num_layers, self.capacity, -1)
-        return self.states
-
-    def stored_states(self) -> torch.Tensor:
-        """The states of the sample's tokens (a response's buffer may hold room for more)."""
-        return self.states if self.states.shape[1] == len(self.token_ids) else self.states[:, : len(self.token_ids)]
 
 
 @dataclass(kw_only=True)
@@ -102,20 +64,26 @@ class Collector:
     handed on once every copy of the chunk is done."""
 
     def __init__(
-        self, layers: tuple[int, ...], on_complete: Callable[[_Pending], None], buffers: BufferPool | None = None,
+        self, layers: tuple[int, ...], on_complete: Callable[[Pending], None], buffers: BufferPool | None = None,
         copy_threads: int = 1, block_size: int = 0, spill_dir: str | None = None, buffer_bytes: int = 0,
+        whole: bool = False, on_forgotten: Callable[[Pending], None] | None = None,
     ):
         """`block_size`: vLLM's, with prefix caching on (0: off). `spill_dir`: where samples whose
-        states exceed half of `buffer_bytes` stream (sink/stream.py); None: every sample is held."""
+        states exceed half of `buffer_bytes` stream (sink/stream.py); None: every sample is held.
+        `whole`: every sample is handed on whole, never by reference (`corecap serve`): the states
+        cache keeps copies of its blocks, counted in `buffers`. `on_forgotten`: an aborted sample,
+        dropped (`forget`): its buffer and reservation go back."""
         self.layers = layers
         self.spill_dir = spill_dir
         self.buffer_bytes = buffer_bytes
         self.num_streamed = 0
         self.block_size = block_size
-        self.cache = StatesCache()
+        self.whole = whole
+        self.cache = StatesCache(copies=BlockCopies(buffers) if whole else None)
         self.on_complete = on_complete
+        self.on_forgotten = on_forgotten or (lambda p: None)
         self.buffers = buffers
-        self.pending: dict[str, _Pending] = {}
+        self.pending: dict[str, Pending] = {}
         self.forgotten: set[str] = set()  # aborted requests, whose states may still be on their way
         self.num_referring = 0  # samples handed on with a reference (stored once)
         self.num_referred_tokens = 0
@@ -137,9 +105,9 @@ class Collector:
     ) -> None:
         """A sample to reassemble; `max_new` > 0: the model writes up to that many tokens after
         `token_ids` (the prompt), which `generated` names once the response is written. `reserved`:
-        the driver's bytes for it, handed back with it (`_Pending.reserved`)."""
+        the driver's bytes for it, handed back with it (`Pending.reserved`)."""
         capacity = len(token_ids) + max_new
-        self.pending[req_id] = _Pending(
+        self.pending[req_id] = Pending(
             key=key, token_ids=token_ids, loss_mask=loss_mask, covered=np.zeros(capacity, bool),
             block_hashes=None if block_hashes is None else list(block_hashes),
             producer=Producer(key, len(token_ids)) if self.block_size else None,
@@ -199,7 +167,8 @@ class Collector:
             if found is None:  # its producer's chunk is still on its way
                 self.cache.wait(p.block_hashes[i], (req_id, i))
             else:  # a pending producer's buffer stays as it is: held, copied only if not referred to
-                self._fill(req_id, i, found[1], found[0], hold=True)
+                # (delivered whole: copied now, as the producer may be delivered and its buffer reused first)
+                self._fill(req_id, i, found[1], found[0], hold=not self.whole)
         self._complete([req_id])
 
     def drop(self, block_hash: bytes, count: int) -> None:
@@ -221,8 +190,18 @@ class Collector:
     def _complete(self, req_ids) -> None:
         for req_id in req_ids:
             p = self.pending.get(req_id)
-            if p is not None and p.final and p.num_covered == len(p.token_ids):
+            if p is None:
+                continue
+            if p.until is not None:  # aborted: dropped once the states of its scheduled steps are here
+                if p.num_covered >= p.until:
+                    self._drop_forgotten(req_id, p)
+            elif p.final and p.num_covered == len(p.token_ids):
                 del self.pending[req_id]
+                if self.whole:
+                    if p.producer is not None:  # its blocks copied out before its buffer goes
+                        self.cache.release(p.producer)
+                    self.on_complete(p)
+                    continue
                 if p.num_hits:
                     self._refer(p)
                 self.on_complete(p)
@@ -230,7 +209,7 @@ class Collector:
                     p.producer.queued = True
                     self.cache.release(p.producer)
 
-    def _refer(self, p: _Pending) -> None:
+    def _refer(self, p: Pending) -> None:
         """Stored once: a sample whose first k blocks were cache hits refers, for positions
         [0, j x block size), to the producer of its block j - 1 (vLLM's block hash covers the whole
         prefix, so that sample's tokens there are these), resolved to the samples that store
@@ -251,14 +230,15 @@ class Collector:
         self.num_referring += 1
         self.num_referred_tokens += j * bs
 
-    def _produce(self, p: _Pending, i: int) -> list[str]:
+    def _produce(self, p: Pending, i: int) -> list[str]:
         """Block i of `p` is here, and its hash known: the requests it serves."""
         bs = self.block_size
         block = p.states[:, i * bs : (i + 1) * bs]
         served = []
         for req_id, k in self.cache.produce(p.block_hashes[i], block, p.producer):
-            self._fill(req_id, k, block, p.producer)
-            served.append(req_id)
+            if req_id in self.pending:  # else an aborted sample, dropped since
+                self._fill(req_id, k, block, p.producer)
+                served.append(req_id)
         return served
 
     def _copy_all(self, msg: wire.DecodedChunk, placed: list) -> None:
@@ -290,7 +270,7 @@ class Collector:
                 if n == 1:
                     target[:, start] = rows[:, lo]
 
-    def _room(self, p: _Pending, states: torch.Tensor) -> None:
+    def _room(self, p: Pending, states: torch.Tensor) -> None:
         """Where the sample's rows go, at its first chunk: a buffer, or for a sample longer than
         the sink may hold (sink/stream.py) its spill file. fp8 rows are H + 4 bytes."""
         num_layers, row_bytes = len(self.layers), states.shape[-1] * states.element_size()
@@ -306,14 +286,28 @@ class Collector:
         p.rows = stream.SpilledRows(p.spill, num_layers, p.capacity, row_bytes, fp8=states.dtype == torch.uint8)
         self.num_streamed += 1
 
-    def forget(self, req_id: str):
-        """Drop a pending sample (its request was aborted); later states of it are skipped. The
-        sample, for its buffer and reservation to go back (None: none pending, or delivered)."""
+    def forget(self, req_id: str, until: int = 0) -> None:
+        """Drop a pending sample (its request was aborted), never handed on; `on_forgotten` gives
+        its buffer and reservation back. With prefix caching on, not before the states of its first
+        `until` positions (those its scheduled steps compute, the driver says) are here: the full
+        blocks among them are in vLLM's prefix cache, and a later hit needs their states. States of
+        it after that are skipped."""
+        p = self.pending.get(req_id)
+        if p is None:  # none pending, or delivered
+            self.forgotten.add(req_id)
+            return
+        p.until = until if self.block_size else 0
+        self._complete([req_id])
+
+    def _drop_forgotten(self, req_id: str, p: Pending) -> None:
+        del self.pending[req_id]
         self.forgotten.add(req_id)
-        p = self.pending.pop(req_id, None)
-        if p is not None and p.spill is not None:
+        if p.producer is not None:
+            self.cache.release(p.producer)
+        if p.spill is not None:
             p.spill.discard()
-        return p
+        p.held.clear()
+        self.on_forgotten(p)
 
     def knows(self, msg: wire.DecodedChunk) -> bool:
         return all(seg.req_id in self.pending or seg.req_id in self.forgotten for seg in msg.header.segments)

@@ -106,10 +106,12 @@ class Sink:
     def generated(self, req_id: str, token_ids: list[int], generation: Generation) -> None:
         self._send(Generated(req_id, np.asarray(token_ids, "<i4").tobytes(), generation))
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, req_id: str, until: int = 0) -> None:
         """Drop a request's sample (aborted): its buffer and its reservation go back, and no
-        file is written for it; its states still on their way are dropped as they come."""
-        self._send(Forget(req_id))
+        file is written for it; its states still on their way are dropped as they come. `until`:
+        with prefix caching on, the positions its scheduled steps compute, whose states the sink
+        still takes for the blocks they complete (`Engine.abort`)."""
+        self._send(Forget(req_id, until))
 
     def prefix(self, actions) -> None:
         """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks),

@@ -55,9 +55,11 @@ class Generated(msgspec.Struct, array_like=True, tag=9):
 
 
 class Forget(msgspec.Struct, array_like=True, tag=11):
-    """Drop this request's sample, what is here and what is still on its way (the server aborted it)."""
+    """Drop this request's sample, what is here and what is still on its way (the server aborted it);
+    with prefix caching on, once the states of its first `until` positions are here (sink/collect.py)."""
 
     req_id: str
+    until: int = 0
 
 
 class Finish(msgspec.Struct, array_like=True, tag=2):

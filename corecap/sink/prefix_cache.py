@@ -22,6 +22,13 @@ arrive before the chunks whose productions it counts. Counting makes that harmle
 count here is productions received minus productions dropped; the block is known while it is
 positive; a negative count means productions of a dropped generation still to come, which serve
 any request that waits for them and are not kept.
+
+Served (`corecap serve`: corecap/sink/deliver.py) there is no store to refer to: each sample is
+delivered whole, and its buffer goes back once it is written. So the cache keeps a copy of each
+block it knows, made when the block's producer leaves (`release`; a view of its buffer until
+then), in memory of its own (`BlockCopies`, counted in the sink's --buffer-gb), and freed when the
+driver drops the hash. The driver's bound on the hashes it counts (`--prefix-blocks`, by default
+what a share of --buffer-gb holds: corecap/serve/prepare.py) bounds those copies.
 """
 
 from __future__ import annotations
@@ -53,19 +60,51 @@ class Producer:
 class _Entry:
     count: int = 0  # productions received minus productions dropped
     producer: Producer | None = None  # the sample whose chunk produced this block, while count > 0
-    states: torch.Tensor | None = None  # [L, block_size, H]: a view of the producer's buffer, while it is pending
+    # [L, block_size, H]: a view of the producer's buffer while it is pending; then none, or a copy
+    # of the cache's own (`StatesCache.copies`)
+    states: torch.Tensor | None = None
+    copied: bool = False  # `states` is the cache's copy
+
+
+class BlockCopies:
+    """The memory of the blocks a serving sink keeps (`StatesCache.copies`), counted in the sink's
+    buffer pool as held bytes (corecap/sink/buffers.py `hold`), so that the pool's bound covers the
+    samples' buffers and these copies together."""
+
+    def __init__(self, pool=None):
+        self.pool = pool
+        self.num_bytes = 0
+        self.peak_bytes = 0
+        self.num_copied = 0  # blocks copied, ever
+
+    def copy(self, states: torch.Tensor) -> torch.Tensor:
+        nbytes = states.numel() * states.element_size()
+        if self.pool is not None:
+            self.pool.hold(nbytes)
+        self.num_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.num_bytes)
+        self.num_copied += 1
+        return states.clone(memory_format=torch.contiguous_format)
+
+    def free(self, states: torch.Tensor) -> None:
+        nbytes = states.numel() * states.element_size()
+        if self.pool is not None:
+            self.pool.drop(nbytes)
+        self.num_bytes -= nbytes
 
 
 @dataclass
 class StatesCache:
-    """block hash → the sample that produced that block, kept as the driver says."""
+    """block hash → the sample that produced that block, kept as the driver says; with `copies`,
+    each block's states too, once its producer is gone (`corecap serve`)."""
 
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     waiters: dict[bytes, list] = field(default_factory=dict)  # hash → what waits for its states
+    copies: BlockCopies | None = None
 
     def get(self, block_hash: bytes) -> tuple[Producer, torch.Tensor | None] | None:
-        """The block's producer and, while that one is pending, its states; None: not here (its
-        chunk is on its way, or the block was dropped)."""
+        """The block's producer and, while that one is pending (with `copies`: always), its states;
+        None: not here (its chunk is on its way, or the block was dropped)."""
         entry = self.entries.get(block_hash)
         return None if entry is None or entry.producer is None else (entry.producer, entry.states)
 
@@ -85,18 +124,25 @@ class StatesCache:
         return self.waiters.pop(block_hash, [])
 
     def release(self, producer: Producer) -> None:
-        """`producer` was handed to the writer, which may reuse its buffer: its blocks are from now
-        on referred to, never read."""
+        """`producer` was handed to the writer (or delivered, or forgotten), which may reuse its
+        buffer: its blocks are from now on referred to, never read; with `copies`, read from a copy
+        made now."""
         for entry in producer.entries:
-            if entry.producer is producer:  # not dropped since
-                entry.states = None
+            if entry.producer is producer and entry.states is not None:  # not dropped since
+                if self.copies is None:
+                    entry.states = None
+                else:
+                    entry.states, entry.copied = self.copies.copy(entry.states), True
         producer.entries.clear()
 
     def drop(self, block_hash: bytes, count: int) -> None:
         entry = self.entries.setdefault(block_hash, _Entry())
         entry.count -= count
         if entry.count <= 0:
+            if entry.copied:
+                self.copies.free(entry.states)
             entry.producer = entry.states = None
+            entry.copied = False
         if entry.count == 0:
             del self.entries[block_hash]
 

@@ -141,7 +141,8 @@ class _Loop:
                 from corecap.sink.store_copy import StoreCopy
 
                 self.copy = StoreCopy(spec.store, spec.num_threads, spec.buffer_bytes, self.buffers, self._release)
-            self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads())
+            self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads(), spec.block_size,
+                                       whole=True, on_forgotten=self._forgotten)
             return
         store = Store.open_for_writing(spec.store)
         # The store's one-writer lock now, before the engine starts (and every run's start checks
@@ -190,6 +191,15 @@ class _Loop:
         """A sample's share of --buffer-gb back to the driver (from the main thread, or the store's commits)."""
         with self.released_lock:
             self.released.add(reserved)
+
+    def _forgotten(self, p) -> None:
+        """An aborted sample, dropped (`corecap serve`): its buffer and reservation go back."""
+        self.spec_captures.pop(p.key, None)
+        self.lossless.discard(p.key)
+        self.store_keys.pop(p.key, None)
+        if p.states is not None:
+            self.buffers.give(p.states)
+        self._release(p.reserved)
 
     def serve(self) -> Done:
         poller = zmq.Poller()
@@ -254,15 +264,8 @@ class _Loop:
             self.collector.hits(msg.req_id, msg.num_blocks)
         elif isinstance(msg, Drop):
             self.collector.drop(msg.block_hash, msg.count)
-        elif isinstance(msg, Forget):
-            p = self.collector.forget(msg.req_id)
-            if p is not None:  # only a delivering sink (corecap serve) is told to forget
-                self.spec_captures.pop(p.key, None)
-                self.lossless.discard(p.key)
-                self.store_keys.pop(p.key, None)
-                if p.states is not None:
-                    self.buffers.give(p.states)
-                self._release(p.reserved)
+        elif isinstance(msg, Forget):  # only a delivering sink (corecap serve) is told to forget
+            self.collector.forget(msg.req_id, msg.until)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:
