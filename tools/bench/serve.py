@@ -35,7 +35,7 @@ import tempfile
 import time
 import urllib.request
 
-from tools.common.child import append_jsonl, child_env, command_line
+from tools.common.child import append_jsonl, child_env, command_line, free_port
 from tools.common.generation import random_prompts, write_jsonl
 from tools.common.models import tiny_llama
 
@@ -58,7 +58,7 @@ def run_rate(model: str, data: str, workdir: str) -> dict:
 
 
 def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int, store: bool = False) -> dict:
-    port = _free_port()
+    port = free_port()
     name = f"{'serve-store' if store else 'serve'}-{clients}-{time.monotonic_ns()}"
     hidden = os.path.join(workdir, f"hidden-{name}")
     log = open(os.path.join(workdir, f"{name}.log"), "w")
@@ -108,14 +108,6 @@ def _wait_healthy(url: str, server: subprocess.Popen) -> None:
         except OSError:
             time.sleep(1)
     raise SystemExit("corecap serve did not become healthy")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -87,3 +87,12 @@ def run_bounded(cmd: list[str], timeout: float, env: dict | None = None) -> tupl
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
             return "timeout", f"timeout after {timeout:.0f}s: {err[-2000:]}"
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a server the benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -44,8 +44,8 @@ import urllib.request
 import numpy as np
 
 from tools.common import traces
-from tools.common.child import append_jsonl, child_env, command_line
-from tools.gpu.shapes import ROOT, SHAPES, model_dir, prompts
+from tools.common.child import append_jsonl, child_env, command_line, free_port
+from tools.gpu.shapes import ROOT, SHAPES, model_dir, prompts, write_prompts
 
 WARM_UP = 64
 
@@ -59,10 +59,7 @@ def layers(shape: str) -> tuple[str, list[int]]:
 
 
 def mode_run(args, ps: list[np.ndarray]) -> dict:
-    data = os.path.join(args.dir, f"{args.shape}-serve-prompts.jsonl")
-    with open(data, "w") as f:
-        for i, p in enumerate(ps):
-            f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
+    data = write_prompts(os.path.join(args.dir, f"{args.shape}-serve-prompts.jsonl"), ps)
     store = os.path.join(args.dir, "serve-bench-store.lmdb")
     shutil.rmtree(store, ignore_errors=True)
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
@@ -94,7 +91,7 @@ def server_command(args, mode: str, port: int, hidden: str) -> list[str]:
 
 
 def mode_server(args, ps: list[np.ndarray], mode: str) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     hidden = os.path.join(args.dir, "hidden_states")
     shutil.rmtree(hidden, ignore_errors=True)
     os.makedirs(hidden)
@@ -168,14 +165,6 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> bool:
 def _tail(path: str) -> str:
     with open(path, errors="replace") as f:
         return f.read()[-2500:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -149,6 +149,14 @@ def prompts(shape: str, n: int) -> list[np.ndarray]:
             for k in rng.integers(TAILS[0], TAILS[1] + 1, size=n)]
 
 
+def write_prompts(path: str, ps: list[np.ndarray]) -> str:
+    """The prompts as corecap's data file (rows `{"id": "pN", "input_ids": [...]}`); its path."""
+    with open(path, "w") as f:
+        for i, p in enumerate(ps):
+            f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
+    return path
+
+
 def mode_dd(args) -> dict:
     return {"gb_s": dd_rate(args.dir, 4096 << 20, block_mib=1)}
 
@@ -184,10 +192,7 @@ def mode_plain(args) -> dict:
 
 def mode_corecap(args) -> dict:
     ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["corecap_prompts"])
-    data = os.path.join(args.dir, f"{args.shape}-prompts.jsonl")
-    with open(data, "w") as f:
-        for i, p in enumerate(ps):
-            f.write(json.dumps({"id": f"p{i}", "input_ids": p.tolist()}) + "\n")
+    data = write_prompts(os.path.join(args.dir, f"{args.shape}-prompts.jsonl"), ps)
     store = os.path.join(args.dir, "store.lmdb")
     shutil.rmtree(store, ignore_errors=True)
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
