@@ -30,6 +30,11 @@ def entry() -> None:
     elif not isinstance(code, int):  # sys.exit("message"): printed, status 1, as Python does
         print(code, file=sys.stderr)
         code = 1
+    end(code)
+
+
+def end(code: int) -> None:
+    """Python's own exit work, then the process ends with `code`, without the interpreter's teardown."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
