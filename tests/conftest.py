@@ -231,11 +231,12 @@ def captured(verifier, verifier_model):
         out[key] = (ids, mask, verifier_reference(verifier_model, ids))
     return out
 
-_SESSION: dict = {}
+
+_RESULT: dict = {}  # the tests' exit status, once known
 
 
-def pytest_sessionfinish(session, exitstatus):
-    _SESSION["exitstatus"] = int(exitstatus)
+def pytest_sessionfinish(exitstatus):
+    _RESULT["exitstatus"] = int(exitstatus)
 
 
 @pytest.hookimpl(trylast=True)
@@ -245,7 +246,7 @@ def pytest_unconfigure(config):
     ends as corecap's CLI does (corecap/cli/entry.py), its exit work done, its status the tests'."""
     import sys
 
-    if "nixl._api" in sys.modules and "exitstatus" in _SESSION:
+    if "nixl._api" in sys.modules and "exitstatus" in _RESULT:
         from corecap.cli.entry import end
 
-        end(_SESSION["exitstatus"])
+        end(_RESULT["exitstatus"])
