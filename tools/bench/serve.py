@@ -35,7 +35,7 @@ import tempfile
 import time
 import urllib.request
 
-from tools.common.child import append_jsonl, child_env, command_line, free_port
+from tools.common.child import append_jsonl, child_env, command_line, free_port, wait_healthy
 from tools.common.generation import random_prompts, write_jsonl
 from tools.common.models import tiny_llama
 
@@ -68,7 +68,9 @@ def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int,
                               env=child_env())
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, server)
+        if not wait_healthy(url, server, 900):
+            raise SystemExit(f"corecap serve exited ({server.returncode})" if server.poll() is not None
+                             else "corecap serve did not become healthy")
 
         def ask(ids: list[int]) -> int:
             body = json.dumps({"prompt": ids, "max_tokens": 1}).encode()
@@ -95,19 +97,6 @@ def serve_rate(model: str, prompts: list[list[int]], workdir: str, clients: int,
         if result["stored"] != len(prompts):
             raise SystemExit(f"corecap serve --store committed {result['stored']} of {len(prompts)}: {log.name}")
     return result
-
-
-def _wait_healthy(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"corecap serve exited ({server.returncode})")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit("corecap serve did not become healthy")
 
 
 def main() -> None:

@@ -13,6 +13,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREFIX = "RESULT "
@@ -96,3 +98,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> bool:
+    """Whether the server started as `server` answers `url`/health within `timeout` seconds; False
+    as soon as it exits. Asked once a second: an engine's start takes minutes, not milliseconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return True
+        except OSError:  # refused while it starts; urllib's HTTPError is one too
+            time.sleep(1)
+    return False

@@ -38,13 +38,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
 
 from tools.common import traces
-from tools.common.child import append_jsonl, child_env, command_line, free_port
+from tools.common.child import append_jsonl, child_env, command_line, free_port, wait_healthy
 from tools.gpu.shapes import ROOT, SHAPES, model_dir, prompts, write_prompts
 
 WARM_UP = 64
@@ -102,7 +101,7 @@ def mode_server(args, ps: list[np.ndarray], mode: str) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     try:
         start = time.monotonic()
-        if not _wait_healthy(url, server, args.timeout):
+        if not wait_healthy(url, server, args.timeout):
             return [{"mode": mode, "failed": True, "log_tail": _tail(log_path)}]
         started = time.monotonic() - start
         warm = np.random.default_rng(1).integers(10, 1000, size=(WARM_UP, 128))
@@ -149,17 +148,6 @@ def _take(path: str) -> None:
             os.close(fd)
         os.remove(lock)
     os.remove(path)
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return True
-        except (OSError, urllib.error.HTTPError):
-            time.sleep(1)
-    return False
 
 
 def _tail(path: str) -> str:
