@@ -138,6 +138,23 @@ def test_a_damaged_states_run_is_an_error_not_a_sample(copy_threads):
 BS = 4  # block size
 
 
+def _hashes(ids: np.ndarray) -> list[bytes]:
+    """vLLM's block hashes stand-in: each full block's hash is the whole prefix up to its end."""
+    return [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]
+
+
+def _ids(rng: np.random.Generator, n: int, after: np.ndarray | None = None) -> np.ndarray:
+    """n random token ids, after a prefix that another sample has (whose blocks a hit takes)."""
+    new = rng.integers(0, 100, n).astype(np.int32)
+    return new if after is None else np.concatenate([after, new])
+
+
+def _expect(col: Collector, samples: dict[str, np.ndarray]) -> None:
+    """Each sample expected under its request id (its key too), with its blocks' hashes."""
+    for r, ids in samples.items():
+        col.expect(r, r, ids, block_hashes=_hashes(ids))
+
+
 def _prefix_collector(done: dict) -> Collector:
     return Collector(LAYERS, lambda p: done.__setitem__(p.key, p.states.clone()), block_size=BS)
 
@@ -147,14 +164,12 @@ def test_cached_blocks_come_from_the_block_that_produced_them():
     (so it waits for it); b shares a's first 2 blocks and hits them in a later step, after its
     own tail has arrived."""
     rng = np.random.default_rng(1)
-    a = rng.integers(0, 100, 14).astype(np.int32)
-    b = np.concatenate([a[:8], rng.integers(0, 100, 5).astype(np.int32)])
-    c = np.concatenate([a[:4], rng.integers(0, 100, 3).astype(np.int32)])
-    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    a = _ids(rng, 14)
+    b = _ids(rng, 5, a[:8])
+    c = _ids(rng, 3, a[:4])
     done = {}
     col = _prefix_collector(done)
-    for r, ids in (("a", a), ("b", b), ("c", c)):
-        col.expect(r, r, ids, block_hashes=hashes(ids))
+    _expect(col, {"a": a, "b": b, "c": c})
     col.hits("c", 1)  # a's first block is in the same step, not here yet: c waits
     step0 = _chunk(0, [("a", a, 0), ("c", c[4:], 4)])
     col.take(step0, 0.0)
@@ -218,19 +233,17 @@ def test_a_sample_refers_to_the_producer_of_its_last_hit_block_once_that_was_han
     [0, 8); c hits a block of b's and refers through b to a (flattened: never to b's reference);
     d hits a block whose producer e is not complete yet: d stores every position itself."""
     rng = np.random.default_rng(2)
-    a = rng.integers(0, 100, 10).astype(np.int32)
-    b = np.concatenate([a[:8], rng.integers(0, 100, 6).astype(np.int32)])
-    c = np.concatenate([b[:12], rng.integers(0, 100, 2).astype(np.int32)])
-    e = rng.integers(0, 100, 12).astype(np.int32)
-    d = np.concatenate([e[:4], rng.integers(0, 100, 3).astype(np.int32)])
-    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    a = _ids(rng, 10)
+    b = _ids(rng, 6, a[:8])
+    c = _ids(rng, 2, b[:12])
+    e = _ids(rng, 12)
+    d = _ids(rng, 3, e[:4])
     handed = []
     states = {}
     col = Collector(LAYERS,
                     lambda p: handed.append((p.key, p.producer.prefix)) or states.__setitem__(p.key, p.states.clone()),
                     block_size=BS)
-    for r, ids in (("a", a), ("b", b), ("c", c), ("d", d), ("e", e)):
-        col.expect(r, r, ids, block_hashes=hashes(ids))
+    _expect(col, {"a": a, "b": b, "c": c, "d": d, "e": e})
     step0 = _chunk(0, [("a", a, 0), ("e", e[:6], 0)])  # e: chunked, 6 of 12
     col.take(step0, 0.0)
     col.hits("b", 2)
@@ -253,10 +266,9 @@ def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pend
     handed on and its buffer reused (as the writer's pool does). d hits a's block and e's two:
     it refers to a for [0, 4) and copies e's blocks from e's buffer, never a's reused one."""
     rng = np.random.default_rng(3)
-    a = rng.integers(0, 100, 6).astype(np.int32)
-    e = np.concatenate([a[:4], rng.integers(0, 100, 10).astype(np.int32)])
-    d = np.concatenate([e[:12], rng.integers(0, 100, 2).astype(np.int32)])
-    hashes = lambda ids: [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]  # noqa: E731
+    a = _ids(rng, 6)
+    e = _ids(rng, 10, a[:4])
+    d = _ids(rng, 2, e[:12])
     handed, states = [], {}
 
     def on_complete(p):
@@ -265,8 +277,7 @@ def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pend
         p.states.fill_(float("nan"))  # reused for another sample once written
 
     col = Collector(LAYERS, on_complete, block_size=BS)
-    for r, ids in (("a", a), ("e", e), ("d", d)):
-        col.expect(r, r, ids, block_hashes=hashes(ids))
+    _expect(col, {"a": a, "e": e, "d": d})
     step0 = _chunk(0, [("a", a, 0)])
     col.take(step0, 0.0)
     col.hits("e", 1)
@@ -285,21 +296,24 @@ def test_hits_refer_up_to_the_last_block_handed_on_and_copy_the_rest_from_a_pend
 # --- prefix caching while serving: samples delivered whole, blocks copied (corecap serve) ---------
 
 
-def _hashes(ids: np.ndarray) -> list[bytes]:
-    return [bytes(ids[: (i + 1) * BS].tobytes()) for i in range(len(ids) // BS)]
-
-
 class _Serving:
     """A delivering sink's collector (corecap/sink/process.py with `deliver`): each sample
     snapshotted as its file would be written, then its buffer given back to the pool, reused and
     overwritten (NaN) by the next sample that takes it."""
 
-    def __init__(self, pool_bytes: int = 1 << 20):
+    def __init__(self, samples: dict[str, np.ndarray], pool_bytes: int = 1 << 20):
         self.pool = BufferPool(pool_bytes)
         self.delivered: dict[str, torch.Tensor] = {}
         self.forgotten: list[str] = []
         self.col = Collector(LAYERS, self._deliver, self.pool, block_size=BS, whole=True,
                              on_forgotten=self._forget)
+        _expect(self.col, samples)
+
+    def take(self, step: int, parts: list[tuple[str, np.ndarray, int]]) -> wire.DecodedChunk:
+        """The chunk of `parts` (as `_chunk`), taken; returned for its states."""
+        chunk = _chunk(step, parts)
+        self.col.take(chunk, 0.0)
+        return chunk
 
     def _deliver(self, p):
         assert p.producer.prefix == ()  # whole: never by reference
@@ -321,17 +335,13 @@ def test_serving_a_hit_after_its_producer_was_delivered_comes_from_the_caches_co
     """a is delivered and its buffer reused; b then hits a's two blocks: b's file holds a's states
     there, from the copies the cache made when a left (counted in the pool), and its own after."""
     rng = np.random.default_rng(5)
-    a = rng.integers(0, 100, 10).astype(np.int32)
-    b = np.concatenate([a[:8], rng.integers(0, 100, 3).astype(np.int32)])
-    s = _Serving()
-    for r, ids in (("a", a), ("b", b)):
-        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
-    step0 = _chunk(0, [("a", a, 0)])
-    s.col.take(step0, 0.0)
+    a = _ids(rng, 10)
+    b = _ids(rng, 3, a[:8])
+    s = _Serving({"a": a, "b": b})
+    step0 = s.take(0, [("a", a, 0)])
     assert list(s.delivered) == ["a"] and s.pool.held_bytes == 2 * BLOCK_BYTES == s.col.cache.copies.num_bytes
     s.col.hits("b", 2)
-    step1 = _chunk(1, [("b", b[8:], 8)])
-    s.col.take(step1, 0.0)
+    step1 = s.take(1, [("b", b[8:], 8)])
     assert torch.equal(s.delivered["b"][:, :8], step0.states[:, :8]) and torch.equal(s.delivered["b"][:, 8:],
                                                                                        step1.states)
     assert torch.equal(s.delivered["a"], step0.states) and s.col.cache.num_blocks == 2  # a's (b computed no full block)
@@ -345,31 +355,25 @@ def test_serving_a_hit_on_a_pending_producer_is_copied_at_once_not_held():
     """d hits e's block while e is still being computed (chunked); e is delivered, and its buffer
     reused, before d completes: d holds e's states, copied when the hit was placed."""
     rng = np.random.default_rng(6)
-    e = rng.integers(0, 100, 12).astype(np.int32)
-    d = np.concatenate([e[:4], rng.integers(0, 100, 3).astype(np.int32)])
-    s = _Serving()
-    for r, ids in (("e", e), ("d", d)):
-        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
-    step0 = _chunk(0, [("e", e[:6], 0)])
-    s.col.take(step0, 0.0)
+    e = _ids(rng, 12)
+    d = _ids(rng, 3, e[:4])
+    s = _Serving({"e": e, "d": d})
+    step0 = s.take(0, [("e", e[:6], 0)])
     s.col.hits("d", 1)
     assert not s.col.pending["d"].held and s.pool.held_bytes == 0  # copied into d, no copy of the cache's yet
-    s.col.take(_chunk(1, [("e", e[6:], 6)]), 0.0)  # e delivered, its buffer reused
+    s.take(1, [("e", e[6:], 6)])  # e delivered, its buffer reused
     assert "e" in s.delivered and s.pool.held_bytes == 3 * BLOCK_BYTES  # e's blocks copied as it left
-    s.col.take(_chunk(2, [("d", d[4:], 4)]), 0.0)
+    s.take(2, [("d", d[4:], 4)])
     assert torch.equal(s.delivered["d"][:, :4], step0.states[:, :4])
 
 
 def test_serving_a_hit_waits_for_its_producers_chunk_in_the_same_step():
     rng = np.random.default_rng(7)
-    a = rng.integers(0, 100, 9).astype(np.int32)
-    c = np.concatenate([a[:8], rng.integers(0, 100, 2).astype(np.int32)])
-    s = _Serving()
-    for r, ids in (("a", a), ("c", c)):
-        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
+    a = _ids(rng, 9)
+    c = _ids(rng, 2, a[:8])
+    s = _Serving({"a": a, "c": c})
     s.col.hits("c", 2)  # a computes both blocks in this very step
-    step0 = _chunk(0, [("a", a, 0), ("c", c[8:], 8)])
-    s.col.take(step0, 0.0)
+    step0 = s.take(0, [("a", a, 0), ("c", c[8:], 8)])
     assert sorted(s.delivered) == ["a", "c"]
     assert torch.equal(s.delivered["c"][:, :8], step0.states[:, :8])
     assert torch.equal(s.delivered["c"][:, 8:], step0.states[:, 9:])
@@ -382,27 +386,22 @@ def test_an_aborted_sample_is_kept_until_the_states_of_its_scheduled_steps_are_i
     copies; its later states (none should come) are skipped. Aborted with nothing in flight, a
     sample goes at once."""
     rng = np.random.default_rng(8)
-    a = rng.integers(0, 100, 14).astype(np.int32)
-    b = np.concatenate([a[:12], rng.integers(0, 100, 2).astype(np.int32)])
-    s = _Serving()
-    for r, ids in (("a", a), ("b", b)):
-        s.col.expect(r, r, ids, block_hashes=_hashes(ids))
-    step0 = _chunk(0, [("a", a[:6], 0)])
-    s.col.take(step0, 0.0)
+    a = _ids(rng, 14)
+    b = _ids(rng, 2, a[:12])
+    s = _Serving({"a": a, "b": b})
+    step0 = s.take(0, [("a", a[:6], 0)])
     s.col.hits("b", 3)  # block 0 is here; 1 and 2 are in a's step still in flight
     s.col.forget("a", 12)
     assert "a" in s.col.pending and not s.forgotten
-    step1 = _chunk(1, [("a", a[6:12], 6), ("b", b[12:], 12)])
-    s.col.take(step1, 0.0)
+    step1 = s.take(1, [("a", a[6:12], 6), ("b", b[12:], 12)])
     assert s.forgotten == ["a"] and "a" not in s.delivered and list(s.delivered) == ["b"]
     assert torch.equal(s.delivered["b"][:, :6], step0.states) and torch.equal(s.delivered["b"][:, 6:], step1.states)
     assert s.col.cache.num_blocks == 3 and s.pool.held_bytes == 3 * BLOCK_BYTES  # a's, copied as it went
-    s.col.take(_chunk(2, [("a", a[12:], 12)]), 0.0)  # skipped
+    s.take(2, [("a", a[12:], 12)])  # skipped
     assert not s.col.pending
-    s.col.expect("c", "c", a[:5], block_hashes=_hashes(a[:5]))
+    _expect(s.col, {"c": a[:5], "d": a[:6]})
     s.col.forget("c", 0)  # never scheduled
-    s.col.expect("d", "d", a[:6], block_hashes=_hashes(a[:6]))
-    s.col.take(_chunk(3, [("d", a[:3], 0)]), 0.0)
+    s.take(3, [("d", a[:3], 0)])
     s.col.forget("d", 3)  # everything scheduled is here
     assert s.forgotten == ["a", "c", "d"] and not s.col.pending and s.pool.lent_bytes == 0
 
