@@ -416,6 +416,45 @@ def test_without_prefix_caching_an_aborted_sample_goes_at_once():
     col.take(_chunk(1, [("a", np.arange(4, 8, dtype=np.int32), 4)]), 0.0)  # skipped
 
 
+def test_an_aborted_requests_id_goes_once_no_states_of_it_can_come():
+    """Each abort leaves its request's id behind, so that the states of its steps still in flight
+    are skipped, not refused; once past both bounds (sink/aborted.py) the id goes: a server's
+    aborts do not grow the sink for as long as it runs."""
+    from corecap.sink.aborted import KEEP_CHUNKS, KEEP_S
+
+    now = [0.0]
+    col = Collector(LAYERS, lambda p: None, whole=True)
+    col.forgotten.clock = lambda: now[0]
+    ids = np.arange(4, dtype=np.int32)
+    live = iter(range(10**6))
+
+    def steps(n: int) -> None:  # n chunks of other requests, each delivered
+        for _ in range(n):
+            r = f"live{next(live)}"
+            col.expect(r, r, ids)
+            col.take(_chunk(0, [(r, ids, 0)]), 0.0)
+
+    for k in range(1000):
+        col.expect(f"r{k}", f"r{k}", ids)
+        col.forget(f"r{k}")
+    col.take(_chunk(0, [("r999", ids[:2], 0)]), 0.0)  # its step in flight: skipped
+    steps(KEEP_CHUNKS)
+    now[0] = KEEP_S - 1  # every chunk bound passed, not the time's
+    steps(1)
+    assert len(col.forgotten) == 1000
+    now[0] = KEEP_S
+    steps(1)
+    assert len(col.forgotten) == 0 and not col.pending
+    col.forget("late")  # delivered, or never here: known all the same
+    now[0] = 10 * KEEP_S  # the time bound passed, not the chunks'
+    steps(KEEP_CHUNKS - 1)
+    assert "late" in col.forgotten
+    steps(1)
+    assert len(col.forgotten) == 0
+    with pytest.raises(CorecapError, match="unknown request 'r0'"):  # gone: refused as any stranger's
+        col.take(_chunk(0, [("r0", ids, 0)]), 0.0)
+
+
 def test_the_caches_copies_count_in_the_pools_bound():
     """The copies are held bytes of the pool (sink/buffers.py): free buffers make room for them."""
     from corecap.sink.prefix_cache import BlockCopies

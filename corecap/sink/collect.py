@@ -19,7 +19,8 @@ Delivering (`corecap serve`, `whole`), a sample is never stored by reference: ev
 copied into it as it is placed, from the producer's buffer while that one is pending, else from
 the states cache's own copy (sink/prefix_cache.py). A sample whose request is aborted is kept
 until the states of every position its scheduled steps compute have come (`forget`), since the
-blocks they complete are cached by vLLM and may be hit later; then dropped, never delivered.
+blocks they complete are cached by vLLM and may be hit later; then dropped, never delivered. Its
+id stays known while states of it may still come (sink/aborted.py), so that they are skipped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from corecap.errors import CorecapError
 from corecap.sink import stream
+from corecap.sink.aborted import AbortedIds
 from corecap.sink.buffers import BufferPool
 from corecap.sink.pending import Pending
 from corecap.sink.prefix_cache import BlockCopies, Producer, StatesCache
@@ -84,7 +86,7 @@ class Collector:
         self.on_forgotten = on_forgotten or (lambda p: None)
         self.buffers = buffers
         self.pending: dict[str, Pending] = {}
-        self.forgotten: set[str] = set()  # aborted requests, whose states may still be on their way
+        self.forgotten = AbortedIds()  # aborted requests, whose states may still be on their way
         self.num_referring = 0  # samples handed on with a reference (stored once)
         self.num_referred_tokens = 0
         self.num_stored_whole = 0  # with hits, but their source was not yet handed to the writer
@@ -367,6 +369,7 @@ class Collector:
             step=h.step, num_tokens=h.num_tokens, nbytes=msg.states.nbytes, t_copy=h.t_copy, t_ready=h.t_ready,
             t_recv=t_recv, t_done=time.time(),
         ))
+        self.forgotten.chunk_taken()
 
 
 def _copy_runs(task: tuple) -> None:
