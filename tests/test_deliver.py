@@ -4,6 +4,7 @@ themselves, read by each trainer's reader, are tests/test_serve.py's)."""
 
 from __future__ import annotations
 
+import select
 import threading
 
 import pytest
@@ -45,3 +46,19 @@ def test_a_write_that_raises_is_raised_on_the_sinks_thread():
     deliveries.submit(write, lambda nbytes, error: pytest.fail("reported as written"))
     with pytest.raises(ValueError, match="bad states"):
         deliveries.close()
+
+
+def test_a_write_done_wakes_the_sinks_poller_at_once():
+    """The sink's loop waits on its poller with a long timeout; a write done makes the pipe it
+    watches readable then, not at the next timeout, and `finished()` empties it again. No timing is
+    asserted: only when the pipe is readable (select's 10 s is a bound for a hung write)."""
+    deliveries = Deliveries(1)
+    go, reported = threading.Event(), []
+    deliveries.submit(lambda: (go.wait(10), (3, ""))[1], lambda nbytes, error: reported.append(nbytes))
+    assert select.select([deliveries], [], [], 0)[0] == []  # still writing: nothing to wake for
+    go.set()
+    assert select.select([deliveries], [], [], 10)[0] == [deliveries]
+    deliveries.finished()
+    assert reported == [3] and deliveries.num_running == 0
+    assert select.select([deliveries], [], [], 0)[0] == []  # reported: nothing left to wake for
+    deliveries.close()

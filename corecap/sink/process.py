@@ -205,8 +205,10 @@ class _Loop:
         poller = zmq.Poller()
         poller.register(self.control, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
+        if self.writer is None:  # delivering: a file written wakes the loop (Deliveries.fileno)
+            poller.register(self.deliveries, zmq.POLLIN)
         while not self.aborting and not (self.finishing and not self.collector.pending and not self._delivering()):
-            events = dict(poller.poll(5 if self._delivering() else 100))
+            events = dict(poller.poll(100))
             if self.writer is None:
                 self.deliveries.finished()
             while self.control.poll(0):
