@@ -58,6 +58,7 @@ def test_samples_split_across_chunks_are_reassembled_exactly(copy_threads, poole
         completed_after.append(sorted(done))
     c.close()
     assert completed_after == [["key-b"], ["key-a", "key-b"], ["key-a", "key-b", "key-c"]]
+    assert len(c.timings) == len(plan)  # one per chunk, for the run's trace
     for r in ids:
         assert torch.equal(done[f"key-{r}"], expected[r]), r
     assert not c.pending and len(c.timings) == 3
@@ -153,6 +154,18 @@ def _expect(col: Collector, samples: dict[str, np.ndarray]) -> None:
     """Each sample expected under its request id (its key too), with its blocks' hashes."""
     for r, ids in samples.items():
         col.expect(r, r, ids, block_hashes=_hashes(ids))
+
+
+def test_a_collector_untimed_keeps_nothing_per_chunk():
+    """A server's collector (`timed=False`) runs for as long as the server: it keeps no record
+    per chunk, where a run's keeps one each for its trace."""
+    ids = np.arange(6, dtype=np.int32)
+    c = Collector(LAYERS, lambda p: None, timed=False)
+    for step in range(3):
+        c.expect(f"r{step}", f"key-{step}", ids)
+        c.take(_chunk(step, [(f"r{step}", ids, 0)]), 0.0)
+    c.close()
+    assert c.timings == []
 
 
 def _prefix_collector(done: dict) -> Collector:

@@ -188,6 +188,9 @@ def test_only_a_sample_delivered_whole_is_stored(tmp_path):
         assert loop.released.num_samples == 2 and not loop.buffers.lent
         with Store.open(path) as store:
             assert list(store.keys()) == ["k-written"]
+        # a server runs for as long as it is needed: nothing kept per chunk, sample or commit
+        w = loop.copy.writer
+        assert not loop.collector.timed and not (w.encodes or w.writes or w.commits)
     finally:
         loop.control.close(linger=0)
         loop.data.close(linger=0)

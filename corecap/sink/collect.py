@@ -68,13 +68,14 @@ class Collector:
     def __init__(
         self, layers: tuple[int, ...], on_complete: Callable[[Pending], None], buffers: BufferPool | None = None,
         copy_threads: int = 1, block_size: int = 0, spill_dir: str | None = None, buffer_bytes: int = 0,
-        whole: bool = False, on_forgotten: Callable[[Pending], None] | None = None,
+        whole: bool = False, on_forgotten: Callable[[Pending], None] | None = None, timed: bool = True,
     ):
         """`block_size`: vLLM's, with prefix caching on (0: off). `spill_dir`: where samples whose
         states exceed half of `buffer_bytes` stream (sink/stream.py); None: every sample is held.
         `whole`: every sample is handed on whole, never by reference (`corecap serve`): the states
         cache keeps copies of its blocks, counted in `buffers`. `on_forgotten`: an aborted sample,
-        dropped (`forget`): its buffer and reservation go back."""
+        dropped (`forget`): its buffer and reservation go back. `timed`: each chunk's timing kept
+        for the run's trace; a server, which runs for as long as it is needed, keeps none."""
         self.layers = layers
         self.spill_dir = spill_dir
         self.buffer_bytes = buffer_bytes
@@ -90,6 +91,7 @@ class Collector:
         self.num_referring = 0  # samples handed on with a reference (stored once)
         self.num_referred_tokens = 0
         self.num_stored_whole = 0  # with hits, but their source was not yet handed to the writer
+        self.timed = timed
         self.timings: list[ChunkTiming] = []
         self.copy_threads = copy_threads
         self.copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="corecap-copy") if copy_threads > 1 else None
@@ -365,10 +367,11 @@ class Collector:
                 for i in completed_blocks(start, start + n, self.block_size, len(p.block_hashes or ())):
                     served += self._produce(p, i)
         self._complete([r[0] for r in runs] + served)
-        self.timings.append(ChunkTiming(
-            step=h.step, num_tokens=h.num_tokens, nbytes=msg.states.nbytes, t_copy=h.t_copy, t_ready=h.t_ready,
-            t_recv=t_recv, t_done=time.time(),
-        ))
+        if self.timed:
+            self.timings.append(ChunkTiming(
+                step=h.step, num_tokens=h.num_tokens, nbytes=msg.states.nbytes, t_copy=h.t_copy, t_ready=h.t_ready,
+                t_recv=t_recv, t_done=time.time(),
+            ))
         self.forgotten.chunk_taken()
 
 

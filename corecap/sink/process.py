@@ -142,7 +142,7 @@ class _Loop:
 
                 self.copy = StoreCopy(spec.store, spec.num_threads, spec.buffer_bytes, self.buffers, self._release)
             self.collector = Collector(spec.layers, self._deliver, self.buffers, copy_threads(), spec.block_size,
-                                       whole=True, on_forgotten=self._forgotten)
+                                       whole=True, on_forgotten=self._forgotten, timed=False)
             return
         store = Store.open_for_writing(spec.store)
         # The store's one-writer lock now, before the engine starts (and every run's start checks

@@ -44,7 +44,7 @@ class StoreCopy:
         self.store, self.buffers, self.release = store, buffers, release
         # Each sample flagged, not refused, if its states hold NaN/Inf: they were delivered as they are.
         self.writer = Writer(store, codec=store.meta.codec, nonfinite="store", num_threads=num_threads,
-                             buffer_bytes=buffer_bytes, ledger=buffers)
+                             buffer_bytes=buffer_bytes, ledger=buffers, timed=False)
         self.num_same = self.num_other = 0
         self.first_other = ""
         self.failure = ""

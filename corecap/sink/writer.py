@@ -101,13 +101,16 @@ class Writer:
         buffer_bytes: int = 4 << 30,
         ledger=None,
         commit_delay: float = 0.0,
+        timed: bool = True,
     ):
         """`ledger` (the sink's BufferPool): where the encoded copies that stand in for a buffer
         given back are counted (`hold`, `drop`), inside --buffer-gb. `commit_delay`: a test's slow
-        disk (config.TestHooks)."""
+        disk (config.TestHooks). `timed`: each encode, write and commit timed for the run's trace;
+        a server's copy to its store, which runs for as long as the server, keeps none."""
         self.store = store
         self.ledger = ledger
         self.commit_delay = commit_delay
+        self.timed = timed
         self.layers = store.meta.layers
         self.codec = codec
         self.nonfinite = nonfinite
@@ -133,6 +136,10 @@ class Writer:
         ]
         for t in self.threads:
             t.start()
+
+    def _timing(self, timings: list, entry) -> None:
+        if self.timed:  # list.append is atomic under the GIL: the encode threads call this too
+            timings.append(entry)
 
     def put(
         self, key: str, token_ids: np.ndarray, states: torch.Tensor, loss_mask: np.ndarray | None = None, release=None,
@@ -182,7 +189,7 @@ class Writer:
         except BaseException:
             spill.discard()
             raise
-        self.encodes.append((start, time.time()))
+        self._timing(self.encodes, (start, time.time()))
         return record, 0
 
     def _piece_bytes(self, itemsize: int) -> int:
@@ -223,7 +230,7 @@ class Writer:
         start = time.time()
         record = self._encode_checked(key, token_ids, states[:, prefix[-1].end :] if prefix else states, loss_mask,
                                       prefix, generation, media)
-        self.encodes.append((start, time.time()))  # list.append is atomic under the GIL
+        self._timing(self.encodes, (start, time.time()))
         held = 0
         if release is not None:
             release()  # first: the buffer given back makes room for its copy
@@ -288,7 +295,7 @@ class Writer:
                 if records:
                     start = time.time()
                     appended = self.store.append(records)
-                    self.writes.append(CommitTiming(start, time.time(), len(records), size))
+                    self._timing(self.writes, CommitTiming(start, time.time(), len(records), size))
                     self.written.put(_Written(appended, tokens, raw, referred, held, releases))
                 held, releases = 0, []
         except BaseException as e:
@@ -314,7 +321,7 @@ class Writer:
                 start = time.time()
                 nbytes = self.store.commit(appended)
                 item = None
-                self.commits.append(CommitTiming(start, time.time(), len(appended.records), nbytes))
+                self._timing(self.commits, CommitTiming(start, time.time(), len(appended.records), nbytes))
                 self.num_committed += len(appended.records)
                 self.num_tokens += tokens
                 self.nbytes += nbytes
