@@ -247,6 +247,6 @@ def pytest_unconfigure(config):
     import sys
 
     if "nixl._api" in sys.modules and "exitstatus" in _RESULT:
-        from corecap.cli.entry import end
+        from corecap.process_end import end
 
         end(_RESULT["exitstatus"])

@@ -97,6 +97,15 @@ def test_doctor_on_the_wheels_source(release):
         assert runner.endswith(f"V2 runner {v2} alone: the V1 runner is gone (vLLM 0.34+)")
 
 
+def test_the_wheels_workers_end_with_their_shutdown(release):
+    """What corecap/_vllm/worker_end.py relies on, in each release's worker_main."""
+    from corecap._vllm.vllm_source import Source
+    from corecap._vllm.worker_end import worker_main_problem
+
+    version, root, _, _ = release
+    assert worker_main_problem(Source(os.path.join(root, "vllm"))) is None, version
+
+
 def test_run_checks_the_wheels_source_before_vllm_loads(release, tiny_model, tmp_path):
     """A run makes the same checks first: on torch 2.13 it stops at the torch pin, before vLLM
     (which could not import here) or the model loads; on the torch it pins it would go on."""

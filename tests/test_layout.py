@@ -76,7 +76,7 @@ def test_layers_import_downwards():
              "corecap.summary", "corecap.generation", "corecap._vllm", "corecap.sink", "corecap.data", "corecap.model",
              "corecap.checkpoint", "corecap.quantization", "corecap.demo", "corecap.console", "corecap.transport",
              "corecap.export", "corecap.training", "corecap.store", "corecap.writer_lock", "corecap.trace",
-             "corecap.progress", "corecap.dtypes", "corecap.config", "corecap.errors"]
+             "corecap.progress", "corecap.process_end", "corecap.dtypes", "corecap.config", "corecap.errors"]
 
     def rank(module: str) -> int:
         return max(i for i, prefix in enumerate(order) if module == prefix or module.startswith(prefix + "."))

@@ -40,7 +40,7 @@ from corecap._vllm.sender import Sender
 from corecap._vllm.layer_sources import LayerSources, model_num_layers
 from corecap._vllm.rotary_tables import rebuild_off_tables
 from corecap._vllm.stage import pipeline_stage, sink_address
-from corecap._vllm import worker_errors
+from corecap._vllm import worker_end, worker_errors
 from corecap.store.fp8rows import quantize_fp8_rows
 from corecap.transport import wire
 
@@ -65,6 +65,7 @@ class CaptureExtension:
             tap = _Tap(runner, spec, rank=self.rank)
             pipeline_stage(runner, tap)
             sample_seeded_on_cpu(runner)
+            worker_end.install()
         except Exception as e:  # vLLM passes str(e) on: say whose it is
             raise RuntimeError(f"worker rank {self.rank}: installing the capture failed: {_one_line(e)}") from e
         self.corecap_tap = tap
