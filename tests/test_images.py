@@ -3,7 +3,9 @@ path, a file:// URL or a data: URL; ShareGPT/LLaVA's `image` field), their check
 model loads, and the capture of a tiny Kimi-K2.5 with a working vision tower
 (tests/support/kimi_k25_vision.py) against HF transformers' Kimi_K25ForConditionalGeneration
 given the same pixel values: every stored token, every layer 0..N and the pre-norm state,
-float32, with batching and chunking (one engine for the module)."""
+float32, with batching (one engine for the module), prefix caching asked for, rows that share
+an image and rows whose ids are the same with other images; and vLLM's block hashes over the
+images' content hashes (what prefix caching with images keys on), without an engine."""
 
 from __future__ import annotations
 
