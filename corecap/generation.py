@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from corecap.data.chat import rewritten_turns
+from corecap.data.chat import kept_images, rewritten_turns
+from corecap.data.media import expanded
 from corecap.store.generated import Generation
 
 FINISH_EOS = "eos"  # the model wrote an end-of-sequence token (stored)
@@ -154,6 +155,8 @@ class Turn:
     conversation: object  # the data.Sample of the whole conversation
     index: int  # which of its answer points (data/chat.py answer_points)
     answers: list[str]  # the model's answers before this one, as text
+    images: tuple = ()  # the images its prompt holds (data.media.ImageRef, in order)
+    media: object = None  # with images: what the store keeps of them (store.Media)
 
 
 class Conversations:
@@ -163,13 +166,19 @@ class Conversations:
     caching on). A rerun reads the answers already stored back as text and goes on from the first
     turn not stored. A later turn's prompt is only known once the earlier answers are: one that
     leaves less room than `max_tokens` under `max_len` gets a shorter answer under --overflow
-    truncate and otherwise ends its conversation there (counted in `num_cut`)."""
+    truncate and otherwise ends its conversation there (counted in `num_cut`).
+
+    A conversation with images keeps them in every prompt that holds their turns: each later
+    prompt is rendered with its images' placeholders and expanded by the model's processor
+    (`expand`, as the input's prompts were), so it shares its prefix, images included, with the
+    turn before (vLLM's block hashes cover the images' content hashes)."""
 
     def __init__(self, renderer, decode: Callable[[list[int]], str], max_tokens: int, max_len: int, overflow: str,
-                 committed, stored_answer: Callable[[str], str]):
+                 committed, stored_answer: Callable[[str], str], expand=None):
         self.renderer, self.decode, self.max_tokens, self.max_len, self.overflow = (
             renderer, decode, max_tokens, max_len, overflow
         )
+        self.expand = expand
         self.committed, self.stored_answer = committed, stored_answer
         self.ready: deque[Turn] = deque()
         self.asked: dict[str, Turn] = {}  # req_id → the turn it answers
@@ -193,11 +202,18 @@ class Conversations:
 
     def _queue(self, conversation, answers: list[str]) -> None:
         k = len(answers)
+        messages, points = list(conversation.messages), list(conversation.points)
+        kept = kept_images(messages, points, k) if conversation.images else []
+        images = tuple(conversation.images[i] for i in kept)
         if k == 0:  # checked with the input, before the model loaded
-            ids, max_tokens = conversation.token_ids, conversation.max_tokens
+            ids, max_tokens, media = conversation.token_ids, conversation.max_tokens, conversation.media
         else:
-            before = rewritten_turns(list(conversation.messages), list(conversation.points), answers)
-            ids = self.renderer.prompt(None, conversation.where, before).astype(np.int32)
+            before = rewritten_turns(messages, points, answers)
+            ids = self.renderer.prompt(None, conversation.where, before)
+            # the processor took these images with the input (data/samples.py _first_prompt_images)
+            pairs = [(conversation.images[i], conversation.digests[i]) for i in kept]
+            ids, _, media = expanded(ids, None, pairs, self.expand, conversation.where)
+            ids = ids.astype(np.int32)
             room = self.max_len - len(ids)
             if room < 1 or (room < self.max_tokens and self.overflow != "truncate"):
                 self.num_cut += 1
@@ -205,7 +221,7 @@ class Conversations:
             max_tokens = min(self.max_tokens, room)
         self.ready.append(Turn(
             key=turn_key(conversation.key, k), token_ids=ids, max_tokens=max_tokens, conversation=conversation, index=k,
-            answers=answers,
+            answers=answers, images=images, media=media,
         ))
 
     def line(self) -> str:

@@ -61,16 +61,10 @@ def prepare(cfg: RunConfig, log) -> Plan:
                               shard=cfg.shard, max_tokens=cfg.sampling.max_tokens,
                               all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all", images=images)
     with_images = checked.num_images > 0
-    if with_images and cfg.engine.enable_prefix_caching:
-        raise CorecapError("--enable-prefix-caching with images in the input is not supported yet: "
-                           "add --no-enable-prefix-caching")
     check_checkpoint(model_dir, cfg.engine.load_format)  # whole, before vLLM is asked anything
     layers = resolve_layers(cfg.layers, identity.num_layers)
     # vLLM's contract (its source first), the preflight
     vllm_config = checked_vllm_config(cfg.engine, model_dir, log, layers, images=with_images)
-    if with_images and prefix_tracker.block_size(vllm_config):
-        raise CorecapError("prefix caching with images in the input is not supported yet (vLLM turns it on by "
-                           "default here): add --no-enable-prefix-caching")
     version = vllm_version()  # vLLM is imported by now, not before its source was checked
     check_pipeline(vllm_config, version)
     devices = placement(vllm_config, cfg.engine.data_parallel_size)
@@ -169,7 +163,7 @@ def conversations(plan: Plan) -> Conversations:
 
     return Conversations(
         renderer, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), cfg.sampling.max_tokens,
-        plan.read["max_len"], cfg.overflow, plan.committed, stored_answer,
+        plan.read["max_len"], cfg.overflow, plan.committed, stored_answer, plan.read["expand"],
     )
 
 

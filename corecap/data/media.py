@@ -220,11 +220,8 @@ def text_of(content) -> str:
     return "".join(p.get("text", "") for p in content)
 
 
-def checked_images(found: list, images: Images, every_turn: bool, where: str) -> list:
+def checked_images(found: list, images: Images, where: str) -> list:
     """(image, its bytes' SHA-256) for each image a conversation names, each one decoded."""
-    if every_turn and found:
-        raise RowError(where, "--rewrite-turns all on a conversation with images is not supported yet "
-                       "(--rewrite-turns last answers its last turn)", "images with --rewrite-turns all")
     return [(image, images.check(image, where, image.ref)) for image in found]
 
 

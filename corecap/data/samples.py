@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from corecap.errors import CorecapError
-from corecap.data.chat import ChatRenderer, answer_points, parse_messages
+from corecap.data.chat import ChatRenderer, answer_points, first_prompt_images, parse_messages
 from corecap.data.outcomes import DatasetSummary
 from corecap.data.media import checked_images, expanded, too_long_with_images
 from corecap.data.problems import Problems
@@ -56,9 +56,11 @@ class Sample:
     # and token_ids is the prompt of the first answer (the later ones are made as the answers come).
     messages: tuple | None = None
     points: tuple[int, ...] = ()
-    # With images: their sources (data.media.ImageRef, in order), what the store keeps (store.Media)
+    # With images: their sources (data.media.ImageRef, in order), what the store keeps (store.Media);
+    # a rewritten conversation's are all of its images, `media` its first prompt's
     images: tuple = ()
     media: object = None
+    digests: tuple[str, ...] = ()  # the images' SHA-256, in order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ def _tokens(obj: dict, where: str, tokenizer, vocab_size: int, chat: dict,
         arr = np.asarray(tokenizer(text, add_special_tokens=True)["input_ids"], dtype=np.int64)
     else:
         messages = parse_messages(obj, name, where, generate, chat.get("images"), chat["found"])
-        chat["found"] = checked_images(chat["found"], chat["images"], generate and chat.get("all_turns"), where)
+        chat["found"] = checked_images(chat["found"], chat["images"], where)
         if not render:
             return None, None
         if "renderer" not in chat:  # made on first use: text-only datasets need no chat template
@@ -225,18 +227,20 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                 chat.pop("turns", None)
                 chat["found"] = []  # the row's images (parse_messages), then with their hashes (checked_images)
                 ids, mask = _tokens(obj, where, tokenizer, vocab_size, chat, max_tokens > 0, render)
-                ids, mask, media = expanded(ids, mask, chat["found"], expand, where)
+                found = first_prompt_images(chat["found"], chat.get("turns"), chat.get("renderer"), expand, where)
+                ids, mask, media = expanded(ids, mask, found, expand, where)
             except RowError as e:
                 yield "skipped" if invalid == "skip" else "invalid", e
                 continue
             sources = tuple(image for image, _ in chat["found"])
+            digests = tuple(digest for _, digest in chat["found"])
             if ids is None:
                 yield "sample", Sample(key, n, np.empty(0, np.int32), None, where, images=sources)
                 continue
             if max_tokens:
                 messages, points = chat.get("turns", (None, ()))
                 yield _prompt_outcome(Sample(key, n, ids, mask, where, max_tokens, messages, points, images=sources,
-                                             media=media), max_len, overflow)
+                                             media=media, digests=digests), max_len, overflow)
                 continue
             if len(ids) <= max_len:
                 yield "sample", Sample(key, n, ids, mask, where, images=sources, media=media)

@@ -7,7 +7,8 @@ with patch limits so small that an image gives a few tokens. `images` writes PNG
 HF's reference (`reference`) runs transformers' Kimi_K25ForConditionalGeneration on the expanded
 ids the store holds and the pixel values vLLM's own image processor makes of the same files
 (normalized on the host: the engine runs with `mm_device_do_normalize` off), in a process of its
-own as tiny_models.reference does."""
+own as tiny_models.reference does. `expected_prefix_hits`: what vLLM's prefix cache may serve a
+run's samples with images, derived from the stored ids and images alone."""
 
 from __future__ import annotations
 
@@ -143,6 +144,34 @@ def reference(model_dir: str, samples: str, out: str) -> None:
                 ids.append(int(logits[0, -1].argmax()))
             refs[row["id"]]["greedy"] = ids[row.get("prompt", 0):]
     torch.save(refs, out)
+
+
+def expected_prefix_hits(samples, block: int) -> dict:
+    """Per stored sample ((key, sample), in the order the run added them): the prompt tokens a
+    prefix cache over whole blocks may serve it from an earlier sample, where a block is shared
+    only when the ids up to its end are and so is every image (by its bytes' SHA-256, at its
+    offset) that starts before its end. A request computes its prompt's last token itself: at
+    most (prompt - 1) // block blocks, of the earlier sample's whole blocks."""
+    import numpy as np
+
+    def images_before(sample, end):
+        media = sample.header.media
+        return [(i.offset, i.sha256) for i in (media.items if media else ()) if i.offset < end]
+
+    out = {}
+    for k, (key, sample) in enumerate(samples):
+        ids, best = sample.input_ids, 0
+        generation = sample.header.generation
+        prompt = generation.num_prompt if generation is not None else len(ids)
+        for _, earlier in samples[:k]:
+            n = 0
+            while ((n + 1) * block <= min(prompt - 1, len(earlier.input_ids))
+                   and np.array_equal(ids[:(n + 1) * block], earlier.input_ids[:(n + 1) * block])
+                   and images_before(sample, (n + 1) * block) == images_before(earlier, (n + 1) * block)):
+                n += 1
+            best = max(best, n * block)
+        out[key] = best
+    return out
 
 
 def reference_in_a_process(model_dir: str, rows: list[dict], workdir: str) -> dict:
