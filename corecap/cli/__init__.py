@@ -298,9 +298,14 @@ def doctor(model, deep) -> None:
 @click.option("--tokenizer", type=str, default=None,
               help="jsonl: the tokenizer's directory to decode with "
               "(default: the store's model directory, from `corecap info`).")
+@click.option("--data", type=str, default=None,
+              help="speculators: the data file the store was captured from, whose conversations with images "
+              "fill the `messages` column of those samples (speculators' own layout for them).")
+@click.option("--image-dir", type=str, default=None,
+              help="With --data: where its images are (default: the data file's directory, as for corecap run).")
 @click.option("--progress/--no-progress", default=None, help="A progress line (default: when stderr is a terminal).")
 @_one_line_errors
-def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, progress) -> None:
+def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, data, image_dir, progress) -> None:
     """Write a store's samples in a trainer's offline layout, or as text (jsonl) (docs/export.md);
     an interrupted export resumes (jsonl: starts over)."""
     from corecap.export.driver import export_store, read_keys
@@ -313,14 +318,24 @@ def export(store, fmt, out, aux_layers, dtype, keys_file, workers, tokenizer, pr
                                "and --format jsonl writes none (it is the text)")
     elif tokenizer is not None:
         raise CorecapError(f"--tokenizer applies to --format jsonl only (--format {fmt} writes token ids, no text)")
+    if image_dir is not None and data is None:
+        raise CorecapError("--image-dir applies with --data (where the data file's images are)")
+    if data is not None and fmt != "speculators":
+        raise CorecapError(f"--data applies to --format speculators only (its rows of samples with images carry the "
+                           f"conversation); --format {fmt} writes token ids and loss masks")
     keys = read_keys(keys_file) if keys_file else None
+    conversations = None
+    if data is not None:
+        from corecap.data.conversations import Conversations
+
+        conversations = Conversations(data, image_dir)
     if fmt == "jsonl":
         from corecap.export.jsonl import export_jsonl
 
         summary = export_jsonl(store, out, _jsonl_tokenizer(store, tokenizer), keys=keys, progress=progress, log=_log)
     else:
         summary = export_store(store, out, fmt, aux_layers=aux_layers, dtype=dtype, keys=keys, workers=workers,
-                               progress=progress, log=_log)
+                               progress=progress, log=_log, conversations=conversations)
     click.echo(summary.line())
     for note in summary.notes(warnings=False):  # the export's first lines said its warnings (export/driver.py)
         click.echo(note)

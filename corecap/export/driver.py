@@ -69,6 +69,9 @@ class ExportSummary:
     num_no_mask: int  # samples without a loss mask, exported with all ones
     num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
     num_ineligible: int  # samples the format's trainer would refuse (its layout's `keeps`), left out
+    num_with_images: int  # samples with images: their image tokens exported with loss mask 0
+    num_image_tokens: int
+    images_note: str  # what the format's trainer does with them (the layout's `images_note`)
     nbytes: int  # bytes of the sample files written by this run
     seconds: float
 
@@ -93,6 +96,9 @@ class ExportSummary:
         if self.num_ineligible:
             why = LAYOUTS[self.plan.fmt].ineligible
             out.append(f"{self.num_ineligible} sample{'s' * (self.num_ineligible != 1)} left out: {why}")
+        if self.num_with_images:
+            out.append(f"{self.num_with_images} sample{'s' * (self.num_with_images != 1)} with images: loss mask 0 on "
+                       f"their {self.num_image_tokens} image tokens{self.images_note}")
         out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
         return out
 
@@ -100,14 +106,18 @@ class ExportSummary:
 def export_store(
     store_path: str, out: str, fmt: str, *, aux_layers: str | None = None, dtype: str = "auto",
     keys: list[str] | None = None, workers: int | None = None, progress: bool | None = False, log=lambda line: None,
+    conversations=None,
 ) -> ExportSummary:
-    """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring)."""
+    """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring).
+    `conversations` (speculators only): the data file's conversations with images by key
+    (corecap.data.conversations), for the `messages` of the samples with images."""
     workers = workers or min(8, os.cpu_count() or 1)
     shown, out = out, os.path.abspath(out)  # messages name OUT as given
     partial = out + ".partial"
     with Store.open(store_path) as store:
         plan = plan_export(store.meta, store.path, fmt, aux_layers, dtype)
         LAYOUTS[fmt].check_available()
+        assert conversations is None or getattr(LAYOUTS[fmt], "takes_messages", False), fmt  # the CLI refuses --data
         if os.path.lexists(out):
             raise CorecapError(f"{shown}: already exists (a finished export?); remove it or choose another --out")
         try:
@@ -124,7 +134,7 @@ def export_store(
                         f"aux layers {list(plan.aux_layers)}{final}, {plan.dtype}"
                         + (" (resuming an interrupted export)" if resumed else ""))
                     summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers,
-                                     Progress(num_rows, progress))
+                                     Progress(num_rows, progress), conversations)
                     _finish(partial, out, options, summary)
                 finally:
                     os.close(lock)
@@ -214,13 +224,16 @@ def _write_json(path: str, obj) -> None:
     os.rename(path + TMP_SUFFIX, path)
 
 
-def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
+def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress, conversations) -> ExportSummary:
     layout = LAYOUTS[plan.fmt](partial, plan)
+    if conversations is not None:
+        layout.conversations = conversations
     end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
     dtype = EXPORT_DTYPES[plan.dtype]
     start = time.monotonic()
-    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "nbytes": 0}
+    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "images": 0, "image_tokens": 0,
+              "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
 
     def collect_oldest() -> None:
@@ -258,8 +271,11 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 counts["ineligible"] += 1
                 continue
             counts["no_mask"] += header.loss_mask is None
+            if header.media is not None:
+                counts["images"] += 1
+                counts["image_tokens"] += sum(item.length for item in header.media.items)
             row = layout.num_rows
-            layout.add_row(ids, mask)
+            layout.add_row(ids, mask, key, header)
             relative = layout.path(row)
             manifest.write(json.dumps({"row": row, "key": key, "num_tokens": header.num_tokens, "file": relative})
                            + "\n")
@@ -297,6 +313,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     return ExportSummary(
         out=out, plan=plan, num_samples=layout.num_rows, num_tokens=counts["tokens"], num_kept=counts["kept"],
         num_no_mask=counts["no_mask"], num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
+        num_with_images=counts["images"], num_image_tokens=counts["image_tokens"], images_note=layout.images_note(),
         nbytes=counts["nbytes"], seconds=time.monotonic() - start,
     )
 
