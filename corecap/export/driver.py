@@ -267,6 +267,10 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 if len(mask) != len(ids):
                     raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries "
                                        f"for {len(ids)} tokens")
+            if header.media is not None:  # no trainer trains on an image token, whatever the stored mask says
+                mask = mask.copy()
+                for item in header.media.items:
+                    mask[item.offset : item.offset + item.length] = 0
             if not layout.keeps(mask):  # one the trainer's own reader would refuse mid-training
                 counts["ineligible"] += 1
                 continue
