@@ -97,9 +97,10 @@ def image_samples(captured, directory: str):
         out[key] = (ids, mask, ref)
         spans[key] = [(offset, length) for _, offset, length in placed]
     data = os.path.join(directory, "rows.jsonl")
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     with open(data, "w") as f:
         for key in captured:
-            row = rows.get(key, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+            row = rows.get(key, text)
             f.write(json.dumps({"id": key, **row}) + "\n")
     return out, spans, fields, data, urls
 
