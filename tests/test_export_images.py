@@ -6,6 +6,7 @@ own prepare-data keeps it for a model that takes images, read back through its o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -170,31 +171,90 @@ def test_data_must_be_the_rows_the_store_was_captured_from(tmp_path, captured, v
         "conversation); --format specforge writes token ids and loss masks")
     assert refused(tmp_path, store, "speculators", "--image-dir", str(tmp_path)) == (
         "corecap: error: --image-dir applies with --data (where the data file's images are)")
-    # An image replaced by another: the row is not the stored sample's.
-    with open(os.path.join(os.path.dirname(data), "img", "e.png"), "wb") as f:
-        f.write(open(os.path.join(os.path.dirname(data), "img", "a.png"), "rb").read())
-    result = refused_after_start(tmp_path, store, data)
+    # An image replaced by another: the row is not the stored sample's, refused before OUT.partial is made.
+    stored = _replace_image(data, "e.png", "a.png")
+    result = refused(tmp_path, store, "speculators", "--data", data)
     line_no = next(i for i, line in enumerate(open(data), 1) if '"image": "img/e.png"' in line)
-    assert result.startswith(f"corecap: error: {data}:{line_no}: its 1 image(s) are not those of the stored sample ")
-    assert "expected the data file and --image-dir the store was captured from" in result
+    key = next(k for k in spans if samples[k][0].size == 26)
+    assert result == (f"corecap: error: {data}:{line_no}: its 1 image(s) are not those of the stored sample {key!r} "
+                      f"(1 image(s), SHA-256 {stored}): expected the data file and "
+                      "--image-dir the store was captured from")
     # A sample with images whose key no row has.
     kept = [line for line in open(data) if '"image": "img/e.png"' not in line]
     other = tmp_path / "other.jsonl"
     other.write_text("".join(kept))
     os.symlink(os.path.join(os.path.dirname(data), "img"), tmp_path / "img")
-    result = refused_after_start(tmp_path, store, str(other))
-    assert result.startswith(f"corecap: error: --data {other}: no row with images has key ")
+    assert refused(tmp_path, store, "speculators", "--data", str(other)) == (
+        f"corecap: error: --data {other}: no row with images has key {key!r}, a sample with 1 image(s) in the store "
+        "(expected the file the store was captured from)")
 
 
-def refused_after_start(tmp_path, store, data) -> str:
-    """The one-line error of an export with `data` (it stops at the first bad row, OUT.partial left)."""
-    from support.exports import export
+def test_every_bad_data_row_is_refused_at_once_before_anything_is_written(tmp_path, captured, verifier, monkeypatch):
+    """A row whose image is missing, a sample whose row is gone and a row whose image differs are
+    reported together, and neither a fresh OUT.partial, an interrupted one nor an existing OUT is
+    touched."""
+    require_trainer("speculators")
+    from corecap.data.conversations import Conversations
+    from support.exports import export, interrupt
 
-    result = export(store, tmp_path / "bad", "speculators", "--data", data)
-    assert result.exit_code == 2 and not os.path.exists(tmp_path / "bad"), result.output
-    line = result.output.strip().splitlines()[-1]
-    assert line.startswith("corecap: error: ")
-    return line
+    store, samples, spans, data, _ = _store(tmp_path, captured, verifier)
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    interrupt(store, exports / "resumable", "speculators", monkeypatch, after=2, conversations=Conversations(data))
+    before = _tree(exports)
+    assert len(before) > 2  # its corecap_export.json and sample files
+    (exports / "done").mkdir()
+    (exports / "done" / "kept.txt").write_text("a finished export")
+    by_length = {samples[k][0].size: k for k in spans}
+    missing, gone, differs = by_length[23], by_length[40], by_length[26]
+    stored = _replace_image(data, "e.png", "a.png")
+    bad = os.path.join(os.path.dirname(data), "bad.jsonl")  # beside img/
+    rows = [json.loads(line) for line in open(data)]
+    with open(bad, "w") as f:
+        for row in rows:
+            if row["id"] == gone:
+                continue
+            if row["id"] == missing:
+                row["messages"][0]["content"][1]["image_url"]["url"] = "img/nowhere.png"
+            f.write(json.dumps(row) + "\n")
+    line_of = {json.loads(line)["id"]: i for i, line in enumerate(open(bad), 1)}
+    expected = sorted([
+        f"  {bad}:{line_of[missing]}: img/nowhere.png: image 'img/nowhere.png' not found "
+        f"({os.path.join(os.path.dirname(data), 'img', 'nowhere.png')})",
+        f"  --data {bad}: no row with images has key {gone!r}, a sample with 2 image(s) in the store (expected the "
+        "file the store was captured from)",
+        f"  {bad}:{line_of[differs]}: its 1 image(s) are not those of the stored sample {differs!r} (1 image(s), "
+        f"SHA-256 {stored}): expected the data file and --image-dir the store was captured "
+        "from",
+    ])
+    for out in ("fresh", "resumable", "done"):
+        result = export(store, exports / out, "speculators", "--data", bad)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        if out == "done":
+            assert lines == [f"corecap: error: {exports / out}: already exists (a finished export?); remove it or "
+                             "choose another --out"]
+        else:
+            assert lines[0] == (f"corecap: error: --data {bad}: 3 samples with images do not match their rows "
+                                "(expected the data file and --image-dir the store was captured from):")
+            assert sorted(lines[1:]) == expected
+        assert _tree(exports) == {**before, "done/kept.txt": b"a finished export"}, out
+
+
+def _replace_image(data: str, name: str, by: str) -> str:
+    """The data file's image `name` overwritten with the bytes of `by`; returns the first 12 hex
+    digits of the SHA-256 of the bytes it had (those the store was captured from)."""
+    img = os.path.join(os.path.dirname(data), "img")
+    with open(os.path.join(img, name), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    with open(os.path.join(img, name), "wb") as f:
+        f.write(open(os.path.join(img, by), "rb").read())
+    return digest
+
+
+def _tree(root) -> dict[str, bytes]:
+    """Every file under `root` by its relative path, with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in pathlib.Path(root).rglob("*") if p.is_file()}
 
 
 def test_every_format_without_images_is_unchanged(tmp_path, captured, verifier):

@@ -14,7 +14,10 @@ row's `input_ids`); a row whose messages hold no list content goes by its token 
 The store keeps the tokens, not the row's messages, so they come from the data file the store was
 captured from, joined on the sample's key as `corecap run` made it (the row's `id`, else its line
 number). Each image of a row must be the stored sample's (its bytes' SHA-256), so the messages are
-the sample's. Every turn's content is a list of parts, as speculators' own ShareGPT4V conversion
+the sample's. `join` checks every sample to export against its row (parsed, each image read and
+hashed) before the export writes anything, and reports every bad row in one error
+(corecap/data/problems.py): a wrong file or image directory costs no partial export and one rerun.
+Every turn's content is a list of parts, as speculators' own ShareGPT4V conversion
 writes them, so that one Arrow column holds every row (a text turn's string would be another type).
 """
 
@@ -26,6 +29,7 @@ import urllib.parse
 
 from corecap.data.chat import parse_messages
 from corecap.data.media import Images
+from corecap.data.problems import Problems
 from corecap.data.rows import RowError, open_rows
 from corecap.data.samples import row_key
 from corecap.errors import CorecapError
@@ -38,6 +42,7 @@ class Conversations:
         self.path = path
         self.images = Images(image_dir or os.path.dirname(os.path.abspath(path)))
         self._rows: dict[str, tuple[str, dict]] = {}  # key → (where, row) of each row that names an image
+        self._messages: dict[str, list[dict]] = {}  # key → its messages, once `join` checked them
         with open_rows(path) as (_, rows):
             for n, where, obj in rows:
                 if isinstance(obj, dict) and _names_images(obj):
@@ -46,9 +51,30 @@ class Conversations:
                     except RowError:
                         continue  # a row `corecap run` refused stored no sample
 
-    def messages(self, key: str, media) -> list[dict]:
-        """The sample's conversation with its images (`media`: its header's) as OpenAI-style
-        messages, every content a list of parts."""
+    def join(self, samples) -> None:
+        """Check the rows of `samples` ((key, header) of each sample to export) before anything
+        is written: every sample with images has a row, which parses, and whose images' bytes have
+        the stored SHA-256s. A sample the model answered is not joined: its answer is not in the
+        data file. Every bad row is reported in one error; the good rows' messages are kept for
+        `messages`, and the rows themselves let go."""
+        problems = Problems(self.path, "samples with images do not match their rows (expected the data file and "
+                                       "--image-dir the store was captured from)")
+        for key, header in samples:
+            if header.media is None or header.generation is not None:
+                continue
+            try:
+                self._messages[key] = self._checked(key, header.media)
+            except CorecapError as e:  # RowError: the row's own problem (its place in the file first)
+                problems.add(str(e))
+        self._rows.clear()
+        problems.raise_if_any()
+
+    def messages(self, key: str) -> list[dict]:
+        """The joined sample's conversation with its images, every content a list of parts."""
+        assert key in self._messages, key  # the export joins every sample with images first
+        return self._messages[key]
+
+    def _checked(self, key: str, media) -> list[dict]:
         if key not in self._rows:
             raise CorecapError(f"--data {self.path}: no row with images has key {key!r}, a sample with "
                                f"{len(media.items)} image(s) in the store (expected the file the store was captured "

@@ -12,7 +12,9 @@ deepspec.py (the formats by name: corecap/export/formats.py) and docs/export.md.
 checked before anything is written: a store that lacks what the format needs (speculators: the
 `prenorm` layer; SpecForge: layer N and exactly three aux layers; ModelOpt: layer N or
 `prenorm`, and an aux layer; DeepSpec: layer N and a target layer) or an unknown key is refused
-in one line that names what is missing and the `corecap run --layers` that would capture it.
+in one line that names what is missing and the `corecap run --layers` that would capture it;
+speculators' --data rows are joined to every sample with images, and all that do not match
+refused together (corecap/data/conversations.py).
 
 One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
 blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
@@ -123,6 +125,8 @@ def export_store(
         try:
             with store.env.begin(buffers=True) as txn:
                 num_rows, digest = select_keys(txn, store, keys)
+                if conversations is not None:  # a bad --data is refused before OUT.partial is made or cleared
+                    conversations.join(_exported_headers(txn, store, keys))
                 options = _options(store, plan, num_rows, digest)
                 lock, resumed = _open_partial(partial, options, log)
                 try:
@@ -164,6 +168,25 @@ def select_keys(txn, store: Store, keys: list[str] | None) -> tuple[int, str]:
     if num == 0:
         raise CorecapError(f"{store.path}: no samples to export")
     return num, digest.hexdigest()
+
+
+def _walk(txn, store: Store, keys: list[str] | None):
+    """The keys exported, in row order: the store's key order, or `keys`'."""
+    if keys is not None:
+        return iter(keys)
+    return (key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
+
+
+def _exported_headers(txn, store: Store, keys: list[str] | None):
+    """(key, header) of each sample the walk exports, in row order. A sample flagged NaN/Inf is
+    left out, as the walk leaves it; one without a header is the walk's to report (a damaged store)."""
+    for key in _walk(txn, store, keys):
+        value = txn.get(key.encode(), db=store.headers_db)
+        if value is None:
+            continue
+        header = prefixed(store.path, checked_header, key, value, store.meta)
+        if not header.nonfinite:
+            yield key, header
 
 
 def _options(store: Store, plan: ExportPlan, num_rows: int, digest: str) -> dict:
@@ -242,8 +265,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         counts["nbytes"] += nbytes
         progress.update(1, num_tokens, nbytes)
 
-    walk = ((key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
-            if keys is None else iter(keys))
+    walk = _walk(txn, store, keys)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
     syncs = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export-sync")  # waits for the disk
     manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")

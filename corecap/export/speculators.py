@@ -101,7 +101,7 @@ class Speculators:
         messages = []  # speculators goes by the token ids where the messages hold no list content
         if media is not None and self.conversations is not None:
             if header.generation is None:
-                messages = self.conversations.messages(key, media)
+                messages = self.conversations.messages(key)
             else:
                 self._num_answered += 1
         self._batch.append((ids, mask, messages))
