@@ -164,6 +164,27 @@ def test_jsonl_lines_of_image_samples(tmp_path, captured, verifier, tiny_model):
         assert [(i["offset"], i["length"]) for i in line["images"]] == placed
 
 
+def test_the_no_mask_note_counts_the_image_tokens_it_zeroed(tmp_path, captured, verifier):
+    """A sample stored without a loss mask is exported with ones but on its image tokens, and the
+    note says so: for the whole store (samples without a mask, with images and without), and for
+    --keys naming only the one with images."""
+    store, samples, spans, _, _ = _store(tmp_path, captured, verifier)
+    no_mask = [k for k, (_, mask, _) in samples.items() if mask is None]
+    with_images = [k for k in no_mask if k in spans]
+    assert len(with_images) == 1 and len(no_mask) > 1  # image_samples' 40-token sample, and text ones
+    tokens = sum(length for _, length in spans[with_images[0]])
+    result = exported(store, tmp_path / "all", "deepspec")
+    assert (f"{len(no_mask)} of {len(samples)} samples had no loss mask: exported with all ones (every token trained "
+            f"on) except the {tokens} image tokens of the 1 with images") in result.output.splitlines()
+    keys = tmp_path / "keys.txt"
+    keys.write_text(with_images[0] + "\n")
+    result = exported(store, tmp_path / "one", "deepspec", "--keys", str(keys))
+    assert (f"1 of 1 samples had no loss mask: exported with all ones except their {tokens} image tokens"
+            in result.output.splitlines())
+    assert (f"1 of 1 samples had no loss mask: exported with all ones except their {tokens} image tokens"
+            in json.load(open(tmp_path / "one" / "corecap_export.json"))["notes"])
+
+
 def test_data_must_be_the_rows_the_store_was_captured_from(tmp_path, captured, verifier):
     store, samples, spans, data, _ = _store(tmp_path, captured, verifier)
     assert refused(tmp_path, store, "specforge", "--data", data) == (
@@ -264,6 +285,8 @@ def test_every_format_without_images_is_unchanged(tmp_path, captured, verifier):
     store = write_captured_store(str(tmp_path / "s"), captured, verifier)
     result = exported(store, tmp_path / "mo", "modelopt")
     assert "with images" not in result.output
+    assert (f"{sum(m is None for _, m, _ in captured.values())} of {len(captured)} samples had no loss mask: exported "
+            "with all ones (every token trained on)") in result.output.splitlines()
     for row in manifest(tmp_path / "mo"):
         ids, mask, _ = captured[row["key"]]
         got = torch.load(tmp_path / "mo" / row["file"])["loss_mask"]

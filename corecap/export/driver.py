@@ -40,7 +40,6 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import lmdb
 import numpy as np
@@ -51,6 +50,7 @@ from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
 from corecap.export.formats import LAYOUTS
 from corecap.export.layers import describe_layer
 from corecap.export.plan import EXPORT_DTYPES, ExportPlan, plan_export, plan_finals
+from corecap.export.summary import ExportSummary
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.checks import checked_header
@@ -59,50 +59,6 @@ from corecap.store.store import key_text, prefixed
 EXPORT_VERSION = 1  # the options record in corecap_export.json; a different one starts over
 MANIFEST = "corecap_manifest.jsonl"
 INFO = "corecap_export.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportSummary:
-    out: str
-    plan: ExportPlan
-    num_samples: int
-    num_tokens: int
-    num_kept: int  # sample files an interrupted export had already written
-    num_no_mask: int  # samples without a loss mask, exported with all ones
-    num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
-    num_ineligible: int  # samples the format's trainer would refuse (its layout's `keeps`), left out
-    num_with_images: int  # samples with images: their image tokens exported with loss mask 0
-    num_image_tokens: int
-    images_note: str  # what the format's trainer does with them (the layout's `images_note`)
-    nbytes: int  # bytes of the sample files written by this run
-    seconds: float
-
-    def line(self) -> str:
-        rate = self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
-        per_s = (self.num_samples - self.num_kept) / self.seconds if self.seconds else 0.0
-        kept = f", {self.num_kept} kept from an interrupted export" if self.num_kept else ""
-        return (
-            f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens) in the {self.plan.fmt} layout{kept}; "
-            f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s ({rate:.2f} GB/s, {per_s:.1f} samples/s)"
-        )
-
-    def notes(self, warnings: bool = True) -> list[str]:
-        """What the user should know; `warnings=False`: without the warnings `export_store` logged first."""
-        out = [n for n in self.plan.notes if warnings or not n.startswith("warning: ")]
-        if self.num_no_mask:
-            out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: "
-                       "exported with all ones (every token trained on)")
-        if self.num_nonfinite:
-            out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture "
-                       "(--nonfinite store) left out")
-        if self.num_ineligible:
-            why = LAYOUTS[self.plan.fmt].ineligible
-            out.append(f"{self.num_ineligible} sample{'s' * (self.num_ineligible != 1)} left out: {why}")
-        if self.num_with_images:
-            out.append(f"{self.num_with_images} sample{'s' * (self.num_with_images != 1)} with images: loss mask 0 on "
-                       f"their {self.num_image_tokens} image tokens{self.images_note}")
-        out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
-        return out
 
 
 def export_store(
@@ -256,7 +212,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
     dtype = EXPORT_DTYPES[plan.dtype]
     start = time.monotonic()
     counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "images": 0, "image_tokens": 0,
-              "nbytes": 0}
+              "no_mask_images": 0, "no_mask_image_tokens": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
 
     def collect_oldest() -> None:
@@ -298,8 +254,12 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 continue
             counts["no_mask"] += header.loss_mask is None
             if header.media is not None:
+                num_image_tokens = sum(item.length for item in header.media.items)
                 counts["images"] += 1
-                counts["image_tokens"] += sum(item.length for item in header.media.items)
+                counts["image_tokens"] += num_image_tokens
+                if header.loss_mask is None:  # its all-ones mask has zeros after all: the note says where
+                    counts["no_mask_images"] += 1
+                    counts["no_mask_image_tokens"] += num_image_tokens
             row = layout.num_rows
             layout.add_row(ids, mask, key, header)
             relative = layout.path(row)
@@ -338,7 +298,9 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         fsync_dir(directory)
     return ExportSummary(
         out=out, plan=plan, num_samples=layout.num_rows, num_tokens=counts["tokens"], num_kept=counts["kept"],
-        num_no_mask=counts["no_mask"], num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
+        num_no_mask=counts["no_mask"], num_no_mask_with_images=counts["no_mask_images"],
+        num_no_mask_image_tokens=counts["no_mask_image_tokens"],
+        num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
         num_with_images=counts["images"], num_image_tokens=counts["image_tokens"], images_note=layout.images_note(),
         nbytes=counts["nbytes"], seconds=time.monotonic() - start,
     )
