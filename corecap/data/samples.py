@@ -99,7 +99,8 @@ def _check_policies(overflow: str, invalid: str | None, shard) -> str:
 # One row → key, token ids, loss mask
 
 
-def _key(obj: dict, where: str, line: int) -> str:
+def row_key(obj: dict, where: str, line: int) -> str:
+    """The key `corecap run` gives a row: its `id`, else its line (element, row) number."""
     if "id" not in obj:
         return str(line)
     value = obj["id"]
@@ -212,7 +213,7 @@ def _outcomes(path, *, tokenizer, vocab_size, max_len, overflow, invalid, shard,
                     raise obj
                 if not isinstance(obj, dict):
                     raise RowError(where, f"expected a JSON object, got {type(obj).__name__}", "not an object")
-                key = _key(obj, where, n)
+                key = row_key(obj, where, n)
             except RowError as e:
                 # A row without a readable key belongs to the shard of its line number.
                 if shard is not None and shard_of(str(n), shard[1]) != shard[0]:

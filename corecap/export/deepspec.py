@@ -104,7 +104,11 @@ class DeepSpec:
     def keeps(mask: np.ndarray) -> bool:
         return True
 
-    def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    @staticmethod
+    def images_note() -> str:
+        return ""
+
+    def add_row(self, ids: np.ndarray, mask: np.ndarray, key: str = "", header=None) -> None:
         """On the walking thread, in row order: the row's place and its index record."""
         num_tokens, hidden = len(ids), self.plan.hidden_size
         num_layers = len(self.plan.positions) - 1

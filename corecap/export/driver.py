@@ -12,7 +12,9 @@ deepspec.py (the formats by name: corecap/export/formats.py) and docs/export.md.
 checked before anything is written: a store that lacks what the format needs (speculators: the
 `prenorm` layer; SpecForge: layer N and exactly three aux layers; ModelOpt: layer N or
 `prenorm`, and an aux layer; DeepSpec: layer N and a target layer) or an unknown key is refused
-in one line that names what is missing and the `corecap run --layers` that would capture it.
+in one line that names what is missing and the `corecap run --layers` that would capture it;
+speculators' --data rows are joined to every sample with images, and all that do not match
+refused together (corecap/data/conversations.py).
 
 One read transaction walks the samples (a snapshot: a run writing the store meanwhile is neither
 blocked nor seen half-way) in the store's key order, or in the order of `keys`; row i of the
@@ -38,7 +40,6 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import lmdb
 import numpy as np
@@ -49,6 +50,7 @@ from corecap.export.files import TMP_SUFFIX, commit_file, fsync_dir
 from corecap.export.formats import LAYOUTS
 from corecap.export.layers import describe_layer
 from corecap.export.plan import EXPORT_DTYPES, ExportPlan, plan_export, plan_finals
+from corecap.export.summary import ExportSummary
 from corecap.progress import Progress
 from corecap.store import Store, refs
 from corecap.store.checks import checked_header
@@ -59,60 +61,28 @@ MANIFEST = "corecap_manifest.jsonl"
 INFO = "corecap_export.json"
 
 
-@dataclass(frozen=True, kw_only=True)
-class ExportSummary:
-    out: str
-    plan: ExportPlan
-    num_samples: int
-    num_tokens: int
-    num_kept: int  # sample files an interrupted export had already written
-    num_no_mask: int  # samples without a loss mask, exported with all ones
-    num_nonfinite: int  # samples flagged NaN/Inf at capture, left out
-    num_ineligible: int  # samples the format's trainer would refuse (its layout's `keeps`), left out
-    nbytes: int  # bytes of the sample files written by this run
-    seconds: float
-
-    def line(self) -> str:
-        rate = self.nbytes / self.seconds / 1e9 if self.seconds else 0.0
-        per_s = (self.num_samples - self.num_kept) / self.seconds if self.seconds else 0.0
-        kept = f", {self.num_kept} kept from an interrupted export" if self.num_kept else ""
-        return (
-            f"{self.out}: {self.num_samples} samples ({self.num_tokens} tokens) in the {self.plan.fmt} layout{kept}; "
-            f"wrote {self.nbytes / 1e6:.1f} MB in {self.seconds:.1f}s ({rate:.2f} GB/s, {per_s:.1f} samples/s)"
-        )
-
-    def notes(self, warnings: bool = True) -> list[str]:
-        """What the user should know; `warnings=False`: without the warnings `export_store` logged first."""
-        out = [n for n in self.plan.notes if warnings or not n.startswith("warning: ")]
-        if self.num_no_mask:
-            out.append(f"{self.num_no_mask} of {self.num_samples} samples had no loss mask: "
-                       "exported with all ones (every token trained on)")
-        if self.num_nonfinite:
-            out.append(f"{self.num_nonfinite} sample{'s' * (self.num_nonfinite != 1)} flagged NaN/Inf at capture "
-                       "(--nonfinite store) left out")
-        if self.num_ineligible:
-            why = LAYOUTS[self.plan.fmt].ineligible
-            out.append(f"{self.num_ineligible} sample{'s' * (self.num_ineligible != 1)} left out: {why}")
-        out.append(LAYOUTS[self.plan.fmt].draft_note(self.plan.aux_layers))
-        return out
-
-
 def export_store(
     store_path: str, out: str, fmt: str, *, aux_layers: str | None = None, dtype: str = "auto",
     keys: list[str] | None = None, workers: int | None = None, progress: bool | None = False, log=lambda line: None,
+    conversations=None,
 ) -> ExportSummary:
-    """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring)."""
+    """Export the store at `store_path` to `out` in `fmt`'s layout (see the module docstring).
+    `conversations` (speculators only): the data file's conversations with images by key
+    (corecap.data.conversations), for the `messages` of the samples with images."""
     workers = workers or min(8, os.cpu_count() or 1)
     shown, out = out, os.path.abspath(out)  # messages name OUT as given
     partial = out + ".partial"
     with Store.open(store_path) as store:
         plan = plan_export(store.meta, store.path, fmt, aux_layers, dtype)
         LAYOUTS[fmt].check_available()
+        assert conversations is None or getattr(LAYOUTS[fmt], "takes_messages", False), fmt  # the CLI refuses --data
         if os.path.lexists(out):
             raise CorecapError(f"{shown}: already exists (a finished export?); remove it or choose another --out")
         try:
             with store.env.begin(buffers=True) as txn:
                 num_rows, digest = select_keys(txn, store, keys)
+                if conversations is not None:  # a bad --data is refused before OUT.partial is made or cleared
+                    conversations.join(_exported_headers(txn, store, keys))
                 options = _options(store, plan, num_rows, digest)
                 lock, resumed = _open_partial(partial, options, log)
                 try:
@@ -124,7 +94,7 @@ def export_store(
                         f"aux layers {list(plan.aux_layers)}{final}, {plan.dtype}"
                         + (" (resuming an interrupted export)" if resumed else ""))
                     summary = _write(txn, store, plan, partial, shown, keys, num_rows, resumed, workers,
-                                     Progress(num_rows, progress))
+                                     Progress(num_rows, progress), conversations)
                     _finish(partial, out, options, summary)
                 finally:
                     os.close(lock)
@@ -154,6 +124,25 @@ def select_keys(txn, store: Store, keys: list[str] | None) -> tuple[int, str]:
     if num == 0:
         raise CorecapError(f"{store.path}: no samples to export")
     return num, digest.hexdigest()
+
+
+def _walk(txn, store: Store, keys: list[str] | None):
+    """The keys exported, in row order: the store's key order, or `keys`'."""
+    if keys is not None:
+        return iter(keys)
+    return (key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
+
+
+def _exported_headers(txn, store: Store, keys: list[str] | None):
+    """(key, header) of each sample the walk exports, in row order. A sample flagged NaN/Inf is
+    left out, as the walk leaves it; one without a header is the walk's to report (a damaged store)."""
+    for key in _walk(txn, store, keys):
+        value = txn.get(key.encode(), db=store.headers_db)
+        if value is None:
+            continue
+        header = prefixed(store.path, checked_header, key, value, store.meta)
+        if not header.nonfinite:
+            yield key, header
 
 
 def _options(store: Store, plan: ExportPlan, num_rows: int, digest: str) -> dict:
@@ -214,13 +203,16 @@ def _write_json(path: str, obj) -> None:
     os.rename(path + TMP_SUFFIX, path)
 
 
-def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress) -> ExportSummary:
+def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, progress, conversations) -> ExportSummary:
     layout = LAYOUTS[plan.fmt](partial, plan)
+    if conversations is not None:
+        layout.conversations = conversations
     end = store.committed_end(txn)  # no sample reads past the committed states (docs/store.md)
     layout.begin()
     dtype = EXPORT_DTYPES[plan.dtype]
     start = time.monotonic()
-    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "nbytes": 0}
+    counts = {"tokens": 0, "kept": 0, "no_mask": 0, "nonfinite": 0, "ineligible": 0, "images": 0, "image_tokens": 0,
+              "no_mask_images": 0, "no_mask_image_tokens": 0, "nbytes": 0}
     pending: deque = deque()  # (num_tokens, future), in row order
 
     def collect_oldest() -> None:
@@ -229,8 +221,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         counts["nbytes"] += nbytes
         progress.update(1, num_tokens, nbytes)
 
-    walk = ((key_text(store.path, bytes(k)) for k in txn.cursor(db=store.headers_db).iternext(keys=True, values=False))
-            if keys is None else iter(keys))
+    walk = _walk(txn, store, keys)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export")
     syncs = ThreadPoolExecutor(workers, thread_name_prefix="corecap-export-sync")  # waits for the disk
     manifest = open(os.path.join(partial, MANIFEST + TMP_SUFFIX), "w")
@@ -254,12 +245,23 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                 if len(mask) != len(ids):
                     raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries "
                                        f"for {len(ids)} tokens")
+            if header.media is not None:  # no trainer trains on an image token, whatever the stored mask says
+                mask = mask.copy()
+                for item in header.media.items:
+                    mask[item.offset : item.offset + item.length] = 0
             if not layout.keeps(mask):  # one the trainer's own reader would refuse mid-training
                 counts["ineligible"] += 1
                 continue
             counts["no_mask"] += header.loss_mask is None
+            if header.media is not None:
+                num_image_tokens = sum(item.length for item in header.media.items)
+                counts["images"] += 1
+                counts["image_tokens"] += num_image_tokens
+                if header.loss_mask is None:  # its all-ones mask has zeros after all: the note says where
+                    counts["no_mask_images"] += 1
+                    counts["no_mask_image_tokens"] += num_image_tokens
             row = layout.num_rows
-            layout.add_row(ids, mask)
+            layout.add_row(ids, mask, key, header)
             relative = layout.path(row)
             manifest.write(json.dumps({"row": row, "key": key, "num_tokens": header.num_tokens, "file": relative})
                            + "\n")
@@ -296,7 +298,10 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
         fsync_dir(directory)
     return ExportSummary(
         out=out, plan=plan, num_samples=layout.num_rows, num_tokens=counts["tokens"], num_kept=counts["kept"],
-        num_no_mask=counts["no_mask"], num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
+        num_no_mask=counts["no_mask"], num_no_mask_with_images=counts["no_mask_images"],
+        num_no_mask_image_tokens=counts["no_mask_image_tokens"],
+        num_nonfinite=counts["nonfinite"], num_ineligible=counts["ineligible"],
+        num_with_images=counts["images"], num_image_tokens=counts["image_tokens"], images_note=layout.images_note(),
         nbytes=counts["nbytes"], seconds=time.monotonic() - start,
     )
 

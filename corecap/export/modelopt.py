@@ -76,7 +76,13 @@ class ModelOpt:
     def keeps(mask: np.ndarray) -> bool:
         return True
 
-    def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    @staticmethod
+    def images_note() -> str:
+        # OfflineSupervisedDataset uses an all-ones mask unless answer_only_loss is set
+        return (" (ModelOpt reads the masks only with training.answer_only_loss=true; without it, it trains on every "
+                "token, image tokens included)")
+
+    def add_row(self, ids: np.ndarray, mask: np.ndarray, key: str = "", header=None) -> None:
         self.num_rows += 1
 
     def finish(self) -> None:

@@ -75,7 +75,11 @@ class SpecForge:
     def keeps(mask: np.ndarray) -> bool:
         return True
 
-    def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    @staticmethod
+    def images_note() -> str:
+        return ""
+
+    def add_row(self, ids: np.ndarray, mask: np.ndarray, key: str = "", header=None) -> None:
         directory = os.path.dirname(self.path(self.num_rows))
         if directory not in self._made:
             os.makedirs(os.path.join(self.root, directory), exist_ok=True)

@@ -14,6 +14,10 @@ speculators 0.9.0 (`speculators.train.data.ArrowDataset`):
                               hidden_states_scales float32 [T, 1, 1], one scale per token, as
                               hs_connectors' fp8 backend writes them (corecap/export/fp8_per_token.py);
                               read with `speculators train --hidden-states-backend fp8`
+    with --data FILE:         a `messages` column too, as speculators keeps for a model that takes
+                              images: each image sample's conversation, every content a list of
+                              parts (`text`, `image_url` with a file:// URL); [] for the others
+                              (corecap/data/conversations.py reads them from the data file)
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ class Speculators:
     """hs_{row}.safetensors per sample, and the row table written through HF `datasets`."""
 
     name = "speculators"
+    takes_messages = True  # --data: the `messages` of the samples with images
 
     def __init__(self, root: str, plan=None):
         self.root = root
         self.num_rows = 0
-        self._batch: list[tuple[np.ndarray, np.ndarray]] = []
+        self.conversations = None  # corecap.data.conversations.Conversations, from --data
+        self._num_images = 0  # samples with images
+        self._num_answered = 0  # of them, those the model answered: no `messages` (the answer is not in --data)
+        self._batch: list[tuple[np.ndarray, np.ndarray, list]] = []
         self._freq = np.zeros(0, dtype=np.int64)  # token id → times trained on (token_freq.pt)
         self._writer = None
         self._sink = None
@@ -86,9 +94,17 @@ class Speculators:
     def keeps(mask: np.ndarray) -> bool:
         return True
 
-    def add_row(self, ids: np.ndarray, mask: np.ndarray) -> None:
+    def add_row(self, ids: np.ndarray, mask: np.ndarray, key: str = "", header=None) -> None:
         """The row's entry in the table, in row order (rows are added by one thread)."""
-        self._batch.append((ids, mask))
+        media = None if header is None else header.media
+        self._num_images += media is not None
+        messages = []  # speculators goes by the token ids where the messages hold no list content
+        if media is not None and self.conversations is not None:
+            if header.generation is None:
+                messages = self.conversations.messages(key)
+            else:
+                self._num_answered += 1
+        self._batch.append((ids, mask, messages))
         self.num_rows += 1
         counts = np.bincount(ids[mask.astype(bool)].astype(np.int64))
         if len(counts) > len(self._freq):
@@ -103,18 +119,34 @@ class Speculators:
         if self._writer is None:
             os.makedirs(os.path.join(self.root, _TABLE_DIR), exist_ok=True)
             self._sink = pa.OSFile(os.path.join(self.root, _TABLE_DIR, "rows.arrow"), "wb")
-            self._writer = pa.ipc.new_stream(self._sink, _table_schema())
+            self._writer = pa.ipc.new_stream(self._sink, self._schema())
         if not self._batch:
             return
-        lengths = np.array([len(ids) for ids, _ in self._batch], dtype=np.int64)
+        lengths = np.array([len(ids) for ids, _, _ in self._batch], dtype=np.int64)
         offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        ids = pa.array(np.concatenate([i for i, _ in self._batch]).astype(np.int64))
-        masks = pa.array(np.concatenate([m for _, m in self._batch]).astype(np.int64))
-        self._writer.write_batch(pa.record_batch(
-            [pa.ListArray.from_arrays(offsets, ids), pa.ListArray.from_arrays(offsets, masks), pa.array(lengths)],
-            schema=_table_schema(),
-        ))
+        ids = pa.array(np.concatenate([i for i, _, _ in self._batch]).astype(np.int64))
+        masks = pa.array(np.concatenate([m for _, m, _ in self._batch]).astype(np.int64))
+        columns = [pa.ListArray.from_arrays(offsets, ids), pa.ListArray.from_arrays(offsets, masks), pa.array(lengths)]
+        if self.conversations is not None:
+            columns.append(pa.array([m for _, _, m in self._batch], type=_messages_type()))
+        self._writer.write_batch(pa.record_batch(columns, schema=self._schema()))
         self._batch.clear()
+
+    def _schema(self):
+        import pyarrow as pa
+
+        schema = _table_schema()
+        return schema if self.conversations is None else schema.append(pa.field("messages", _messages_type()))
+
+    def images_note(self) -> str:
+        if self.conversations is None:
+            return ("; their rows carry no `messages` (speculators makes a missing hs file's states again from them; "
+                    "from the token ids alone it would run without the images): --data FILE writes them")
+        if self._num_answered:
+            return (f"; `messages` from --data, but not for the {self._num_answered} the model answered (their "
+                    "answers are not in the data file): keep their hs files, which speculators would otherwise make "
+                    "again from the token ids alone, without the images")
+        return "; their conversations in `messages`, from --data"
 
     def finish(self) -> None:
         """The `datasets` directory, exactly as speculators' prepare_data leaves it: the table with
@@ -200,3 +232,12 @@ def _table_schema():
 
     return pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
                       ("seq_len", pa.int64())])
+
+
+def _messages_type():
+    """The `messages` column: every row's turns, each content a list of parts; the fields a part
+    does not use are null, as `datasets` stores speculators' own parts."""
+    import pyarrow as pa
+
+    part = pa.struct([("type", pa.string()), ("text", pa.string()), ("image_url", pa.struct([("url", pa.string())]))])
+    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.list_(part))]))

@@ -36,10 +36,11 @@ def verifier_reference(model, token_ids) -> dict:
 
 
 def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.float32, codec: str = "zstd-planes",
-                         layers=CAPTURED_LAYERS, replace: dict | None = None) -> str:
+                         layers=CAPTURED_LAYERS, replace: dict | None = None, fields: dict | None = None) -> str:
     """A store holding `captured` at `layers` in `dtype`, built without an engine (several
     commits, as a run makes them). `replace` maps a stored layer to the reference layer whose
-    values it gets instead (to build deliberately wrong stores)."""
+    values it gets instead (to build deliberately wrong stores); `fields` maps a key to more of
+    its header (encode_sample's `media`, `generation`), as a run on image rows stores them."""
     from corecap.store import FORMAT_VERSION, LAYER_MEANING, ModelIdentity, Store, StoreMeta, encode_sample
 
     identity = ModelIdentity(
@@ -55,7 +56,8 @@ def write_captured_store(path: str, captured, verifier: str, *, dtype=torch.floa
     records = []
     for key, (ids, mask, ref) in captured.items():
         states = torch.stack([ref[replace.get(k, k)] for k in layers]).to(dtype)
-        records.append(encode_sample(key, ids, states, tuple(layers), codec=codec, loss_mask=mask))
+        records.append(encode_sample(key, ids, states, tuple(layers), codec=codec, loss_mask=mask,
+                                     **(fields or {}).get(key, {})))
     with Store.create_or_open(path, meta) as store:
         store.put_many(records[:5])
         store.put_many(records[5:])
