@@ -33,12 +33,14 @@ def _same_store(reference: str, other: str, case: str) -> None:
 
 
 @pytest.mark.full
-def test_run_interrupted_by_an_exception_then_rerun(exact_run, tmp_path, monkeypatch):
+def test_an_interrupted_shard_resumes_and_the_shards_merge_to_the_unsharded_run(exact_run, tmp_path, monkeypatch):
+    """Shard 0 of 2 fails at its 12th step (an exception in the step loop) after some commits and
+    is rerun; shard 1 runs through; merged, they are the uninterrupted, unsharded store."""
     from corecap._vllm.engine import Engine
     from corecap.run import run
+    from corecap.store.merge import merge_stores
 
     cfg, _ = exact_run
-    cfg = dataclasses.replace(cfg, store=str(tmp_path / "store"))
     real_step, calls = Engine.step, []
 
     def failing_step(self):
@@ -47,36 +49,22 @@ def test_run_interrupted_by_an_exception_then_rerun(exact_run, tmp_path, monkeyp
             raise RuntimeError("injected failure")
         return real_step(self)
 
+    first = dataclasses.replace(cfg, store=str(tmp_path / "shard0"), shard=(0, 2))
     monkeypatch.setattr(Engine, "step", failing_step)
     with pytest.raises(RuntimeError, match="injected failure"):
-        run(cfg)
-    with Store.open(exact_run[0].store) as store:
-        total = len(store)
-    with Store.open(cfg.store) as store:
-        kept = len(store)
-    assert 0 < kept < total  # some samples were committed before the failure, not all
+        run(first)
     monkeypatch.setattr(Engine, "step", real_step)
-    summary = run(cfg)
-    assert summary.num_skipped == kept and summary.num_committed == total - kept
-    _same_store(exact_run[0].store, cfg.store, "interrupted + rerun")
-
-
-@pytest.mark.full
-def test_shards_merge_to_the_unsharded_run(exact_run, tmp_path):
-    from corecap.store.merge import merge_stores
-    from corecap.run import run
-
-    cfg, _ = exact_run
-    shards = []
-    for k in range(2):
-        shard_cfg = dataclasses.replace(cfg, store=str(tmp_path / f"shard{k}"), shard=(k, 2))
-        summary = run(shard_cfg)
-        assert summary.num_committed > 0
-        shards.append(shard_cfg.store)
-    with Store.open(shards[0]) as a, Store.open(shards[1]) as b:
+    with Store.open(first.store) as store:
+        kept = len(store)
+    assert kept > 0  # some samples were committed before the failure
+    summary = run(first)
+    assert summary.num_skipped == kept and summary.num_committed > 0  # not all were
+    second = dataclasses.replace(cfg, store=str(tmp_path / "shard1"), shard=(1, 2))
+    assert run(second).num_committed > 0
+    with Store.open(first.store) as a, Store.open(second.store) as b:
         assert not set(a.keys()) & set(b.keys())
-    merge_stores(str(tmp_path / "merged"), shards)
-    _same_store(cfg.store, str(tmp_path / "merged"), "2 shards merged")
+    merge_stores(str(tmp_path / "merged"), [first.store, second.store])
+    _same_store(cfg.store, str(tmp_path / "merged"), "interrupted shard + rerun, 2 shards merged")
 
 
 @pytest.mark.full
