@@ -210,7 +210,7 @@ class Conversations:
         else:
             before = rewritten_turns(messages, points, answers)
             ids = self.renderer.prompt(None, conversation.where, before)
-            # the processor took these images with the input (data/samples.py _first_prompt_images)
+            # the processor checked these images with the input (data/chat.py first_prompt_images)
             pairs = [(conversation.images[i], conversation.digests[i]) for i in kept]
             ids, _, media = expanded(ids, None, pairs, self.expand, conversation.where)
             ids = ids.astype(np.int32)
