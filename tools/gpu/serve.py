@@ -116,7 +116,7 @@ def server_command(args, mode: str, port: int, hidden: str) -> list[str]:
     if mode == "serve":
         return [sys.executable, "-m", "corecap.cli", "serve", "--model", model, "--port", str(port),
                 "--load-format", "dummy", "--layers", corecap_layers,
-                "--hidden-states-backend", "file", "--hidden-states-path", hidden]
+                "--hidden-states-backend", "file", "--hidden-states-path", hidden, *args.serve_args.split()]
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_ids}}}
     transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=1, help="each response's tokens (1: the prompt's states only)")
     ap.add_argument("--vllm-args", default="", help="more options for `vllm serve` (a CPU smoke test: "
                     "'--gpu-memory-utilization 0.2')")
+    ap.add_argument("--serve-args", default="", help="more options for `corecap serve` (e.g. '--buffer-gb 16': "
+                    "with --max-tokens, each request in flight holds its prompt + response states in the sink)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds for a server to start")
     ap.add_argument("--dir", default=ROOT, help="models' configs, prompts, the store, the states' files")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
