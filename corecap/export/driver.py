@@ -246,9 +246,7 @@ def _write(txn, store, plan, partial, out, keys, num_rows, resumed, workers, pro
                     raise CorecapError(f"{store.path}: sample {key!r} has a loss mask of {len(mask)} entries "
                                        f"for {len(ids)} tokens")
             if header.media is not None:  # no trainer trains on an image token, whatever the stored mask says
-                mask = mask.copy()
-                for item in header.media.items:
-                    mask[item.offset : item.offset + item.length] = 0
+                mask = header.media.masked(mask)
             if not layout.keeps(mask):  # one the trainer's own reader would refuse mid-training
                 counts["ineligible"] += 1
                 continue

@@ -154,9 +154,7 @@ def sample_line(key: str, header: SampleHeader, ids: np.ndarray, tokenizer) -> d
     """One sample's JSONL object (the module docstring)."""
     mask = None if header.loss_mask is None else np.frombuffer(header.loss_mask, dtype=np.uint8).tolist()
     if header.media is not None and mask is None:  # 0 on every image token, as the trainers' layouts write it
-        mask = [1] * header.num_tokens
-        for item in header.media.items:
-            mask[item.offset : item.offset + item.length] = [0] * item.length
+        mask = header.media.masked(np.ones(header.num_tokens, np.uint8)).tolist()
     # its states hold NaN/Inf (--nonfinite store); its text is fine
     flags = {"nonfinite": True} if header.nonfinite else {}
     g = header.generation

@@ -34,6 +34,13 @@ class Media(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
             end = item.offset + item.length
         return None
 
+    def masked(self, mask: np.ndarray) -> np.ndarray:
+        """A copy of `mask` (an entry a token) with 0 on every image token: what no trainer trains on."""
+        out = np.array(mask, copy=True)
+        for item in self.items:
+            out[item.offset : item.offset + item.length] = 0
+        return out
+
     @property
     def unexpanded(self) -> np.ndarray:
         return np.frombuffer(self.prompt_ids, "<i4").copy()
