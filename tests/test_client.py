@@ -161,7 +161,7 @@ class _Recorder:
         self.calls = []
 
     def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, *args)) or True
+        return lambda *args, **kwargs: self.calls.append((name, *args)) or True
 
 
 def test_a_request_whose_client_went_away_is_aborted_and_its_sample_forgotten(tmp_path):
@@ -182,6 +182,31 @@ def test_a_request_whose_client_went_away_is_aborted_and_its_sample_forgotten(tm
     assert loop.engine.calls == [("abort", running.name)] and loop.sink.calls == [("forget", running.name, 64)]
     assert list(loop.running) == [other.name] and running.future.cancelled() and not other.future.done()
     assert "corecap_requests_aborted_total 2" in loop.metrics.text()
+
+
+def test_the_server_admits_within_its_buffer_and_says_how_many_requests_waited(tmp_path):
+    """A request waits while the states of those held, its own included, would not fit the
+    sink's memory; it is counted once however many steps it waits, and the server says so at stop."""
+    from corecap.sink.budget import Released, StatesBudget
+
+    plan = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_states_path=str(tmp_path), quota_bytes=1 << 30,
+                                                           backend="file"))
+    log = []
+    loop = EngineLoop(plan, log.append, Metrics())
+    loop.sink = _Recorder()
+    loop.engine = types.SimpleNamespace(max_num_seqs=8, num_unfinished=0, add=lambda *args: [])
+    released = Released()
+    loop.budget = StatesBudget(3 << 20, 4096, released)  # 256 tokens of 4 KiB: 1 MiB, three at once
+    tickets = [loop.submit(CaptureRequest(token_ids=torch.arange(256).numpy(), model="m")) for _ in range(5)]
+    for _ in range(3):  # three steps of the engine thread: the fourth request waits in each
+        loop._admit()
+    assert list(loop.running) == [t.name for t in tickets[:3]] and list(loop.waiting) == tickets[3:]
+    assert loop.budget.num_waits == 1 and loop.budget.line().endswith(
+        "held to --buffer-gb 0.00292969 (4096 bytes a token in the sink's buffers; 1 requests waited for room); "
+        "a larger --buffer-gb lets more run at once")
+    released.add(1 << 20)  # one sample committed: room for one more
+    loop._admit()
+    assert list(loop.waiting) == tickets[4:] and loop.budget.num_waits == 2 and loop.budget.most_held == 3
 
 
 def test_the_server_sees_a_client_go_away_with_the_api_key_on():

@@ -55,7 +55,7 @@ from corecap.errors import CorecapError
 @_LAYERS_OPTION
 @click.option("--buffer-gb", type=click.FloatRange(min=0.0), default=None,
               help="The sink's host memory for states: of requests in flight and, with prefix caching, a copy of "
-                   "each cached block's (default: 4).")
+                   "each cached block's (default: 40% of the memory available at start, at least 4).")
 @click.option("--prefix-blocks", type=click.IntRange(min=1), default=None,
               help="With prefix caching: the most blocks an engine keeps in vLLM's prefix cache, whose states the "
                    "sink copies (default: what a quarter of --buffer-gb holds, at most the KV cache's blocks); "

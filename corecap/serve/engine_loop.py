@@ -64,6 +64,7 @@ class EngineLoop:
         self.responses = Responses()  # the responses written, each one's record
         self.started = 0.0  # when it began serving (time.time())
         self.engine = self.sink = self.budget = None
+        self.held_back = None  # the request waiting for room in --buffer-gb, if any
         self.thread: threading.Thread | None = None
         self.nixl = None  # NixlStates, with --nixl-sidecar-port
         self.store = None  # StoreReport, with --store (serve/store_copy.py); `serve` sets it and num_requests
@@ -98,6 +99,9 @@ class EngineLoop:
         cached = sum(self.engine.prefix_bounds()) * plan.block_bytes
         token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
         self.budget = StatesBudget(plan.buffer_bytes - cached, token_bytes, self.sink.released)
+        if cached:
+            self.budget.bound = (f"{(plan.buffer_bytes - cached) / 2**30:.3g} GiB, --buffer-gb "
+                                 f"{plan.buffer_bytes / 2**30:g} less the prefix cache's copies")
         line = prefix_line(plan, self.engine.prefix_bounds())
         if line:
             self.log(line)
@@ -173,6 +177,8 @@ class EngineLoop:
         if self.engine is not None:
             if self.engine.prefix_line():
                 self.log(self.engine.prefix_line())
+            if self.budget is not None and self.budget.line():
+                self.log(self.budget.line())
             self.engine.shutdown()
         if self.sink is not None:
             self.sink.unwatch()
@@ -236,6 +242,9 @@ class EngineLoop:
             ids, max_tokens = ticket.request.token_ids, ticket.request.max_tokens
             cost = self.budget.cost(len(ids) + max_tokens, final=False)  # held whole: a file is one buffer
             if not self.budget.fits(cost):
+                if ticket is not self.held_back:  # counted once a request, however long it waits
+                    self.held_back = ticket
+                    self.budget.num_waits += 1
                 return
             with self.wake:
                 self.waiting.popleft()

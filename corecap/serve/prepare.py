@@ -71,7 +71,9 @@ def prepare(cfg: ServeConfig, log) -> ServePlan:
     tokenizer = load_tokenizer(model_dir)
     if vllm_config.parallel_config.nnodes > 1:
         raise CorecapError("--nnodes: `corecap serve` runs on one node (use -tp, -pp and -dp within it)")
-    memory = buffer_bytes(run.buffer_bytes, False, psutil.virtual_memory().available)
+    # a server may be asked for responses at any time: its default is `corecap run --max-tokens`'s,
+    # so that as many requests generate at once as the engine runs
+    memory = buffer_bytes(run.buffer_bytes, True, psutil.virtual_memory().available)
     block_size = prefix_tracker.block_size(vllm_config)
     block_bytes = prefix_blocks = 0
     if block_size:

@@ -57,6 +57,7 @@ class StatesBudget:
         self.num_reserved = 0
         self.num_waits = 0  # times a request waited for room
         self.most_held = 0  # samples held at once, at most
+        self.bound = f"--buffer-gb {budget_bytes / 2**30:g}"  # what the bound is, as the line says it
 
     def cost(self, num_tokens: int, final: bool) -> int:
         """The buffer a sample of `num_tokens` (a response's: prompt + --max-tokens) takes in the
@@ -80,14 +81,15 @@ class StatesBudget:
         self.num_reserved += 1
         self.most_held = max(self.most_held, self.num_held)
 
-    def line(self, peak_bytes: int) -> str:
-        """Said at the end of a run where the bound held requests back; `peak_bytes`: the most
-        the sink's buffers held at once (its pool's high-water mark)."""
+    def line(self, peak_bytes: int | None = None) -> str:
+        """Said at the end of a run (or a server's) where the bound held requests back;
+        `peak_bytes`: the most the sink's buffers held at once (its pool's high-water mark), where
+        known."""
         if not self.num_waits:
             return ""
+        peak = "" if peak_bytes is None else f"{peak_bytes / 2**20:,.1f} MiB of buffers at the most, "
         return (
             f"samples in the sink: at most {self.most_held} at once (being written or awaiting their commit), "
-            f"{peak_bytes / 2**20:,.1f} MiB of buffers at the most, held to --buffer-gb "
-            f"{self.budget_bytes / 2**30:g} ({self.token_bytes} bytes a token in the sink's buffers); "
-            f"a larger --buffer-gb lets more run at once"
+            f"{peak}held to {self.bound} ({self.token_bytes} bytes a token in the "
+            f"sink's buffers; {self.num_waits} requests waited for room); a larger --buffer-gb lets more run at once"
         )
