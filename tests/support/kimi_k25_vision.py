@@ -178,14 +178,16 @@ def expected_prefix_hits(samples, block: int) -> dict:
     return out
 
 
-def reference_in_a_process(model_dir: str, rows: list[dict], workdir: str) -> dict:
+def reference_in_a_process(model_dir: str, rows: list[dict], workdir: str, dtype: str = "float32",
+                           device: str = "cpu") -> dict:
+    """`reference` of `rows` in a process of its own (its memory, and the GPU's, given back)."""
     import torch
 
-    samples, out = os.path.join(workdir, "hf-samples.json"), os.path.join(workdir, "hf-refs.pt")
+    samples, out = os.path.join(workdir, "hf-samples.json"), os.path.join(workdir, f"hf-refs-{dtype}.pt")
     with open(samples, "w") as f:
         json.dump(rows, f)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "reference", model_dir, samples, out],
-                          timeout=600, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "reference", model_dir, samples, out,
+                           dtype, device], timeout=600, capture_output=True, text=True)
     if done.returncode:
         raise AssertionError(f"HF reference failed:\n{done.stderr[-4000:]}")
     return torch.load(out)
