@@ -11,9 +11,10 @@ model: HF's bf16 run against HF's float32 on the same inputs.
 The checkpoint is tests/support/kimi_k25_vision.py's (tokenizer, chat template, processor config;
 its images too), with tools/gpu/deepseek_exact.py's language model (real MLA shapes, 6 layers) and
 its vision tower widened to heads of 64, the smallest the GPU's attention kernels are built for.
-The routing biases are wide (std 0.5, against gate scores within a few hundredths of each other),
-so that few tokens sit at a near tie where bf16 may pick other experts than float32 (such a token
-moves legitimately far from HF: tools/gpu/deepseek_exact.py splits by that). Layer 0 is the merged
+The routing biases are so wide (std 10, against sigmoid scores in 0..1) that the experts each
+token picks are the bias's, the same for every token: no near tie where bf16 may pick other
+experts than float32 (such a token moves legitimately far from HF, and the tokens after it with
+it: tools/gpu/deepseek_exact.py measures that); the images are what this checks. Layer 0 is the merged
 embeddings (the vision features in place), which vLLM's V2 model runner does not keep: the capture
 runs on the V1 runner.
 
@@ -49,7 +50,7 @@ kimi_k25_vision = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kimi_k25_vision)
 
 LAYERS = (*range(NUM_LAYERS + 1), "prenorm")
-BIAS_STD = 0.5
+BIAS_STD = 10.0  # the routing fixed by the bias (docstring)
 VISION = {**KIMI_VISION, "num_hidden_layers": 2}
 # (width, height) in px: 6, 20, 4 and 48 image tokens (kimi_k25_vision: one token per 4 x 4 px)
 SIZES = [(12, 8), (16, 20), (8, 8), (32, 24)]
