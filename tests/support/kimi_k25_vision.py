@@ -7,8 +7,10 @@ with patch limits so small that an image gives a few tokens. `images` writes PNG
 HF's reference (`reference`) runs transformers' Kimi_K25ForConditionalGeneration on the expanded
 ids the store holds and the pixel values vLLM's own image processor makes of the same files
 (normalized on the host: the engine runs with `mm_device_do_normalize` off), in a process of its
-own as tiny_models.reference does. `expected_prefix_hits`: what vLLM's prefix cache may serve a
-run's samples with images, derived from the stored ids and images alone."""
+own as tiny_models.reference does; in float32 on the CPU by default, in another dtype or on a
+GPU for tools/gpu/images_exact.py, which runs this file as a script. `expected_prefix_hits`: what
+vLLM's prefix cache may serve a run's samples with images, derived from the stored ids and images
+alone."""
 
 from __future__ import annotations
 
@@ -18,10 +20,9 @@ import subprocess
 import sys
 
 try:
-    from support import kimi_k25, tiny_models
+    from support import kimi_k25
 except ImportError:  # run as a script
     import kimi_k25
-    import tiny_models
 
 # Patches of 2 px, merged 2 x 2 into one token: an image of W x H px gives ceil(W/4) * ceil(H/4)
 # tokens (up to the limits), a 12 x 8 image 6.
@@ -45,9 +46,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: str, seed: int = 0) -> str:
-    """kimi_k25.build's checkpoint, with a tokenizer and the processor config."""
-    kimi_k25.build(path, seed=seed)
+def build(path: str, seed: int = 0, **options) -> str:
+    """kimi_k25.build's checkpoint (`options`: its keyword arguments), with a tokenizer and the
+    processor config."""
+    kimi_k25.build(path, seed=seed, **options)
     _tokenizer(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump({"media_proc_cfg": MEDIA_PROC_CFG}, f, indent=2)
@@ -55,8 +57,8 @@ def build(path: str, seed: int = 0) -> str:
 
 
 def _tokenizer(path: str) -> None:
-    """A byte-level BPE below tiny_models.VOCAB (filled up to it with unused tokens), then the
-    four media tokens at the config's ids (VOCAB - 4 ...), and <|media_content|> among the fill."""
+    """A byte-level BPE below the config's first media token id (filled up to it with unused
+    tokens), then the four media tokens at the config's ids, and <|media_content|> among the fill."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -68,10 +70,10 @@ def _tokenizer(path: str) -> None:
     specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|media_content|>"]
     texts = ["the quick brown fox jumps over the lazy dog", "what is in this picture", "a red square and a circle",
              "describe the image", "two pictures of different sizes"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=tiny_models.VOCAB, special_tokens=specials, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=config["image_token_id"], special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    fill = tiny_models.VOCAB - tok.get_vocab_size()
+    fill = config["image_token_id"] - tok.get_vocab_size()
     tok.add_special_tokens([AddedToken(f"<|unused_{i}|>", special=True) for i in range(fill)])
     tok.add_special_tokens([AddedToken(t, special=True) for t in MEDIA_TOKENS])
     ids = [tok.token_to_id(t) for t in MEDIA_TOKENS]
@@ -109,19 +111,20 @@ def pixel_values(model_dir: str, paths: list[str]):
     return out["pixel_values"], out["grid_thws"]
 
 
-def reference(model_dir: str, samples: str, out: str) -> None:
+def reference(model_dir: str, samples: str, out: str, dtype: str = "float32", device: str = "cpu") -> None:
     """HF's states for each sample of `samples` (JSON: [{"id", "input_ids", "images": [paths]}]):
-    every hidden state and the last decoder layer's output before the final norm; with "prompt"
-    and "greedy" (counts), HF's greedy answer of that many tokens to the first "prompt" ids."""
+    every hidden state and the last decoder layer's output before the final norm (as float32 on
+    the CPU, whatever `dtype` and `device` the model ran in); with "prompt" and "greedy" (counts),
+    HF's greedy answer of that many tokens to the first "prompt" ids."""
     import torch
     import transformers
 
     model, loading = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32, output_loading_info=True)
+        model_dir, dtype=getattr(torch, dtype), output_loading_info=True)
     unread = {key: sorted(names) for key, names in loading.items() if names}
     if unread:
         raise SystemExit(f"{model_dir}: transformers did not read every weight: {unread}")
-    model.eval()
+    model.to(device).eval()
     seen = {}
     model.model.language_model.layers[-1].register_forward_hook(
         lambda module, args, output: seen.__setitem__("prenorm", output[0] if isinstance(output, tuple) else output))
@@ -133,14 +136,15 @@ def reference(model_dir: str, samples: str, out: str) -> None:
             kwargs = {}
             if row["images"]:
                 pixels, grids = pixel_values(model_dir, row["images"])
-                kwargs = dict(pixel_values=pixels.float(), image_grid_thw=grids)
-            hidden = model(torch.tensor([row["input_ids"]]), output_hidden_states=True, **kwargs).hidden_states
-            refs[row["id"]] = {"hidden_states": torch.stack([h[0] for h in hidden]).float(),
-                               "prenorm": seen["prenorm"][0].float()}
+                kwargs = dict(pixel_values=pixels.to(device, model.dtype), image_grid_thw=grids.to(device))
+            hidden = model(torch.tensor([row["input_ids"]], device=device), output_hidden_states=True,
+                           **kwargs).hidden_states
+            refs[row["id"]] = {"hidden_states": torch.stack([h[0] for h in hidden]).float().cpu(),
+                               "prenorm": seen["prenorm"][0].float().cpu()}
             # greedy decoding from the first `prompt` ids, the whole sequence run again each step
             ids = list(row["input_ids"][: row.get("prompt", 0)])
             for _ in range(row.get("greedy", 0)):
-                logits = model(torch.tensor([ids]), **kwargs).logits
+                logits = model(torch.tensor([ids], device=device), **kwargs).logits
                 ids.append(int(logits[0, -1].argmax()))
             refs[row["id"]]["greedy"] = ids[row.get("prompt", 0):]
     torch.save(refs, out)
@@ -174,21 +178,23 @@ def expected_prefix_hits(samples, block: int) -> dict:
     return out
 
 
-def reference_in_a_process(model_dir: str, rows: list[dict], workdir: str) -> dict:
+def reference_in_a_process(model_dir: str, rows: list[dict], workdir: str, dtype: str = "float32",
+                           device: str = "cpu") -> dict:
+    """`reference` of `rows` in a process of its own (its memory, and the GPU's, given back)."""
     import torch
 
-    samples, out = os.path.join(workdir, "hf-samples.json"), os.path.join(workdir, "hf-refs.pt")
+    samples, out = os.path.join(workdir, "hf-samples.json"), os.path.join(workdir, f"hf-refs-{dtype}.pt")
     with open(samples, "w") as f:
         json.dump(rows, f)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "reference", model_dir, samples, out],
-                          timeout=600, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "reference", model_dir, samples, out,
+                           dtype, device], timeout=600, capture_output=True, text=True)
     if done.returncode:
         raise AssertionError(f"HF reference failed:\n{done.stderr[-4000:]}")
     return torch.load(out)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # reference MODEL SAMPLES OUT [DTYPE [DEVICE]] | build PATH [OPTIONS_JSON]
     if sys.argv[1] == "reference":
         reference(*sys.argv[2:])
     elif sys.argv[1] == "build":
-        build(sys.argv[2])
+        build(sys.argv[2], **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
