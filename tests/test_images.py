@@ -261,6 +261,20 @@ def test_the_contract_holds_for_images_on_this_vllm():
     assert contract.images_problem(Source()) is None
 
 
+def test_image_runs_normalize_on_the_host_where_vllm_lets_them_choose():
+    """vLLM 0.32 can normalize the pixels on the device: corecap turns that off so the tower sees
+    the processor's values, as HF does; 0.26 has no such option (it always normalizes on the
+    host), and the run must not pass one it lacks. The processor cache is always off."""
+    from corecap._vllm.media import multimodal_values
+
+    assert multimodal_values({}, {"mm_device_do_normalize", "mm_processor_cache_gb"}) == {
+        "mm_device_do_normalize": False, "mm_processor_cache_gb": 0}
+    assert multimodal_values({"limit_mm_per_prompt": {"image": 2}}, {"mm_processor_cache_gb"}) == {
+        "limit_mm_per_prompt": {"image": 2}, "mm_processor_cache_gb": 0}
+    with pytest.raises(CorecapError, match="--mm-processor-cache-gb 4: corecap runs image rows with vLLM's "):
+        multimodal_values({"mm_processor_cache_gb": 4}, {"mm_processor_cache_gb"})
+
+
 @pytest.mark.parametrize("edit, problem", [
     (("vllm.v1.engine.core.EngineCore", "preprocess_add_request"), "EngineCore.preprocess_add_request is gone"),
     (("vllm.multimodal.inputs.MultiModalFeatureSpec", "mm_position"), "MultiModalFeatureSpec has no field mm_position"),

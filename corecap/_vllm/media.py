@@ -8,7 +8,7 @@ corecap holds no copy of that logic: what it reads back is the expanded ids and,
 span of its tokens and vLLM's content hash (`Expanded`).
 
 An engine runs with the tokenizer on, its processor cache off and the pixels normalized on the
-host when the input has images (options.py, `_multimodal_values`).
+host when the input has images (options.py, `multimodal_values`).
 """
 
 from __future__ import annotations
@@ -131,17 +131,19 @@ MULTIMODAL_NOTE = ("images: vLLM's tokenizer and multimodal processor on, its pr
                    "pixels normalized on the host")
 
 
-def multimodal_values(extra: dict) -> dict:
-    """What an input with images needs of vLLM's engine arguments (options.py): the tokenizer
-    (without it vLLM runs a vision-language model text-only: set there), no processor cache
-    (corecap processes a request's images in this process and hands the request to the engine
-    core itself, which then holds no copy of a cached item's data), and the pixels normalized by
-    the image processor on the host (the values the vision tower sees are the processor's output,
-    as HF's are), unless given otherwise."""
+def multimodal_values(extra: dict, fields: set[str]) -> dict:
+    """What an input with images needs of vLLM's engine arguments (options.py; `fields`: the
+    names EngineArgs has): the tokenizer (without it vLLM runs a vision-language model text-only:
+    set there), no processor cache (corecap processes a request's images in this process and hands
+    the request to the engine core itself, which then holds no copy of a cached item's data), and
+    the pixels normalized by the image processor on the host (the values the vision tower sees are
+    the processor's output, as HF's are), unless given otherwise. A vLLM without
+    `mm_device_do_normalize` (0.26) always normalizes them there."""
     from corecap.errors import CorecapError
 
     cache = extra.get("mm_processor_cache_gb")
     if cache:
         raise CorecapError(f"--mm-processor-cache-gb {cache}: corecap runs image rows with vLLM's processor cache off "
                            "(it hands each request to the engine core itself)")
-    return {"mm_device_do_normalize": False, **extra, "mm_processor_cache_gb": 0}
+    on_host = {"mm_device_do_normalize": False} if "mm_device_do_normalize" in fields else {}
+    return {**on_host, **extra, "mm_processor_cache_gb": 0}

@@ -125,7 +125,7 @@ def engine_arg_values(options: EngineOptions, model: str, layers: tuple[Layer, .
     memory = options.gpu_memory_utilization
     if cpu_platform():  # the replicas share the RAM: the run's share, split between them
         memory = (memory or _CPU_MEMORY_SHARE) / options.data_parallel_size
-    return _values(options, model, memory, extra, images)
+    return _values(options, model, memory, multimodal_values(extra, fields) if images else extra, images)
 
 
 def engine_arg_names() -> set[str]:
@@ -135,7 +135,6 @@ def engine_arg_names() -> set[str]:
 
 
 def _values(options: EngineOptions, model: str, memory: float | None, extra: dict, images: bool = False) -> dict:
-    extra = multimodal_values(extra) if images else extra
     args = dict(
         model=model,
         tokenizer=options.tokenizer,
