@@ -48,15 +48,30 @@ CHAT_TEMPLATE = (
 def build(path: str, seed: int = 0) -> str:
     """kimi_k25.build's checkpoint, with a tokenizer and the processor config."""
     kimi_k25.build(path, seed=seed)
+    return processor_files(path)
+
+
+def checkpoint(path: str, text: dict | None = None, vision: dict | None = None,
+               media_proc_cfg: dict | None = None) -> str:
+    """A checkpoint without weights, for dummy weights (tools/gpu/images.py runs this file as a
+    script): kimi_k25.write_config's config, the tokenizer (its vocabulary the config's) and the
+    processor config (`media_proc_cfg`, by default MEDIA_PROC_CFG)."""
+    kimi_k25.write_config(path, text, vision)
+    return processor_files(path, media_proc_cfg)
+
+
+def processor_files(path: str, media_proc_cfg: dict | None = None) -> str:
+    """The tokenizer and the processor config beside the config.json at `path`."""
     _tokenizer(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump({"media_proc_cfg": MEDIA_PROC_CFG}, f, indent=2)
+        json.dump({"media_proc_cfg": media_proc_cfg or MEDIA_PROC_CFG}, f, indent=2)
     return path
 
 
 def _tokenizer(path: str) -> None:
-    """A byte-level BPE below tiny_models.VOCAB (filled up to it with unused tokens), then the
-    four media tokens at the config's ids (VOCAB - 4 ...), and <|media_content|> among the fill."""
+    """A byte-level BPE below the config's text vocabulary less the media tokens (tiny_models.VOCAB
+    for the tiny model; filled up to it with unused tokens), then the four media tokens at the
+    config's ids (the last four), and <|media_content|> among the fill."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,7 +86,7 @@ def _tokenizer(path: str) -> None:
     trainer = trainers.BpeTrainer(vocab_size=tiny_models.VOCAB, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    fill = tiny_models.VOCAB - tok.get_vocab_size()
+    fill = config["text_config"]["vocab_size"] - len(MEDIA_TOKENS) - tok.get_vocab_size()
     tok.add_special_tokens([AddedToken(f"<|unused_{i}|>", special=True) for i in range(fill)])
     tok.add_special_tokens([AddedToken(t, special=True) for t in MEDIA_TOKENS])
     ids = [tok.token_to_id(t) for t in MEDIA_TOKENS]
@@ -192,3 +207,5 @@ if __name__ == "__main__":
         reference(*sys.argv[2:])
     elif sys.argv[1] == "build":
         build(sys.argv[2])
+    elif sys.argv[1] == "checkpoint":  # checkpoint PATH OPTIONS_JSON: checkpoint's keyword arguments
+        checkpoint(sys.argv[2], **json.loads(sys.argv[3]))
