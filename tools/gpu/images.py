@@ -37,9 +37,9 @@ Modes:
   template rendered to ids (one placeholder per image) with its image as Kimi-K2.5's
   `vision_chunk` item, as corecap hands it to vLLM's processor, which expands the placeholder.
   Tokens counted are the expanded ones: `prompt_token_ids` of each output. Where run or run-gen
-  ran before it (same --dir; the default order), their stores' samples are compared with generate's prompts, sample by
-  sample: the unexpanded ids (header.media.prompt_ids) and the expanded length
-  (`same_prompts_as_corecap`).
+  ran before it (same --dir; the default order), their stores' samples are compared with
+  generate's prompts, sample by sample: the unexpanded ids (header.media.prompt_ids) and the
+  expanded length (`same_prompts_as_corecap`).
 
 Every rate includes its run's first engine steps (corecap's from its trace's start; generate's
 over its whole call, after the warm-up) and excludes the engine's start (load, compile, graphs).
