@@ -17,6 +17,8 @@ conversion (tiny_models.reference), so both sides read one checkpoint.
 
 tools/gpu/deepseek_exact.py builds its Kimi-K2.5 (its DeepSeek-V3's sizes) with this file run as a
 script (tools do not import tests): `python tests/support/kimi_k25.py build PATH [OPTIONS_JSON]`.
+`write_config` writes the config alone, for a model run with dummy weights (tools/gpu/images.py,
+through tests/support/kimi_k25_vision.py's `checkpoint`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,15 @@ def build(path: str, seed: int = 0, text: dict | None = None, vision: dict | Non
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     model.config.save_pretrained(path)
+    _release_config(os.path.join(path, "config.json"))
+    return path
+
+
+def write_config(path: str, text: dict | None = None, vision: dict | None = None) -> str:
+    """config(text, vision) saved to `path` in the release's spelling, without weights (a model
+    loaded with dummy weights needs no more of the checkpoint than this, a tokenizer and a processor)."""
+    os.makedirs(path, exist_ok=True)
+    config(text, vision).save_pretrained(path)
     _release_config(os.path.join(path, "config.json"))
     return path
 

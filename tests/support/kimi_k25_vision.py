@@ -50,9 +50,23 @@ def build(path: str, seed: int = 0, **options) -> str:
     """kimi_k25.build's checkpoint (`options`: its keyword arguments), with a tokenizer and the
     processor config."""
     kimi_k25.build(path, seed=seed, **options)
+    return processor_files(path)
+
+
+def checkpoint(path: str, text: dict | None = None, vision: dict | None = None,
+               media_proc_cfg: dict | None = None) -> str:
+    """A checkpoint without weights, for dummy weights (tools/gpu/images.py runs this file as a
+    script): kimi_k25.write_config's config, the tokenizer (its vocabulary the config's) and the
+    processor config (`media_proc_cfg`, by default MEDIA_PROC_CFG)."""
+    kimi_k25.write_config(path, text, vision)
+    return processor_files(path, media_proc_cfg)
+
+
+def processor_files(path: str, media_proc_cfg: dict | None = None) -> str:
+    """The tokenizer and the processor config beside the config.json at `path`."""
     _tokenizer(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump({"media_proc_cfg": MEDIA_PROC_CFG}, f, indent=2)
+        json.dump({"media_proc_cfg": media_proc_cfg or MEDIA_PROC_CFG}, f, indent=2)
     return path
 
 
@@ -198,3 +212,5 @@ if __name__ == "__main__":  # reference MODEL SAMPLES OUT [DTYPE [DEVICE]] | bui
         reference(*sys.argv[2:])
     elif sys.argv[1] == "build":
         build(sys.argv[2], **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
+    elif sys.argv[1] == "checkpoint":  # checkpoint PATH OPTIONS_JSON: checkpoint's keyword arguments
+        checkpoint(sys.argv[2], **json.loads(sys.argv[3]))
