@@ -261,6 +261,17 @@ def test_the_contract_holds_for_images_on_this_vllm():
     assert contract.images_problem(Source()) is None
 
 
+def test_pixels_normalized_on_the_host_where_vllm_can_do_otherwise(monkeypatch):
+    """mm_device_do_normalize is off where vLLM has it (0.28+), and not passed where it has not
+    (0.26: the host normalizes, and EngineArgs would refuse the keyword)."""
+    from corecap._vllm import vllm_source
+    from corecap._vllm.media import multimodal_values
+
+    assert multimodal_values({}) == {"mm_device_do_normalize": False, "mm_processor_cache_gb": 0}
+    monkeypatch.setattr(vllm_source, "vllm_engine_arg_names", lambda: {"mm_processor_cache_gb", "model"})
+    assert multimodal_values({}) == {"mm_processor_cache_gb": 0}
+
+
 @pytest.mark.parametrize("edit, problem", [
     (("vllm.v1.engine.core.EngineCore", "preprocess_add_request"), "EngineCore.preprocess_add_request is gone"),
     (("vllm.multimodal.inputs.MultiModalFeatureSpec", "mm_position"), "MultiModalFeatureSpec has no field mm_position"),

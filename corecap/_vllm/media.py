@@ -137,11 +137,15 @@ def multimodal_values(extra: dict) -> dict:
     (corecap processes a request's images in this process and hands the request to the engine
     core itself, which then holds no copy of a cached item's data), and the pixels normalized by
     the image processor on the host (the values the vision tower sees are the processor's output,
-    as HF's are), unless given otherwise."""
+    as HF's are), unless given otherwise. A vLLM without `mm_device_do_normalize` (0.26) always
+    normalizes on the host."""
+    from corecap._vllm.vllm_source import vllm_engine_arg_names
     from corecap.errors import CorecapError
 
     cache = extra.get("mm_processor_cache_gb")
     if cache:
         raise CorecapError(f"--mm-processor-cache-gb {cache}: corecap runs image rows with vLLM's processor cache off "
                            "(it hands each request to the engine core itself)")
-    return {"mm_device_do_normalize": False, **extra, "mm_processor_cache_gb": 0}
+    names = vllm_engine_arg_names()  # empty where vLLM's source cannot be read: then the adapter's check stands
+    host = {"mm_device_do_normalize": False} if not names or "mm_device_do_normalize" in names else {}
+    return {**host, **extra, "mm_processor_cache_gb": 0}

@@ -29,8 +29,8 @@ def images_problem(source: Source) -> str | None:
               feature.fields()),
         lacks("PlaceholderRange has no field", {"offset", "length"},
               source.cls("vllm.multimodal.inputs.PlaceholderRange").fields()),
-        lacks("EngineArgs no longer has", {"mm_processor_cache_gb", "mm_device_do_normalize", "skip_tokenizer_init"},
-              engine_args.fields()),
+        # mm_device_do_normalize is set only where EngineArgs has it (media.multimodal_values)
+        lacks("EngineArgs no longer has", {"mm_processor_cache_gb", "skip_tokenizer_init"}, engine_args.fields()),
         # worker.py: a multimodal model runs from inputs_embeds; the ids are in runner.input_ids.gpu
         None if "input_ids" in method_of(runner, "__init__").self_attributes()
         else "GPUModelRunner no longer keeps an input_ids buffer (where corecap reads the ids of a multimodal batch)",
