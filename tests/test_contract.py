@@ -158,6 +158,21 @@ def test_v1_runner_without_model_forward(tmp_path):
     assert _problems(source) == [f"{'CPUModelRunner' if cpu else 'GPUModelRunner'}._model_forward is gone"]
 
 
+def test_v1_runner_that_writes_no_token_index_for_mrope_models(tmp_path):
+    """The V1 tap reads an M-RoPE model's token index in runner.positions (worker.token_positions):
+    a vLLM that fills it for other models only has moved that."""
+    if Source().path("vllm.v1.worker.gpu_model_runner") is None:
+        pytest.skip("this vLLM has no V1 runner (0.34 and later have the V2 runner alone)")
+    write = "        self.positions[:total_num_scheduled_tokens] = ("
+    source = moved(tmp_path, replace_text("vllm.v1.worker.gpu_model_runner", write,
+                                          "        if not self.uses_mrope:\n    " + write.replace("\n", "")))
+    cpu = contract.platform(versions.installed_vllm()[0]) == "cpu"
+    assert _problems(source) == [
+        f"{'CPUModelRunner' if cpu else 'GPUModelRunner'}._prepare_inputs no longer writes every model's token "
+        "index into self.positions (the V1 tap reads it for M-RoPE models)"
+    ]
+
+
 def test_v2_state_field_renamed(tmp_path):
     source = moved(tmp_path, member("vllm.v1.worker.gpu.model_runner.ExecuteModelState", "aux_hidden_states",
                                     "aux_states: object"))

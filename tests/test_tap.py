@@ -196,3 +196,45 @@ def test_where_each_layer_comes_from():
     assert [float(t[0, 0]) for t in other.select(hidden, aux[1:], embedded)] == [-1.0, 2.0, 9.0, float(NUM_LAYERS)]
     with pytest.raises(RuntimeError, match="the model returned 1 auxiliary hidden states for the 2 corecap asked for"):
         other.select(hidden, aux[1:2], embedded)
+
+
+class _MRopeV1Runner(_V1Runner):
+    """A V1 runner of an M-RoPE model (Qwen2.5-VL) in the step of a prompt's second chunk: 10
+    tokens computed, then 3 text tokens, an image of 2 x 2 patches (4 tokens), 2 text tokens. The
+    model runs with vLLM's [3, T] rotary coordinates (qwen2_5_vl's get_mrope_input_positions: the
+    image's temporal row constant, the text after it resuming at the image's start + max(h, w));
+    the runner's `positions` holds each token's index, as for any model."""
+
+    COMPUTED = 10
+    MROPE = torch.tensor([[10, 11, 12, 13, 13, 13, 13, 15, 16],
+                          [10, 11, 12, 13, 13, 14, 14, 15, 16],
+                          [10, 11, 12, 13, 14, 13, 14, 15, 16]])
+
+    def __init__(self, events: list):
+        super().__init__(events)
+        self.positions = torch.zeros(32, dtype=torch.int64)
+
+    def execute_model(self, scheduler_output):
+        self.step += 1
+        n = scheduler_output.num_scheduled_tokens["r"]
+        self.positions[:n] = torch.arange(self.COMPUTED, self.COMPUTED + n)
+        self._model_forward(input_ids=torch.arange(n), positions=self.MROPE[:, :n])
+
+
+def test_mrope_positions_are_read_as_token_offsets():
+    """The sink places a step's tokens by their positions, a contiguous run from the request's
+    computed tokens: with M-RoPE's coordinates, the runner's token index, not their first row."""
+    tap, runner, _ = _tap(_MRopeV1Runner)
+    _step(runner, 9)
+    ((header, _, pos, _),) = tap.sender.chunks
+    assert header.num_tokens == 9 and pos.tolist() == list(range(10, 19))
+
+
+def test_token_positions_leave_plain_positions_as_they_are():
+    """Text models (and Kimi-K2.5's plain rotary positions) keep the positions the model ran with,
+    the very tensor: nothing read from the runner."""
+    plain = torch.arange(5, 12)
+    assert worker.token_positions(SimpleNamespace(), plain) is plain
+    assert worker.token_positions(SimpleNamespace(), None) is None
+    runner = SimpleNamespace(positions=torch.arange(100, 132))
+    assert worker.token_positions(runner, _MRopeV1Runner.MROPE).tolist() == list(range(100, 109))

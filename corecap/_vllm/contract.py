@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from corecap._vllm import versions
 from corecap._vllm.media_contract import images_problem  # what only a run with images needs
-from corecap._vllm.source_checks import Gone, Note, first, lacks, method_of, signature_problem, using
+from corecap._vllm.source_checks import Gone, Note, first, lacks, method_of, signature_problem, slice_writes, using
 from corecap._vllm.vllm_source import ClassView, Source, SourceMissing
 
 
@@ -293,7 +293,9 @@ def _runner(source: Source):
 
 def runner_v1_problem(source: Source, qualname: str) -> str | None:
     """The V1 tap (corecap/_vllm/worker.py) wraps `_model_forward`, reads its `input_ids` and
-    `positions` keywords and `input_batch.req_ids`, and sets `use_aux_hidden_state_outputs`."""
+    `positions` keywords and `input_batch.req_ids`, and sets `use_aux_hidden_state_outputs`; for a
+    model with rotary coordinates (M-RoPE) it reads the token index in `self.positions`, which
+    `_prepare_inputs` writes for every model from the requests' `num_computed_tokens`."""
     cls = source.cls(qualname)
     for method in ("_model_forward", "execute_model", "sample_tokens", "get_model"):
         method_of(cls, method)
@@ -307,6 +309,10 @@ def runner_v1_problem(source: Source, qualname: str) -> str | None:
         None if source.cls("vllm.v1.worker.gpu_input_batch.InputBatch").has("req_ids")
         else "the V1 InputBatch has no req_ids (the V1 tap orders the step's requests by it)",
         signature_problem(f"{cls.name}.sample_tokens", method_of(cls, "sample_tokens"), {"self", "grammar_output"}),
+        None if any("num_computed_tokens" in names
+                    for names in slice_writes(method_of(cls, "_prepare_inputs"), "positions", "uses_mrope"))
+        else f"{cls.name}._prepare_inputs no longer writes every model's token index into self.positions "
+             "(the V1 tap reads it for M-RoPE models)",
     )
 
 

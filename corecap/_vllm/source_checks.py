@@ -4,6 +4,8 @@ from a set, the first problem of several. Each returns None or one sentence sayi
 
 from __future__ import annotations
 
+import ast
+
 from corecap._vllm.vllm_source import ClassView, Method
 
 
@@ -51,3 +53,24 @@ def using(cls: ClassView, name: str) -> list[Method]:
         m for c in cls.mro() if c.module.startswith("vllm.v1.worker")
         for m in c.methods() if name in m.names()
     ]
+
+
+def slice_writes(fn: Method, attr: str, unless: str) -> list[set[str]]:
+    """The names each `self.attr[...] = value` in `fn` reads in its value, leaving out the writes
+    under an `if` whose test names `unless` (a write some models skip)."""
+    found: list[set[str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and unless in {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "")
+                                                   for n in ast.walk(node.test)}:
+            return
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == attr
+                and isinstance(t.value.value, ast.Name) and t.value.value.id == "self" for t in node.targets):
+            found.append({n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(node.value)
+                          if isinstance(n, (ast.Attribute, ast.Name))})
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(fn.node)
+    return found

@@ -103,6 +103,21 @@ def _pause(step: int, pause_file: str) -> None:
         time.sleep(0.01)
 
 
+def token_positions(runner, positions):
+    """Each scheduled token's index in its request, from what a V1 runner's step ran with.
+    `positions`: the model's positions argument. 1-D, it is that index (text models, and rotary
+    embeddings over the token index such as Kimi-K2.5's): as it is. 2-D, it is rotary coordinates
+    (M-RoPE's [3, T], Qwen2-VL and Qwen2.5-VL; XD-RoPE's): an image's tokens share a temporal
+    coordinate and the text after an image resumes at the image's start plus its largest side, so
+    no row is the index. The runner computes the index for every model in `runner.positions`
+    (its request's computed tokens plus the token's place in the step's chunk, on the device), the
+    tensor it passes as 1-D positions to a model without rotary coordinates: that, for as many
+    tokens."""
+    if positions is None or positions.dim() == 1:
+        return positions
+    return runner.positions[: positions.shape[-1]]
+
+
 def _one_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:500]
@@ -193,7 +208,7 @@ class _Tap:
                         input_ids = self.runner.input_ids.gpu
                     self._guarded_capture(
                         req_ids, [counts[r] for r in req_ids], hidden, aux,
-                        input_ids, kwargs.get("positions"), embeds,
+                        input_ids, token_positions(self.runner, kwargs.get("positions")), embeds,
                     )
                 return output
 
@@ -306,8 +321,8 @@ class _Tap:
         segments = tuple(wire.Segment(r, n) for r, n in zip(req_ids, counts))
         if input_ids is None:
             raise RuntimeError("the model ran from input embeddings; corecap needs token ids")
-        if positions.dim() == 2:  # M-RoPE: [3, T], the first row is the text position
-            positions = positions[0]
+        if positions.dim() != 1:  # token_positions turns rotary coordinates into the token index
+            raise RuntimeError(f"positions of shape {tuple(positions.shape)}, expected each token's index [T]")
         # Fresh buffers on the compute stream: the model's outputs may be static (CUDA graph)
         # buffers that the next step overwrites. fp8: quantised here, on the device (fp8rows.py).
         dtype = selected[0].dtype

@@ -18,10 +18,14 @@ it: tools/gpu/deepseek_exact.py measures that); the images are what this checks.
 embeddings (the vision features in place), which vLLM's V2 model runner does not keep: the capture
 runs on the V1 runner.
 
-Image input is captured for Kimi-K2.5 only (corecap/data/media.py, IMAGE_ARCHITECTURES); a
-Qwen2.5-VL-shaped model (M-RoPE) is refused before it loads.
+`--arch qwen2.5-vl` runs the same conversations on a tiny random Qwen2.5-VL (tools/gpu/qwen25_vl.py:
+M-RoPE, a windowed vision tower, heads of 64; one token per 28 x 28 px) against HF's
+Qwen2_5_VLForConditionalGeneration. Its processor needs torchvision: where that is missing the arm
+stops at once, saying so. `--runner v2` runs vLLM's V2 model runner instead, layer 0 left out.
 
-Writes gpu_images_exact.json to --out: per layer, over every stored token (and over the image
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m tools.gpu.images_exact --arch qwen2.5-vl [--runner v2]
+
+Writes gpu_images_exact_ARCH_RUNNER.json to --out: per layer, over every stored token (and over the image
 tokens alone), the worst absolute error and the worst per-token relative error (|diff| / |ref|)
 of corecap against HF float32, of HF bf16 against HF float32, their ratio (corecap's error in
 units of HF's own bf16 error: ~1 is the bf16 band), and corecap against HF bf16.
@@ -40,6 +44,7 @@ import time
 
 from tools.common.child import ROOT, child_env
 from tools.common.models import write_rows
+from tools.gpu import qwen25_vl
 from tools.gpu.deepseek_exact import KIMI_VISION, NUM_LAYERS, SEED, WEIGHT_STD, text_config
 
 # The tests' Kimi-K2.5 with images, loaded from its file as the tests' script (tests/support/ on the path).
@@ -54,12 +59,14 @@ BIAS_STD = 10.0  # the routing fixed by the bias (docstring)
 VISION = {**KIMI_VISION, "num_hidden_layers": 2}
 # (width, height) in px: 6, 20, 4 and 48 image tokens (kimi_k25_vision: one token per 4 x 4 px)
 SIZES = [(12, 8), (16, 20), (8, 8), (32, 24)]
+# Qwen2.5-VL: 2, 6, 1 and 12 image tokens (one per 28 x 28 px)
+QWEN_SIZES = [(56, 28), (56, 84), (28, 28), (112, 84)]
 ENGINE = ["--batch", "4", "--max-batched-tokens", "32", "--max-len", "1024"]
 
 
-def conversations(directory: str) -> tuple[list[dict], dict[str, list[str]]]:
+def conversations(directory: str, sizes=SIZES) -> tuple[list[dict], dict[str, list[str]]]:
     """The rows (OpenAI content parts, one LLaVA row, one text row) and each one's image files."""
-    a, b, c, d = kimi_k25_vision.images(directory, SIZES, seed=SEED)
+    a, b, c, d = kimi_k25_vision.images(directory, sizes, seed=SEED)
     name = os.path.basename
 
     def user(*parts):
@@ -86,10 +93,11 @@ def conversations(directory: str) -> tuple[list[dict], dict[str, list[str]]]:
     return rows, images
 
 
-def capture(model: str, data: str, store: str, dtype: str, eager: bool, gpu: bool) -> dict:
+def capture(model: str, data: str, store: str, dtype: str, eager: bool, gpu: bool, layers: tuple,
+            runner: str = "v1") -> dict:
     """`corecap run` through its CLI, in a process of its own (on a GPU, beside HF's references
     later: 0.3 of its memory)."""
-    layers = ",".join(map(str, LAYERS))
+    layers = ",".join(map(str, layers))
     cmd = [sys.executable, "-m", "corecap.cli", "run", "--model", model, "--data", data, "--store", store,
            "--layers", layers, "--dtype", dtype, *ENGINE, "--no-progress"]
     if eager:
@@ -97,22 +105,22 @@ def capture(model: str, data: str, store: str, dtype: str, eager: bool, gpu: boo
     if gpu:
         cmd += ["--memory-utilization", "0.3"]
     t = time.time()
-    # V1: the V2 runner keeps no input embeddings, which layer 0 is with images (corecap/_vllm/worker.py)
-    proc = subprocess.run(cmd, env=child_env({"VLLM_USE_V2_MODEL_RUNNER": "0"}), capture_output=True, text=True,
-                          timeout=900)
+    # V1 by default: the V2 runner keeps no input embeddings, which layer 0 is with images (corecap/_vllm/worker.py)
+    proc = subprocess.run(cmd, env=child_env({"VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0"}),
+                          capture_output=True, text=True, timeout=900)
     out = (proc.stdout + proc.stderr).strip().splitlines()
     return {"rc": proc.returncode, "seconds": round(time.time() - t, 1), "command": " ".join(cmd[1:]),
             "tail": out[-6:] if proc.returncode == 0 else out[-30:]}
 
 
-def _errors(got, ref, image_tokens) -> dict:
+def _errors(got, ref, image_tokens, layers: tuple) -> dict:
     """Per layer: worst |got - ref| and worst per-token |diff| / |ref|, over all tokens and over
     the image tokens (got, ref: [L, T, H] float32; image_tokens: [T] bools)."""
     diff = got - ref
     abs_err = diff.abs().amax(dim=-1)  # [L, T]
     rel_err = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
     out = {}
-    for j, k in enumerate(LAYERS):
+    for j, k in enumerate(layers):
         out[str(k)] = {"max_abs": float(abs_err[j].max()), "max_rel": float(rel_err[j].max())}
         if image_tokens.any():
             out[str(k)] |= {"image_max_abs": float(abs_err[j][image_tokens].max()),
@@ -127,7 +135,7 @@ def _worst(into: dict, errors: dict) -> None:
             w[key] = max(w.get(key, 0.0), v)
 
 
-def compare(model: str, store: str, images: dict, device: str, work: str) -> dict:
+def compare(model: str, store: str, images: dict, device: str, work: str, layers: tuple, arch: str) -> dict:
     """The worst errors per layer, over every stored sample."""
     import torch
 
@@ -136,13 +144,14 @@ def compare(model: str, store: str, images: dict, device: str, work: str) -> dic
     with Store.open(store) as s:
         samples = {key: s.get(key) for key in images}
     rows = [{"id": k, "input_ids": v.input_ids.tolist(), "images": images[k]} for k, v in samples.items()]
-    refs = {dt: kimi_k25_vision.reference_in_a_process(model, rows, work, dt, device) for dt in ("float32", "bfloat16")}
+    support = qwen25_vl if arch == "qwen2.5-vl" else kimi_k25_vision
+    refs = {dt: support.reference_in_a_process(model, rows, work, dt, device) for dt in ("float32", "bfloat16")}
     worst: dict = {"corecap vs HF float32": {}, "HF bf16 vs HF float32": {}, "corecap vs HF bf16": {}}
     num_tokens = num_image_tokens = 0
     for key, sample in samples.items():
         got = sample.hidden_states.float()
         ref32, ref16 = (torch.stack([r[key]["prenorm"] if k == "prenorm" else r[key]["hidden_states"][k]
-                                     for k in LAYERS]) for r in (refs["float32"], refs["bfloat16"]))
+                                     for k in layers]) for r in (refs["float32"], refs["bfloat16"]))
         image_tokens = torch.zeros(len(sample.input_ids), dtype=torch.bool)
         media = sample.header.media
         for item in (media.items if media else ()):
@@ -152,9 +161,9 @@ def compare(model: str, store: str, images: dict, device: str, work: str) -> dic
                              f"{len(images[key])}")
         num_tokens += len(sample.input_ids)
         num_image_tokens += int(image_tokens.sum())
-        _worst(worst["corecap vs HF float32"], _errors(got, ref32, image_tokens))
-        _worst(worst["HF bf16 vs HF float32"], _errors(ref16, ref32, image_tokens))
-        _worst(worst["corecap vs HF bf16"], _errors(got, ref16, image_tokens))
+        _worst(worst["corecap vs HF float32"], _errors(got, ref32, image_tokens, layers))
+        _worst(worst["HF bf16 vs HF float32"], _errors(ref16, ref32, image_tokens, layers))
+        _worst(worst["corecap vs HF bf16"], _errors(got, ref16, image_tokens, layers))
     ratio = {}
     for layer, ours in worst["corecap vs HF float32"].items():
         theirs = worst["HF bf16 vs HF float32"][layer]
@@ -169,25 +178,37 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="corecap's run")
     ap.add_argument("--device", default="cuda", help="where HF's references run (cpu: on a CPU-only host)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--arch", default="kimi-k2.5", choices=("kimi-k2.5", "qwen2.5-vl"))
+    ap.add_argument("--runner", default="v1", choices=("v1", "v2"), help="vLLM's model runner (v2: no layer 0)")
     args = ap.parse_args()
+    qwen = args.arch == "qwen2.5-vl"
+    if qwen:
+        qwen25_vl.require_torchvision()
+    layers = (*range(qwen25_vl.NUM_LAYERS + 1), "prenorm") if qwen else LAYERS
+    if args.runner == "v2":
+        layers = layers[1:]
     work = tempfile.mkdtemp(prefix="gpu-images-exact-")
     model = os.path.join(work, "model")
     t = time.time()
-    kimi_k25_vision.build(model, seed=SEED, text=text_config().to_dict(), vision=VISION, std=WEIGHT_STD,
-                          bias_std=BIAS_STD)
-    rows, images = conversations(os.path.join(work, "data"))
+    if qwen:
+        qwen25_vl.build(model, seed=SEED)
+    else:
+        kimi_k25_vision.build(model, seed=SEED, text=text_config().to_dict(), vision=VISION, std=WEIGHT_STD,
+                              bias_std=BIAS_STD)
+    rows, images = conversations(os.path.join(work, "data"), QWEN_SIZES if qwen else SIZES)
     data = write_rows(os.path.join(work, "data", "rows.jsonl"), rows)
-    result = {"dtype": args.dtype, "device": args.device, "enforce_eager": args.enforce_eager,
-              "layers": list(map(str, LAYERS)), "build_seconds": round(time.time() - t, 1)}
+    result = {"arch": args.arch, "runner": args.runner, "dtype": args.dtype, "device": args.device,
+              "enforce_eager": args.enforce_eager, "layers": list(map(str, layers)),
+              "build_seconds": round(time.time() - t, 1)}
     result["capture"] = run = capture(model, data, os.path.join(work, "store"), args.dtype, args.enforce_eager,
-                                        args.device != "cpu")
+                                        args.device != "cpu", layers, args.runner)
     print("STEP capture", json.dumps(run), flush=True)
     if run["rc"] == 0:
         t = time.time()
-        result["errors"] = compare(model, os.path.join(work, "store"), images, args.device, work)
+        result["errors"] = compare(model, os.path.join(work, "store"), images, args.device, work, layers, args.arch)
         result["compare_seconds"] = round(time.time() - t, 1)
     print("RESULT", json.dumps(result), flush=True)
-    with open(os.path.join(args.out, "gpu_images_exact.json"), "w") as f:
+    with open(os.path.join(args.out, f"gpu_images_exact_{args.arch}_{args.runner}.json"), "w") as f:
         json.dump(result, f, indent=1)
     if run["rc"] != 0:
         raise SystemExit(f"corecap run failed (exit {run['rc']}):\n" + "\n".join(run["tail"]))
