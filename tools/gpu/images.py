@@ -23,6 +23,9 @@ Data: N rows `{"id", "messages": [user: [image_url part, text part], assistant: 
 blocks: distinct images, so no prefix is shared from the image on), and a text of exactly
 --text-tokens tokens of the model's tokenizer (kimi-h100: 512, tiny: 256).
 
+Both sides take the shape's share of GPU memory (kimi-h100: 0.75; at vLLM's default 0.9 every
+mode, plain `LLM.generate` too, ran out of GPU memory in its engine steps on an H100 80GB).
+
 Modes:
 - run: `corecap run` (capture only, corecap's defaults) over the rows. Its rates are its trace's,
   as tools/gpu/shapes.py reports them: the stored (expanded) tokens from when it starts reading
@@ -30,8 +33,8 @@ Modes:
 - run-gen: `corecap run --max-tokens N` on the same rows, with tools/common/generation.py's
   sampling (temperature, top_p, a seed per key, EOS ignored: every answer is N tokens): generated
   tokens over its trace's first engine step to its last.
-- generate: `LLM.generate` (vLLM's defaults but the dtype) in one process: 8 warm-up prompts with
-  their own images (max_tokens 1), then the conversations as corecap captures them at max_tokens 1,
+- generate: `LLM.generate` (vLLM's defaults but the dtype and memory share) in one process: 8
+  warm-up prompts with their own images (max_tokens 1), then the conversations as corecap captures them at max_tokens 1,
   then the prompts run-gen answers (template over the user turn, its generation prompt) at N,
   with the same sampling; each rate over its generate() call. A prompt is the tokenizer's chat
   template rendered to ids (one placeholder per image) with its image as Kimi-K2.5's
@@ -79,9 +82,12 @@ SHAPES_IMAGES = {
     # samples: >= 20 s of steady capture an arm at the rates expected of 31 layers (half of
     # dsv3-h100's, whose capture runs at ~13,500 tokens/s: docs/benchmarks.md)
     "kimi-h100": dict(text={**_TEXT, "num_hidden_layers": 31, "max_position_embeddings": 8192}, vision=MOONVIT,
-                      media_proc_cfg=MEDIA_PROC_CFG, dtype="bfloat16", samples=1024, max_tokens=64, text_tokens=512),
+                      media_proc_cfg=MEDIA_PROC_CFG, dtype="bfloat16", samples=1024, max_tokens=64, text_tokens=512,
+                      # vLLM's default 0.9 ran out of GPU memory in engine steps on an H100, plain
+                      # LLM.generate too (the vision tower's activations past what its profile kept)
+                      memory=0.75),
     # its positions end at 513: a 448 x 448 image (64 tokens) and 256 tokens of text
-    "tiny": dict(text=None, dtype="float32", samples=6, max_tokens=4, text_tokens=256),
+    "tiny": dict(text=None, dtype="float32", samples=6, max_tokens=4, text_tokens=256, memory=0.2),
 }
 IMAGE_SIZE = 448
 ANSWER = "A picture of coloured squares."
@@ -146,7 +152,8 @@ def mode_corecap(args, generate: bool) -> dict:
     store = os.path.join(args.dir, "store")
     shutil.rmtree(store, ignore_errors=True)
     setup = Setup(model=args.model, max_tokens=args.max_tokens, load_format="dummy")
-    proc, wall, peaks = timed(corecap_command(setup, args.data, store, generate, extra=("--dtype", args.dtype)))
+    extra = ("--dtype", args.dtype, "--memory-utilization", str(SHAPES_IMAGES[args.shape]["memory"]))
+    proc, wall, peaks = timed(corecap_command(setup, args.data, store, generate, extra=extra))
     if proc.returncode != 0:
         raise RuntimeError(f"corecap run failed ({proc.returncode}): {proc.stderr[-3000:]}\n{_log_tail(store)}")
     prompts, num_tokens, num_image_tokens = {}, 0, 0
@@ -200,7 +207,7 @@ def mode_generate(args) -> list[dict]:
     base = os.path.dirname(args.data)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype, seed=0,
-              **({"gpu_memory_utilization": 0.2} if args.shape == "tiny" else {}))
+              gpu_memory_utilization=SHAPES_IMAGES[args.shape]["memory"])
     load = time.perf_counter() - t0
     tokenizer = llm.get_tokenizer()
 
