@@ -50,6 +50,7 @@ class Setup:
     load_format: str = "auto"  # "dummy": the H200 shapes' random weights
     max_model_len: int | None = None
     buffer_gb: float | None = None  # corecap's --buffer-gb (None: corecap's default)
+    max_num_seqs: int | None = None  # LLM.generate's requests in flight (None: vLLM's default)
 
 
 class ArmFailed(Exception):
@@ -78,6 +79,8 @@ def run_generate(setup: Setup, data: str, responses: str) -> dict:
            "--max-tokens", str(setup.max_tokens), "--seed", str(setup.seed), "--load-format", setup.load_format]
     if setup.max_model_len:
         cmd += ["--max-model-len", str(setup.max_model_len)]
+    if setup.max_num_seqs:
+        cmd += ["--max-num-seqs", str(setup.max_num_seqs)]
     proc, wall, peaks = timed(cmd)
     results = [line.removeprefix(PREFIX) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
     if proc.returncode != 0 or not results:
@@ -331,6 +334,8 @@ def one_generate(args) -> dict:
         rows = [json.loads(line) for line in f]
     t0 = time.perf_counter()
     options = _device_options(args.max_model_len)
+    if args.max_num_seqs:
+        options["max_num_seqs"] = args.max_num_seqs
     llm = LLM(model=args.model, load_format=args.load_format, skip_tokenizer_init=True, seed=args.seed, **options)
     if "worker_extension_cls" in options:
         llm.collective_rpc("seeded_on_cpu")
@@ -390,6 +395,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     report(one_generate(ap.parse_args()))
 
 

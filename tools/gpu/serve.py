@@ -26,8 +26,9 @@ final norm (speculators' file: `--layers A,B,C,prenorm` for corecap, aux ids `A,
   tokens over the time from its first request to its last file removed: it includes the wave's
   first engine steps, not the engine's start.
 - generate (with --max-tokens N > 1): vLLM's `LLM.generate` on the same prompts, no capture
-  (tools/common/generation.py's pass 1, in a process of its own); its rate is over the
-  generate() call, its first steps included.
+  (tools/common/generation.py's pass 1, in a process of its own), at most as many requests in
+  flight as the most --clients keep (`max_num_seqs`), so that with more prompts than clients both
+  run a stream of the same width; its rate is over the generate() call, its first steps included.
 
 With --max-tokens N > 1 every mode does the same work: each client posts `max_tokens N` with the
 sampling of tools/common/generation.py's arms (temperature, top_p, a seed from the prompt's key
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import fcntl
 import json
 import os
@@ -99,7 +101,8 @@ def mode_generate(args, data: str) -> dict:
     """vLLM's `LLM.generate` on the prompts, the responses written as JSONL under --dir."""
     responses = os.path.join(args.dir, f"{args.shape}-serve-responses.jsonl")
     try:
-        rec = run_generate(arm_setup(args), data, responses)
+        # as many in flight as the clients keep (the most of --clients): a stream's like
+        rec = run_generate(dataclasses.replace(arm_setup(args), max_num_seqs=max(args.clients)), data, responses)
     except ArmFailed as e:
         return {"mode": "generate", "failed": True, "stderr_tail": e.stderr[-2000:]}
     return {"mode": "generate", **_kept(rec, "generated_tokens", "generated_tok_s", "generate_s", "load_s",
