@@ -12,7 +12,9 @@ from collections.abc import Iterable
 
 from corecap import data, demo
 from corecap.errors import CorecapError
-from corecap.model import load_tokenizer, read_config, resolve_model_dir
+from corecap.data.media import Images
+from corecap.model import load_tokenizer, model_identity, read_config, resolve_model_dir
+from corecap.plan import expander
 from corecap.run import run
 from corecap.trace.timeline import load_trace
 
@@ -76,13 +78,17 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
 
     model_dir = resolve_model_dir(cfg.model) if cfg.model else demo.demo_model_dir()
     data_path = cfg.data or demo.demo_data_path()
-    with environment():
-        vllm_config = build_vllm_config(cfg.engine, model_dir)  # the effective budget and lengths
+    # the head of the data goes to a temporary file: its images stay where the rows name them
+    image_dir = cfg.image_dir or os.path.dirname(os.path.abspath(data_path))
+    images = Images.for_model(model_identity(model_dir, cfg.engine.load_format).architecture, image_dir)
+    with environment():  # the effective budget and lengths; a model that takes images, its processor's
+        vllm_config = build_vllm_config(cfg.engine, model_dir, images=not images.refusal)
     scheduler = vllm_config.scheduler_config
     config = read_config(model_dir)
     read = dict(
         tokenizer=load_tokenizer(model_dir), vocab_size=config.get("text_config", config)["vocab_size"],
         max_len=max_prompt_len(vllm_config),
+        images=images, expand=None if images.refusal else expander(vllm_config),
     )
     lengths = (len(s.token_ids) for s in data.read_samples(data_path, **read))
     num_samples = samples_for_steps(lengths, num_steps, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
@@ -93,7 +99,7 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
         log(f"--steps {num_steps}: profiling the first {num_samples} samples of {data_path}"
             + ("" if truncated else " (all of them)"))
         store = os.path.join(tmp, "store.lmdb")
-        short = dataclasses.replace(cfg, data=head, store=store)
+        short = dataclasses.replace(cfg, data=head, store=store, image_dir=image_dir)
         try:
             log(run(short, log=log).line())
         except CorecapError as e:  # name the user's file, not our temporary copy

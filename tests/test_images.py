@@ -251,6 +251,35 @@ def test_a_run_refuses_image_rows_for_a_text_model_before_vllm(tiny_model, pictu
         _prepare(tiny_model, data, tmp_path)
 
 
+def test_trace_steps_profiles_image_rows_with_their_images(checkpoint, pictures, tmp_path, monkeypatch):
+    """`corecap trace --steps` runs the head of the data from a temporary copy: its images are
+    still read where the rows name them (the data file's directory, or --image-dir)."""
+    import types
+
+    from corecap import probe
+    from corecap.config import build
+
+    directory, (a, b, _) = pictures
+    rows = [{"id": f"r{i}", "messages": [_user(_image(os.path.basename(p)), _text("what is this")), ANSWER]}
+            for i, p in enumerate((a, b))]
+    data = write_jsonl(os.path.join(directory, "trace.jsonl"), rows)
+    ran = []
+
+    def short_run(cfg, log):
+        ran.append(cfg)
+        with open(cfg.data) as f:
+            assert [json.loads(line) for line in f] == rows  # both rows fit the steps asked for
+        checked = check_rows(cfg.data, vocab_size=600, images=Images(cfg.image_dir))
+        assert checked.num_images == 2  # each found from the temporary copy
+        return types.SimpleNamespace(line=lambda: "")
+
+    monkeypatch.setattr(probe, "run", short_run)
+    monkeypatch.setattr(probe, "load_trace", lambda store: {"store": store})
+    cfg = build(model=checkpoint, data=data, dtype="float32")
+    assert probe.profile_run(50, cfg, log=[].append)["store"].endswith("store.lmdb")
+    assert ran[0].image_dir == directory
+
+
 # --- vLLM's multimodal path: its assumptions, without an engine ------------------------------------
 
 
