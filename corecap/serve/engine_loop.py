@@ -98,10 +98,9 @@ class EngineLoop:
         # no more than its KV cache holds).
         cached = sum(self.engine.prefix_bounds()) * plan.block_bytes
         token_bytes = len(plan.layers) * self.hidden_size * self.dtype.itemsize
-        self.budget = StatesBudget(plan.buffer_bytes - cached, token_bytes, self.sink.released)
-        if cached:
-            self.budget.bound = (f"{(plan.buffer_bytes - cached) / 2**30:.3g} GiB, --buffer-gb "
-                                 f"{plan.buffer_bytes / 2**30:g} less the prefix cache's copies")
+        bound = (f"{(plan.buffer_bytes - cached) / 2**30:.3g} GiB, --buffer-gb {plan.buffer_bytes / 2**30:g} "
+                 "less the prefix cache's copies") if cached else None
+        self.budget = StatesBudget(plan.buffer_bytes - cached, token_bytes, self.sink.released, bound)
         line = prefix_line(plan, self.engine.prefix_bounds())
         if line:
             self.log(line)

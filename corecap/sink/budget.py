@@ -49,7 +49,8 @@ class Released:
 class StatesBudget:
     """The driver's side of --buffer-gb: which requests the sink has room for now."""
 
-    def __init__(self, budget_bytes: int, token_bytes: int, released: Released):
+    def __init__(self, budget_bytes: int, token_bytes: int, released: Released, bound: str | None = None):
+        """`bound`: what the bound is, as the end line says it (default: --buffer-gb and its value)."""
         self.budget_bytes = budget_bytes
         self.token_bytes = token_bytes
         self.released = released
@@ -57,7 +58,7 @@ class StatesBudget:
         self.num_reserved = 0
         self.num_waits = 0  # times a request waited for room
         self.most_held = 0  # samples held at once, at most
-        self.bound = f"--buffer-gb {budget_bytes / 2**30:g}"  # what the bound is, as the line says it
+        self.bound = bound or f"--buffer-gb {budget_bytes / 2**30:g}"
 
     def cost(self, num_tokens: int, final: bool) -> int:
         """The buffer a sample of `num_tokens` (a response's: prompt + --max-tokens) takes in the
