@@ -3,9 +3,12 @@ path, a file:// URL or a data: URL; ShareGPT/LLaVA's `image` field), their check
 model loads, and the capture of a tiny Kimi-K2.5 with a working vision tower
 (tests/support/kimi_k25_vision.py) against HF transformers' Kimi_K25ForConditionalGeneration
 given the same pixel values: every stored token, every layer 0..N and the pre-norm state,
-float32, with batching (one engine for the module), prefix caching asked for, rows that share
-an image and rows whose ids are the same with other images; and vLLM's block hashes over the
-images' content hashes (what prefix caching with images keys on), without an engine."""
+float32, with batching and two tensor-parallel ranks (one engine for the module), prefix
+caching asked for, rows that share an image and rows whose ids are the same with other images;
+and vLLM's block hashes over the images' content hashes (what prefix caching with images keys
+on), without an engine. (One rank with images: tests/test_images_generate.py. Kimi-K2.5 across
+pipeline stages is refused for every input, images or not: vLLM's class passes no stage's states
+on, corecap/_vllm/parallel.py.)"""
 
 from __future__ import annotations
 
@@ -393,8 +396,8 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def captured(checkpoint, pictures, tmp_path_factory):
     """One engine for the module: conversations with one and two images of different sizes, a
-    LLaVA row, a text row, batched 4 at a time, 16 tokens a step, --enforce-eager, prefix
-    caching asked for in 32-token blocks; rows that share an image of 48 tokens and the text
+    LLaVA row, a text row, batched 4 at a time, 16 tokens a step, --enforce-eager, -tp 2, prefix caching asked for in
+    32-token blocks; rows that share an image of 48 tokens and the text
     around it (a cache hit over the whole image, and one that ends inside it), and a row whose
     ids are another's but whose image is not (its own encoder output, no hit).
 
@@ -436,7 +439,7 @@ def captured(checkpoint, pictures, tmp_path_factory):
     store = str(tmp_path_factory.mktemp("images-store") / "store")
     log: list[str] = []
     cfg = build(model=checkpoint, data=data, store=store, layers=LAYERS, batch=4, max_batched_tokens=16,
-                dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=BLOCK)
+                dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=BLOCK, tp=2)
     summary = run(cfg, log=log.append)
     return cfg, summary, log, rows, images
 
@@ -451,6 +454,7 @@ def test_image_conversations_match_hf(captured, checkpoint, tmp_path_factory):
     cfg, summary, log, rows, images = captured
     assert summary.num_committed == len(rows)
     assert "images: vLLM's tokenizer and multimodal processor on, its processor cache off" in log[0], log[0]
+    assert "TP 2 x PP 1" in log[0], log[0]
     with open(os.path.join(checkpoint, "config.json")) as f:
         pad = json.load(f)["image_token_id"]
     with Store.open(cfg.store) as store:

@@ -28,7 +28,9 @@ stops at once, saying so. `--runner v2` runs vLLM's V2 model runner instead, lay
 Writes gpu_images_exact_ARCH_RUNNER.json to --out: per layer, over every stored token (and over the image
 tokens alone), the worst absolute error and the worst per-token relative error (|diff| / |ref|)
 of corecap against HF float32, of HF bf16 against HF float32, their ratio (corecap's error in
-units of HF's own bf16 error: ~1 is the bf16 band), and corecap against HF bf16.
+units of HF's own bf16 error: ~1 is the bf16 band), and corecap against HF bf16; and per sample,
+per layer, corecap's worst per-token relative error against HF float32 (the text row apart from
+the rows with images).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def compare(model: str, store: str, images: dict, device: str, work: str, layers
     support = qwen25_vl if arch == "qwen2.5-vl" else kimi_k25_vision
     refs = {dt: support.reference_in_a_process(model, rows, work, dt, device) for dt in ("float32", "bfloat16")}
     worst: dict = {"corecap vs HF float32": {}, "HF bf16 vs HF float32": {}, "corecap vs HF bf16": {}}
+    per_sample: dict = {}  # key → layer → corecap's worst per-token relative error against HF float32
     num_tokens = num_image_tokens = 0
     for key, sample in samples.items():
         got = sample.hidden_states.float()
@@ -161,7 +164,9 @@ def compare(model: str, store: str, images: dict, device: str, work: str, layers
                              f"{len(images[key])}")
         num_tokens += len(sample.input_ids)
         num_image_tokens += int(image_tokens.sum())
-        _worst(worst["corecap vs HF float32"], _errors(got, ref32, image_tokens, layers))
+        ours = _errors(got, ref32, image_tokens, layers)
+        per_sample[key] = {layer: values["max_rel"] for layer, values in ours.items()}
+        _worst(worst["corecap vs HF float32"], ours)
         _worst(worst["HF bf16 vs HF float32"], _errors(ref16, ref32, image_tokens, layers))
         _worst(worst["corecap vs HF bf16"], _errors(got, ref16, image_tokens, layers))
     ratio = {}
@@ -169,7 +174,8 @@ def compare(model: str, store: str, images: dict, device: str, work: str, layers
         theirs = worst["HF bf16 vs HF float32"][layer]
         ratio[layer] = {k: (v / theirs[k] if theirs.get(k) else None) for k, v in ours.items()}
     return {"samples": len(samples), "tokens": num_tokens, "image tokens": num_image_tokens, **worst,
-            "ratio (corecap vs HF float32) / (HF bf16 vs HF float32)": ratio}
+            "ratio (corecap vs HF float32) / (HF bf16 vs HF float32)": ratio,
+            "corecap vs HF float32, max_rel per sample": per_sample}
 
 
 def main() -> None:
