@@ -396,8 +396,8 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def captured(checkpoint, pictures, tmp_path_factory):
     """One engine for the module: conversations with one and two images of different sizes, a
-    LLaVA row, a text row, batched 4 at a time, 16 tokens a step, --enforce-eager, -tp 2, prefix caching asked for in
-    32-token blocks; rows that share an image of 48 tokens and the text
+    LLaVA row, a text row, batched 4 at a time, 16 tokens a step, --enforce-eager, -tp 2, prefix
+    caching asked for in 32-token blocks; rows that share an image of 48 tokens and the text
     around it (a cache hit over the whole image, and one that ends inside it), and a row whose
     ids are another's but whose image is not (its own encoder output, no hit).
 
