@@ -188,19 +188,22 @@ def mla(tmp_path_factory):
     model = tiny_models.build("deepseek_v3", str(tmp / "model"), seed=3)
     server = Server("--model", model, "--dtype", "float32", "--layers", ",".join(map(str, MLA_LAYERS)),
                     "--max-num-seqs", "4", "--attention-backend", "CPU_MLA", "--enforce-eager",
+                    "--data-parallel-size", "2",
                     hidden_states_path=str(tmp / "hidden"), log_path=str(tmp / "serve.log"), cwd=str(tmp))
     yield server, tmp, model
     server.stop()
 
 
 def test_speculators_reads_mla_states_equal_to_hf(mla):
-    """DeepSeek-V3 (MLA, MoE): the states speculators' file backend loads are HF's, to 1e-4."""
+    """DeepSeek-V3 (MLA, MoE), two data-parallel replicas (each request to the one with the
+    fewest tokens outstanding): the states speculators' file backend loads are HF's, to 1e-4."""
     server, tmp, model = mla
     rows = _rows(tiny_models.VOCAB)
     got = _read_all(server, rows, tmp, fp8=False)
     reference = tiny_models.reference_in_a_process(model, write_jsonl(tmp / "rows.jsonl", rows), str(tmp / "ref.pt"))
     _check_against_hf(got, rows, reference, MLA_LAYERS[:-1], "serve deepseek_v3 file", 1e-4)
     assert "prefix caching off" in server.output()  # vLLM turns it off for MLA on the CPU
+    assert ", 2 replicas" in server.output(), server.output()[-3000:]
     # speculators took every file and removed it, with its lock: nothing is left behind
     assert os.listdir(server.hidden_states_path) == [] or set(os.listdir(server.hidden_states_path)) <= {"corecap.log"}
 
