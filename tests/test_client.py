@@ -209,6 +209,40 @@ def test_the_server_admits_within_its_buffer_and_says_how_many_requests_waited(t
     assert list(loop.waiting) == tickets[4:] and loop.budget.num_waits == 2 and loop.budget.most_held == 3
 
 
+def test_a_full_mooncake_store_is_503_for_its_request_and_for_new_ones_a_second(tmp_path, monkeypatch):
+    """The sink reports a sample the Mooncake store had no room for: its request is answered 503
+    (ServerFull) naming the option, and requests that come within the next second are refused at
+    once, before the engine works on them; after it, they are queued again."""
+    from corecap.serve import engine_loop
+    from corecap.serve.engine_loop import ServerFull
+    from corecap.sink.messages import Delivered
+
+    plan = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_states_path=str(tmp_path), quota_bytes=1 << 30,
+                                                           backend="mooncake"))
+    loop = EngineLoop(plan, print, Metrics())
+    clock = [100.0]
+    monkeypatch.setattr(engine_loop.time, "monotonic", lambda: clock[0])
+    request = CaptureRequest(token_ids=torch.arange(3).numpy(), model="m")
+    full, other = loop.submit(request), loop.submit(request)
+    loop.waiting.clear()
+    loop.running = {full.name: full, other.name: other}
+    why = "the Mooncake store has no room for 4,096 bytes until the trainer takes what was put before"
+    loop.sink = types.SimpleNamespace(take_delivered=lambda: [Delivered(full.name, 0, why, True),
+                                                              Delivered(other.name, 0, "status -1", False)])
+    loop._answer()
+    with pytest.raises(ServerFull, match=r"no room for 4,096 bytes .*\(--mooncake-global-segment-gib\)$"):
+        full.future.result(0)
+    with pytest.raises(CorecapError, match="writing the states failed: status -1") as failed:
+        other.future.result(0)
+    assert not isinstance(failed.value, ServerFull)  # another failure is the server's (500), not a wait
+    clock[0] += 0.5
+    with pytest.raises(ServerFull, match="no room for 4,096 bytes"):
+        loop.submit(request)
+    assert not loop.waiting
+    clock[0] += 0.6
+    assert loop.submit(request) in loop.waiting
+
+
 def test_the_server_sees_a_client_go_away_with_the_api_key_on():
     """A real uvicorn (the engine thread a stand-in whose answer never comes): a client that closes
     its socket mid-request has its ticket abandoned, with the API key's middleware in the way."""

@@ -1,15 +1,19 @@
 """`corecap serve`'s sink writes each sample's file on threads of its own (corecap/sink/deliver.py
-`Deliveries`) and hears of each write back on its own thread: no engine here (the files
-themselves, read by each trainer's reader, are tests/test_serve.py's)."""
+`Deliveries`) and hears of each write back on its own thread; a Mooncake store without room says
+so apart from other failures. No engine here (the files themselves, read by each trainer's reader,
+are tests/test_serve.py's)."""
 
 from __future__ import annotations
 
 import select
 import threading
 
+import numpy as np
 import pytest
+import torch
 
-from corecap.sink.deliver import Deliveries
+from corecap.sink.deliver import Deliverer, Deliveries, DeliverSpec
+from support.machine import in_ci
 
 
 def test_files_are_written_side_by_side_and_reported_on_the_sinks_thread():
@@ -62,3 +66,38 @@ def test_a_write_done_wakes_the_sinks_poller_at_once():
     assert reported == [3] and deliveries.num_running == 0
     assert select.select([deliveries], [], [], 0)[0] == []  # reported: nothing left to wake for
     deliveries.close()
+
+
+def test_a_full_mooncake_store_is_told_apart_and_leaves_nothing_behind(tmp_path):
+    """A store of 16 MiB (a `mooncake_master` started here): samples of 1.2 MB go in until one
+    finds no room, which the deliverer reports as the store being full (the server answers it 503,
+    with Retry-After) and leaves no object, not even an error marker, under its handle; once the
+    trainer takes one, the next goes in."""
+    try:
+        from corecap.sink.mooncake import ERROR_SUFFIX, MooncakeOptions
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as e:
+        message = f"Mooncake ({e}): pip install --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1"
+        if in_ci():
+            pytest.fail(f"{message} (CI=true: mandatory)", pytrace=False)
+        pytest.skip(message)
+    from support.server import MooncakeMaster
+
+    master = MooncakeMaster(str(tmp_path / "master.log"))
+    try:
+        options = MooncakeOptions(master=master.address, global_segment_bytes=16 << 20, local_buffer_bytes=32 << 20)
+        deliverer = Deliverer(DeliverSpec(str(tmp_path), positions=(0, 1, 2, 3), mooncake=options))
+        states = torch.randn(4, 300, 256)  # [L, T, H] float32: 1.2 MB a sample
+        outcomes = [deliverer.deliver(f"s{i}", np.arange(300), states) for i in range(20)]
+        first_full = next(i for i, (_, error, _) in enumerate(outcomes) if error)
+        assert 0 < first_full < 20 and all(n == outcomes[0][0] > 300 * 4 * 256 * 4 for n, _, _ in outcomes[:first_full])
+        nbytes, error, full = outcomes[first_full]
+        assert nbytes == 0 and full and error.startswith("the Mooncake store has no room for "), error
+        store = deliverer.mooncake.store
+        assert store.is_exist("s0") == 1
+        assert store.is_exist(f"s{first_full}") != 1 and store.is_exist(f"s{first_full}{ERROR_SUFFIX}") != 1
+        store.remove("s0", force=True)  # the trainer takes one
+        assert deliverer.deliver("again", np.arange(300), states)[1:] == ("", False)
+        del deliverer, store
+    finally:
+        master.stop()

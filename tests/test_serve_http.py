@@ -27,8 +27,9 @@ pytest.importorskip("httpx")  # starlette's TestClient; vLLM's server installs i
 class _Loop:
     """The engine thread's interface, answering at once."""
 
-    def __init__(self, full: bool = False):
+    def __init__(self, full: bool = False, store_full: bool = False):
         self.metrics, self.failure, self.started, self.full = Metrics(), None, 0.0, full
+        self.store_full = store_full  # each request's sample finds the Mooncake store without room
         self.quota = types.SimpleNamespace(fits=lambda: not full)
         self.asked = []
         self.nixl = None  # no --nixl-sidecar-port
@@ -38,21 +39,25 @@ class _Loop:
             raise ServerFull("--hidden-states-path /h: 17 MiB of states not yet taken, the quota is 16 MiB")
         self.asked.append(request)
         ticket = Ticket(f"corecap-{len(self.asked):012d}", request)
-        ticket.future.set_result({"hidden_states_path": f"/h/{ticket.name}.safetensors"})
+        if self.store_full:
+            ticket.future.set_exception(ServerFull("the Mooncake store has no room for 4,096 bytes until the "
+                                                   "trainer takes what was put before"))
+        else:
+            ticket.future.set_result({"hidden_states_path": f"/h/{ticket.name}.safetensors"})
         return ticket
 
     def abandon(self, ticket):
         pass
 
 
-def _client(api_key=None, full=False):
+def _client(api_key=None, full=False, store_full=False):
     from fastapi.testclient import TestClient
 
     from corecap.serve.app import build_app
 
     plan = types.SimpleNamespace(model_name="tiny", cfg=types.SimpleNamespace(api_key=api_key), tokenizer=None,
                                  vocab_size=100, max_len=50, model_dir="/models/tiny")
-    loop = _Loop(full)
+    loop = _Loop(full, store_full)
     return TestClient(build_app(plan, loop)), loop
 
 
@@ -86,6 +91,13 @@ def test_a_full_quota_is_503_with_retry_after():
     assert answer.status_code == 503 and int(answer.headers["Retry-After"]) >= 1
     assert "quota" in answer.json()["error"]["message"]
     assert 'corecap_requests_total{endpoint="cmpl",status="503"} 1' in client.get("/metrics").text
+
+
+def test_a_sample_the_mooncake_store_had_no_room_for_is_503_with_retry_after():
+    client, _ = _client(store_full=True)
+    answer = client.post("/v1/completions", json={"prompt": [1, 2]})
+    assert answer.status_code == 503 and int(answer.headers["Retry-After"]) >= 1
+    assert "the Mooncake store has no room" in answer.json()["error"]["message"]
 
 
 def test_a_chat_request_needs_a_chat_template():

@@ -4,7 +4,8 @@ awaited, so one slow request never holds up another.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a body a
 field of which is wrong (`param` names it), 401 without the API key, 404 for another model,
-503 with Retry-After when the states not yet taken fill the quota, 500 when the engine failed."""
+503 with Retry-After when the states not yet taken fill the quota or the Mooncake store, 500 when
+the engine failed."""
 
 from __future__ import annotations
 
@@ -87,10 +88,12 @@ def build_app(plan: ServePlan, loop: EngineLoop) -> FastAPI:
             return None, error(500, str(e))
         try:
             params = await _delivered(request, ticket, loop)
+        except ServerFull as e:
+            metrics.answered(endpoint, 503)
+            return None, error(503, str(e), headers={"Retry-After": str(retry_after(loop))})
         except CorecapError as e:
-            status = 503 if isinstance(e, ServerFull) else 500
-            metrics.answered(endpoint, status)
-            return None, error(status, str(e))
+            metrics.answered(endpoint, 500)
+            return None, error(500, str(e))
         if params is None:  # the client went away
             metrics.answered(endpoint, 499)
             return None, Response(status_code=499)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from corecap.sink.deliver import SUFFIX, DeliverSpec
 from corecap.sink.mooncake import SpecCapture, manifest
 
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread waits for a request before checking the sink
+_STORE_FULL_S = 1.0  # after the Mooncake store had no room for a sample: new requests answered 503 that long
 
 
 class ServerFull(CorecapError):
@@ -54,6 +56,7 @@ class EngineLoop:
         self.directory = os.path.abspath(plan.cfg.hidden_states_path)
         self.quota = Quota(self.directory, plan.cfg.quota_bytes)
         self.mooncake = plan.cfg.backend == "mooncake"  # else files, counted by the quota
+        self.store_full: tuple[float, str] | None = None  # (when, why) the Mooncake store last had no room
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.abandoned: list[Ticket] = []  # admitted, their clients gone: the engine thread aborts them
         self.running: dict[str, Ticket] = {}
@@ -130,6 +133,8 @@ class EngineLoop:
         if not self.mooncake and not self.quota.fits():
             raise ServerFull(f"--hidden-states-path {self.directory}: {self.quota.line()}; "
                              "the trainer has not taken the files written so far")
+        if self.store_full is not None and time.monotonic() - self.store_full[0] < _STORE_FULL_S:
+            raise ServerFull(self.store_full[1])
         with self.wake:
             self.num_requests += 1
             name = f"corecap-{self.num_requests:012d}"
@@ -270,7 +275,12 @@ class EngineLoop:
             if delivered.error:
                 if ticket.nixl:
                     self.nixl.release(ticket.name)
-                ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
+                if delivered.full:  # the trainer has yet to take objects: this request and the next second's wait
+                    why = f"{delivered.error} (--mooncake-global-segment-gib)"
+                    self.store_full = (time.monotonic(), why)
+                    ticket.future.set_exception(ServerFull(why))
+                else:
+                    ticket.future.set_exception(CorecapError(f"writing the states failed: {delivered.error}"))
                 continue
             num_tokens = len(ticket.request.token_ids) + (len(ticket.response.token_ids) if ticket.response else 0)
             self.metrics.delivered(num_tokens, delivered.nbytes)

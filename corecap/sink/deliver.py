@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from corecap.export.fp8_per_token import SCALES_KEY, quantize_per_token
-from corecap.sink.mooncake import MooncakeOptions, MooncakeWriter, SpecCapture
+from corecap.sink.mooncake import MooncakeOptions, MooncakeWriter, SpecCapture, StoreFull
 
 PARTIAL = ".partial"  # a file being written; never a name the server hands out
 SUFFIX = ".safetensors"
@@ -60,14 +60,16 @@ class Deliverer:
         self.mooncake = MooncakeWriter(spec.mooncake) if spec.mooncake is not None else None
 
     def deliver(self, name: str, token_ids: np.ndarray, states: torch.Tensor,
-                spec_capture: SpecCapture | None = None, lossless: bool = False) -> tuple[int, str]:
+                spec_capture: SpecCapture | None = None, lossless: bool = False) -> tuple[int, str, bool]:
         """One sample (`states`: the stored layers [L_stored, T, H]) in speculators' layout, or
         SpecForge's where `spec_capture` says so, or to a file in the stored dtype with `lossless`
-        (whatever the backend: the server copies it to NIXL's memory); (bytes written, "") or, for a
-        write that fails (a full disk, a full store), (0, why): it fails that request, not the sink."""
+        (whatever the backend: the server copies it to NIXL's memory); (bytes written, "", False)
+        or, for a write that fails (a full disk, a full store), (0, why, whether it was the Mooncake
+        store without room for now): it fails that request, not the sink."""
         try:
             if lossless:
-                return write_sample(dataclasses.replace(self.spec, fp8=False), name + SUFFIX, token_ids, states), ""
+                lossless_spec = dataclasses.replace(self.spec, fp8=False)
+                return write_sample(lossless_spec, name + SUFFIX, token_ids, states), "", False
             if spec_capture is not None:
                 aux, target = self.spec.spec_positions
                 features = {}
@@ -75,13 +77,16 @@ class Deliverer:
                     features[spec_capture.aux] = torch.cat([states[p] for p in aux], dim=-1).unsqueeze(0)
                 if spec_capture.target is not None:
                     features[spec_capture.target] = states[target].unsqueeze(0)
-                return self.mooncake.put_tensors(spec_capture, features), ""
+                return self.mooncake.put_tensors(spec_capture, features), "", False
             if self.mooncake is not None:
-                return self.mooncake.put(name, token_ids, torch.stack([states[p] for p in self.spec.positions], 1)), ""
-            return write_sample(self.spec, name + SUFFIX, token_ids, states), ""
+                states = torch.stack([states[p] for p in self.spec.positions], 1)
+                return self.mooncake.put(name, token_ids, states), "", False
+            return write_sample(self.spec, name + SUFFIX, token_ids, states), "", False
+        except StoreFull as e:
+            return 0, str(e), True
         except OSError as e:
             where = "the Mooncake store" if self.mooncake is not None else os.path.join(self.spec.directory, name)
-            return 0, f"{where}: {e.strerror or e}"
+            return 0, f"{where}: {e.strerror or e}", False
 
 
 class Deliveries:

@@ -96,6 +96,7 @@ class Delivered(msgspec.Struct, array_like=True, tag=10):
     req_id: str
     nbytes: int
     error: str = ""
+    full: bool = False  # the error: the Mooncake store has no room now (the client may ask again)
 
 
 class Kept(msgspec.Struct, array_like=True, kw_only=True, tag=12):

@@ -29,6 +29,12 @@ from corecap.errors import CorecapError
 ALIGN = 64  # each tensor's offset in the object, as hs_connectors packs them
 VERSION = 1  # the manifest's version that speculators' reader takes
 ERROR_SUFFIX = ":error"
+STORE_FULL = -200  # Mooncake's NO_AVAILABLE_HANDLE: no segment has room for the object
+
+
+class StoreFull(OSError):
+    """The store has no room for a sample now: the trainer has not yet taken enough of the objects
+    put so far (the server answers 503, and the client asks again)."""
 
 
 class Passthrough(msgspec.Struct, array_like=True):
@@ -101,7 +107,8 @@ class MooncakeWriter:
 
     def put_tensors(self, capture: SpecCapture, tensors: dict[str, torch.Tensor]) -> int:
         """SpecForge's objects, one a tensor; their bytes. On a failure, what this call put is
-        removed again (no half sample is ever readable) and OSError says why."""
+        removed again (no half sample is ever readable) and OSError says why (StoreFull where the
+        store has no room now)."""
         from mooncake.store import ReplicateConfig
 
         config = ReplicateConfig()
@@ -125,15 +132,17 @@ class MooncakeWriter:
             if status != 0:
                 for done in written:
                     self.store.remove(done, force=True)
-                raise OSError(f"the Mooncake store refused {key} ({nbytes:,} bytes, status {status}: full, "
-                              "or unreachable)")
+                if status == STORE_FULL:
+                    raise StoreFull(f"the Mooncake store has no room for {key} ({nbytes:,} bytes) until the trainer "
+                                    "takes what was put before")
+                raise OSError(f"the Mooncake store refused {key} ({nbytes:,} bytes, status {status})")
             written.append(key)
             total += nbytes
         return total
 
     def put(self, handle: str, token_ids: np.ndarray, states: torch.Tensor) -> int:
-        """One sample (`states` [T, L, H]) under `handle`; its bytes. Raises OSError if the store
-        refuses it (full: the trainer has not taken enough of what was put)."""
+        """One sample (`states` [T, L, H]) under `handle`; its bytes. Raises StoreFull where the
+        store has no room for it now, OSError where it refuses it otherwise."""
         tensors, total = layout(states.shape[0], states.shape[1], states.shape[2], states.dtype)
         packed = torch.zeros(total, dtype=torch.uint8)
         hs, ids = tensors["hidden_states"], tensors["token_ids"]
@@ -145,8 +154,11 @@ class MooncakeWriter:
             status = self.store.put_from(handle, packed.data_ptr(), total)
         finally:
             self.store.unregister_buffer(packed.data_ptr())
+        if status == STORE_FULL:  # answered 503: no reader looks for this handle
+            raise StoreFull(f"the Mooncake store has no room for {total:,} bytes until the trainer takes what "
+                            "was put before")
         if status != 0:
-            why = f"the Mooncake store refused {total:,} bytes (status {status}: full, or unreachable)"
+            why = f"the Mooncake store refused {total:,} bytes (status {status})"
             self.store.put(handle + ERROR_SUFFIX, json.dumps({"error": why}).encode())
             raise OSError(why)
         return total

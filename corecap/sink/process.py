@@ -176,14 +176,14 @@ class _Loop:
         store_key = self.store_keys.pop(p.key, "")
         key, token_ids, states = p.key, p.token_ids, p.stored_states()
 
-        def write() -> tuple[int, str]:  # on a delivery thread
+        def write() -> tuple[int, str, bool]:  # on a delivery thread
             return self.deliverer.deliver(key, token_ids, states, spec_capture, lossless)
 
-        def written(nbytes: int, error: str) -> None:  # back on this thread
+        def written(nbytes: int, error: str, full: bool) -> None:  # back on this thread
             if not (store_key and not error and self.copy is not None and self.copy.keep(store_key, p)):
                 self.buffers.give(p.states)
                 self._release(p.reserved)
-            self.notify(Delivered(key, nbytes, error))
+            self.notify(Delivered(key, nbytes, error, full))
 
         self.deliveries.submit(write, written)
 
