@@ -174,7 +174,7 @@ def test_only_a_sample_delivered_whole_is_stored(tmp_path):
     try:
         sent = []
         loop.notify = sent.append
-        outcomes = {"written": (100, ""), "failed": (0, "the Mooncake store: no space")}
+        outcomes = {"written": (100, "", False), "failed": (0, "the Mooncake store has no room for 100 bytes", True)}
         loop.deliverer = types.SimpleNamespace(deliver=lambda key, *args: outcomes[key])
         for key in outcomes:
             p = _Pending(loop.buffers, [5, 6])
@@ -183,8 +183,8 @@ def test_only_a_sample_delivered_whole_is_stored(tmp_path):
             loop._deliver(p)
         loop.deliveries.close()  # the files are written on threads of their own, reported here
         loop.copy.close()
-        assert sorted((d.req_id, d.error) for d in sent) == [("failed", "the Mooncake store: no space"),
-                                                             ("written", "")]
+        assert sorted((d.req_id, d.error, d.full) for d in sent) == [
+            ("failed", "the Mooncake store has no room for 100 bytes", True), ("written", "", False)]
         assert loop.released.num_samples == 2 and not loop.buffers.lent
         with Store.open(path) as store:
             assert list(store.keys()) == ["k-written"]
