@@ -18,6 +18,12 @@ it: tools/gpu/deepseek_exact.py measures that); the images are what this checks.
 embeddings (the vision features in place), which vLLM's V2 model runner does not keep: the capture
 runs on the V1 runner.
 
+Three rows share a prompt's head (text, an image: 120 tokens for Kimi-K2.5, 16 for Qwen2.5-VL,
+then text): two with the same image, whose second takes the first's full blocks from vLLM's
+prefix cache (on, in 64-token blocks), and one with another image of the same size (the same
+ids), which may take only the blocks before its image. The JSON has the run's "prefix cache:"
+line beside the hits an unbounded cache would give the rows in order.
+
 `--arch qwen2.5-vl` runs the same conversations on a tiny random Qwen2.5-VL (tools/gpu/qwen25_vl.py:
 M-RoPE, a windowed vision tower, heads of 64; one token per 28 x 28 px) against HF's
 Qwen2_5_VLForConditionalGeneration. Its processor needs torchvision: where that is missing the arm
@@ -59,16 +65,21 @@ _spec.loader.exec_module(kimi_k25_vision)
 LAYERS = (*range(NUM_LAYERS + 1), "prenorm")
 BIAS_STD = 10.0  # the routing fixed by the bias (docstring)
 VISION = {**KIMI_VISION, "num_hidden_layers": 2}
-# (width, height) in px: 6, 20, 4 and 48 image tokens (kimi_k25_vision: one token per 4 x 4 px)
-SIZES = [(12, 8), (16, 20), (8, 8), (32, 24)]
-# Qwen2.5-VL: 2, 6, 1 and 12 image tokens (one per 28 x 28 px)
-QWEN_SIZES = [(56, 28), (56, 84), (28, 28), (112, 84)]
-ENGINE = ["--batch", "4", "--max-batched-tokens", "32", "--max-len", "1024"]
+# (width, height) in px: 6, 20, 4, 48, 120 and 120 image tokens (kimi_k25_vision: one token per 4 x 4 px);
+# the last two the same size, other pixels (the same ids, other images)
+SIZES = [(12, 8), (16, 20), (8, 8), (32, 24), (48, 40), (48, 40)]
+# Qwen2.5-VL: 2, 6, 1, 12, 16 and 16 image tokens (one per 28 x 28 px)
+QWEN_SIZES = [(56, 28), (56, 84), (28, 28), (112, 84), (112, 112), (112, 112)]
+BLOCK = 64  # the prefix cache's block (FlashMLA's; vLLM's CPU attention takes multiples of 32)
+ENGINE = ["--batch", "4", "--max-batched-tokens", "32", "--max-len", "1024", "--block-size", str(BLOCK)]
+# Text before the shared rows' image, so that even the row with another image shares full blocks
+SHARED_TEXT = "the quick brown fox jumps over the lazy dog and " * 6
 
 
 def conversations(directory: str, sizes=SIZES) -> tuple[list[dict], dict[str, list[str]]]:
-    """The rows (OpenAI content parts, one LLaVA row, one text row) and each one's image files."""
-    a, b, c, d = kimi_k25_vision.images(directory, sizes, seed=SEED)
+    """The rows (OpenAI content parts, one LLaVA row, one text row, three rows that share a prompt's
+    head: two with the same image, one with another of the same size) and each one's image files."""
+    a, b, c, d, e, f = kimi_k25_vision.images(directory, sizes, seed=SEED)
     name = os.path.basename
 
     def user(*parts):
@@ -90,8 +101,13 @@ def conversations(directory: str, sizes=SIZES) -> tuple[list[dict], dict[str, li
                                                             {"from": "gpt", "value": "a circle"}]},
         {"id": "text", "messages": [{"role": "user", "content": "what is in this picture"},
                                     answer("the lazy dog")]},
+        # after the rows above (batched 4 at a time): the first's blocks cached before the others run
+        {"id": "share-1", "messages": [user(SHARED_TEXT, (e,), "describe the image"), answer("a red square")]},
+        {"id": "share-2", "messages": [user(SHARED_TEXT, (e,), "describe the image"), answer("the lazy dog")]},
+        {"id": "other-image", "messages": [user(SHARED_TEXT, (f,), "describe the image"), answer("a red square")]},
     ]
-    images = {"one-small": [a], "one-large": [d], "two": [b, c], "two-turns": [d, b], "llava": [b], "text": []}
+    images = {"one-small": [a], "one-large": [d], "two": [b, c], "two-turns": [d, b], "llava": [b], "text": [],
+              "share-1": [e], "share-2": [e], "other-image": [f]}
     return rows, images
 
 
@@ -112,6 +128,8 @@ def capture(model: str, data: str, store: str, dtype: str, eager: bool, gpu: boo
                           capture_output=True, text=True, timeout=900)
     out = (proc.stdout + proc.stderr).strip().splitlines()
     return {"rc": proc.returncode, "seconds": round(time.time() - t, 1), "command": " ".join(cmd[1:]),
+            "engine": next((x for x in out if x.startswith("engine: ")), None),
+            "prefix cache": next((x for x in out if x.startswith("prefix cache: ")), None),
             "tail": out[-6:] if proc.returncode == 0 else out[-30:]}
 
 
@@ -173,7 +191,11 @@ def compare(model: str, store: str, images: dict, device: str, work: str, layers
     for layer, ours in worst["corecap vs HF float32"].items():
         theirs = worst["HF bf16 vs HF float32"][layer]
         ratio[layer] = {k: (v / theirs[k] if theirs.get(k) else None) for k, v in ours.items()}
-    return {"samples": len(samples), "tokens": num_tokens, "image tokens": num_image_tokens, **worst,
+    # the prompt tokens an unbounded cache gives the samples in this order: what the run's
+    # "prefix cache:" line should say where caching is on (a batch's rows may run side by side)
+    hits = kimi_k25_vision.expected_prefix_hits(list(samples.items()), BLOCK)
+    return {"samples": len(samples), "tokens": num_tokens, "image tokens": num_image_tokens,
+            "prefix hits expected (unbounded cache, rows in order)": hits, **worst,
             "ratio (corecap vs HF float32) / (HF bf16 vs HF float32)": ratio,
             "corecap vs HF float32, max_rel per sample": per_sample}
 
