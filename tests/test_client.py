@@ -243,6 +243,39 @@ def test_a_full_mooncake_store_is_503_for_its_request_and_for_new_ones_a_second(
     assert loop.submit(request) in loop.waiting
 
 
+def test_the_mooncake_objects_of_a_client_that_went_away_are_removed():
+    """With Mooncake the objects are hard-pinned (never evicted for room), so what nobody will read
+    must go: a request answered before its client left has its object removed (SpecForge's: its
+    tensors' keys), one whose client left while its sample was being written too, by the engine
+    thread, on the sink's delivery thread."""
+    from corecap.sink.messages import Delivered
+    from corecap.sink.mooncake import Passthrough, SpecCapture
+
+    plan = types.SimpleNamespace(cfg=types.SimpleNamespace(hidden_states_path="/h", quota_bytes=1 << 30,
+                                                           backend="mooncake"))
+    loop = EngineLoop(plan, print, Metrics())
+    loop.engine, loop.sink = _Recorder(), _Recorder()
+    loop.engine.abort = lambda name: None  # none of them runs in the engine any more
+    loop.plan.positions, loop.hidden_size, loop.dtype = (0, 1), 4, torch.float32
+    request = CaptureRequest(token_ids=torch.arange(3).numpy(), model="m")
+    capture = SpecCapture(prefix="run/7/g0/", aux="aux", target=None, passthrough=[Passthrough("input_ids", b"")])
+    answered, specforge, writing = loop.submit(request), loop.submit(request, capture), loop.submit(request)
+    loop.waiting.clear()
+    loop.running = {t.name: t for t in (answered, specforge, writing)}
+    loop.sink.take_delivered = lambda: [Delivered(answered.name, 64), Delivered(specforge.name, 64)]
+    loop._answer()
+    assert answered.future.result(0)["handle"] == answered.name
+    loop.abandon(answered)
+    loop.abandon(specforge)
+    loop.abandon(writing)  # not answered yet: its sample is being written
+    loop._abort()
+    loop.sink.take_delivered = lambda: [Delivered(writing.name, 64)]
+    loop._answer()
+    assert [c for c in loop.sink.calls if c[0] == "discard"] == [
+        ("discard", [answered.name]), ("discard", ["run/7/g0/aux", "run/7/g0/input_ids"]),
+        ("discard", [writing.name])]
+
+
 def test_the_server_sees_a_client_go_away_with_the_api_key_on():
     """A real uvicorn (the engine thread a stand-in whose answer never comes): a client that closes
     its socket mid-request has its ticket abandoned, with the API key's middleware in the way."""

@@ -71,8 +71,10 @@ def test_a_write_done_wakes_the_sinks_poller_at_once():
 def test_a_full_mooncake_store_is_told_apart_and_leaves_nothing_behind(tmp_path):
     """A store of 16 MiB (a `mooncake_master` started here): samples of 1.2 MB go in until one
     finds no room, which the deliverer reports as the store being full (the server answers it 503,
-    with Retry-After) and leaves no object, not even an error marker, under its handle; once the
-    trainer takes one, the next goes in."""
+    with Retry-After) and leaves no object, not even an error marker, under its handle. None put
+    before is evicted for it (hard-pinned: a reader may still be waiting for each). Once the trainer
+    takes one (as speculators' reader removes it), or the server discards one whose client went
+    away, the next goes in."""
     try:
         from corecap.sink.mooncake import ERROR_SUFFIX, MooncakeOptions
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
@@ -94,10 +96,15 @@ def test_a_full_mooncake_store_is_told_apart_and_leaves_nothing_behind(tmp_path)
         nbytes, error, full = outcomes[first_full]
         assert nbytes == 0 and full and error.startswith("the Mooncake store has no room for "), error
         store = deliverer.mooncake.store
-        assert store.is_exist("s0") == 1
+        assert [store.is_exist(f"s{i}") for i in range(first_full)] == [1] * first_full  # none evicted
         assert store.is_exist(f"s{first_full}") != 1 and store.is_exist(f"s{first_full}{ERROR_SUFFIX}") != 1
-        store.remove("s0", force=True)  # the trainer takes one
+        assert deliverer.deliver("again", np.arange(300), states)[2]  # still full
+        store.remove("s0", force=True)  # the trainer takes one, as hs_connectors' reader does
         assert deliverer.deliver("again", np.arange(300), states)[1:] == ("", False)
+        assert deliverer.deliver("more", np.arange(300), states)[2]
+        deliverer.discard(["s1"])  # a client that went away
+        assert store.is_exist("s1") != 1
+        assert deliverer.deliver("more", np.arange(300), states)[1:] == ("", False)
         del deliverer, store
     finally:
         master.stop()

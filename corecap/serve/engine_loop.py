@@ -150,7 +150,8 @@ class EngineLoop:
     def abandon(self, ticket: Ticket) -> None:
         """Its client went away: nobody will read its states. A request still waiting is dropped, one
         in the engine aborted (its KV blocks and the states captured so far freed), one answered
-        has its file removed; a ModelOpt reader's range of NIXL's pool is freed in every case."""
+        has its file or its Mooncake objects removed; a ModelOpt reader's range of NIXL's pool is
+        freed in every case."""
         with self.wake:
             ticket.abandoned = True
             if ticket.nixl:
@@ -161,11 +162,11 @@ class EngineLoop:
                 self.metrics.aborted()
                 ticket.future.cancel()
                 return
-            if not ticket.future.done():
-                self.abandoned.append(ticket)
+            if not ticket.future.done() or (self.mooncake and not ticket.nixl):
+                self.abandoned.append(ticket)  # the engine thread's to abort, or to remove its objects
                 self.wake.notify()
                 return
-        if not self.mooncake and not ticket.nixl:
+        if not ticket.nixl:
             self.quota.remove(ticket.name + SUFFIX)
 
     def stop(self, timeout: float) -> None:
@@ -229,6 +230,10 @@ class EngineLoop:
         with self.wake:
             abandoned, self.abandoned = self.abandoned, []
         for ticket in abandoned:
+            if ticket.future.done():  # answered: what it put in the Mooncake store goes (`abandon`)
+                if not ticket.future.cancelled() and ticket.future.exception() is None:
+                    self.sink.discard(_keys(ticket))
+                continue
             until = self.engine.abort(ticket.name) if ticket.name in self.running else None
             if until is None:  # not running, or its response already written: its file goes once written
                 continue
@@ -268,7 +273,10 @@ class EngineLoop:
         for delivered in self.sink.take_delivered():
             ticket = self.running.pop(delivered.req_id, None)
             if ticket is None:  # aborted after the sink had written it: nobody will read it
-                if not self.mooncake and not delivered.error:
+                if self.mooncake and not delivered.error:
+                    # speculators' object (a SpecForge request's tensors, named by its own keys, stay)
+                    self.sink.discard([delivered.req_id])
+                elif not delivered.error:
                     self.quota.remove(delivered.req_id + SUFFIX)
                 continue
             self.metrics.running = len(self.running)
@@ -296,6 +304,8 @@ class EngineLoop:
                 if ticket.abandoned:
                     self.quota.remove(ticket.name + SUFFIX)
                 params = {"hidden_states_path": os.path.join(self.directory, ticket.name + SUFFIX)}
+            if self.mooncake and not ticket.nixl and ticket.abandoned:  # its client went away meanwhile
+                self.sink.discard(_keys(ticket))
             ticket.future.set_result(params)
 
     def _reserve_nixl(self, ticket: Ticket) -> None:
@@ -351,6 +361,11 @@ def prefix_line(plan: ServePlan, bounds: list[int]) -> str:
     return (f"prefix caching: at most {each} of {plan.block_size} tokens kept cached{engines} "
             f"({sum(bounds) * plan.block_bytes / 2**20:,.1f} MiB of the sink's --buffer-gb "
             f"{plan.buffer_bytes / 2**30:g} for a copy of their states; --prefix-blocks sets it)")
+
+
+def _keys(ticket: Ticket) -> list[str]:
+    """The Mooncake objects a request's sample was put under."""
+    return ticket.spec_capture.keys() if ticket.spec_capture is not None else [ticket.name]
 
 
 def retry_after(loop: EngineLoop) -> int:

@@ -89,6 +89,13 @@ class Deliverer:
             return 0, f"{where}: {e.strerror or e}", False
 
 
+    def discard(self, keys: list[str]) -> tuple[int, str, bool]:
+        """Remove what was written under `keys` (Mooncake objects) for a client that went away."""
+        if self.mooncake is not None:
+            self.mooncake.discard(keys)
+        return 0, "", False
+
+
 class Deliveries:
     """The writes in flight, each on a thread of the pool: `submit` one with what to do once it is
     written, and `finished()`, called on the sink's own thread, runs those for the writes done since

@@ -20,7 +20,8 @@ from corecap.sink.budget import Released
 from corecap.sink.deliver import DeliverSpec
 from corecap.sink.mooncake import SpecCapture
 from corecap.sink.messages import (
-    Abort, BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits, Kept, Status,
+    Abort, BlockHash, Control, Delivered, Discard, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits, Kept,
+    Status,
 )
 from corecap.sink.process import CAPTURE, CONTROL, STATUS, SinkSpec, main
 from corecap.store.generated import Generation
@@ -112,6 +113,10 @@ class Sink:
         with prefix caching on, the positions its scheduled steps compute, whose states the sink
         still takes for the blocks they complete (`Engine.abort`)."""
         self._send(Forget(req_id, until))
+
+    def discard(self, keys: list[str]) -> None:
+        """Remove these objects from the Mooncake store: written, and nobody will read them."""
+        self._send(Discard(keys))
 
     def prefix(self, actions) -> None:
         """The driver's prefix-cache decisions, in order: ("hits", req_id, num_blocks),

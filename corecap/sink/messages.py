@@ -62,6 +62,12 @@ class Forget(msgspec.Struct, array_like=True, tag=11):
     until: int = 0
 
 
+class Discard(msgspec.Struct, array_like=True, tag=13):
+    """Remove these Mooncake objects, written for a client that went away (`corecap serve`)."""
+
+    keys: list[str]
+
+
 class Finish(msgspec.Struct, array_like=True, tag=2):
     pass
 
@@ -117,5 +123,5 @@ class Failed(msgspec.Struct, array_like=True, tag=5):
     num_committed: int
 
 
-Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated | Forget
+Control = Expect | Finish | Abort | Hits | Drop | BlockHash | Generated | Forget | Discard
 Status = Done | Failed | Delivered | Kept

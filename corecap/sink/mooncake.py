@@ -53,6 +53,11 @@ class SpecCapture(msgspec.Struct, array_like=True, kw_only=True):
     replace: bool = False  # a retry: what an earlier attempt put under these keys goes first
     passthrough: list[Passthrough] = []
 
+    def keys(self) -> list[str]:
+        """The objects the sample's tensors are put under, in the order they are put."""
+        names = [n for n in (self.aux, self.target) if n is not None] + [p.name for p in self.passthrough]
+        return [self.prefix + name for name in names]
+
 
 @dataclass(frozen=True, kw_only=True)
 class MooncakeOptions:
@@ -106,17 +111,13 @@ class MooncakeWriter:
                                f"{options.metadata_server} as its clients use?")
 
     def put_tensors(self, capture: SpecCapture, tensors: dict[str, torch.Tensor]) -> int:
-        """SpecForge's objects, one a tensor; their bytes. On a failure, what this call put is
-        removed again (no half sample is ever readable) and OSError says why (StoreFull where the
-        store has no room now)."""
-        from mooncake.store import ReplicateConfig
-
-        config = ReplicateConfig()
-        config.replica_num = 1
-        config.with_hard_pin = True  # as SpecForge's own writer: never evicted before the trainer frees it
+        """SpecForge's objects, one a tensor (`tensors`: the aux and target features, in that
+        order); their bytes. On a failure, what this call put is removed again (no half sample is
+        ever readable) and OSError says why (StoreFull where the store has no room now)."""
+        config = _pinned()
         tensors = dict(tensors, **{p.name: torch.frombuffer(bytearray(p.data), dtype=torch.uint8)
                                    for p in capture.passthrough})
-        keys = [capture.prefix + name for name in tensors]
+        keys = capture.keys()
         if capture.replace:  # Mooncake keeps the first value put under a key: an earlier attempt's goes
             for key in keys:
                 self.store.remove(key, force=True)
@@ -151,7 +152,7 @@ class MooncakeWriter:
             torch.from_numpy(np.asarray(token_ids, np.int64)).view(torch.uint8))
         self.store.register_buffer(packed.data_ptr(), total)
         try:
-            status = self.store.put_from(handle, packed.data_ptr(), total)
+            status = self.store.put_from(handle, packed.data_ptr(), total, _pinned())
         finally:
             self.store.unregister_buffer(packed.data_ptr())
         if status == STORE_FULL:  # answered 503: no reader looks for this handle
@@ -162,3 +163,21 @@ class MooncakeWriter:
             self.store.put(handle + ERROR_SUFFIX, json.dumps({"error": why}).encode())
             raise OSError(why)
         return total
+
+    def discard(self, keys: list[str]) -> None:
+        """Remove objects nobody will read (their client went away), error markers included."""
+        for key in keys:
+            for k in (key, key + ERROR_SUFFIX):
+                self.store.remove(k, force=True)  # a key not there is no error
+
+
+def _pinned():
+    """Where each object goes: one replica, hard-pinned, as SpecForge's own writer puts them. The
+    store never evicts it to make room for another (a reader waiting for it would wait in vain);
+    once full, a put fails and the server answers 503 until the trainer takes (removes) objects."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.replica_num = 1
+    config.with_hard_pin = True
+    return config

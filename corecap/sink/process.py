@@ -31,7 +31,7 @@ from corecap.sink.collect import Collector
 from corecap.sink.deliver import Deliveries, DeliverSpec, Deliverer
 from corecap.sink.memory import peak_rss, rss
 from corecap.sink.messages import (
-    BlockHash, Control, Delivered, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits,
+    BlockHash, Control, Delivered, Discard, Done, Drop, Expect, Failed, Finish, Forget, Generated, Hits,
 )
 from corecap import writer_lock as lock
 from corecap.transport import ring, wire
@@ -268,6 +268,9 @@ class _Loop:
             self.collector.drop(msg.block_hash, msg.count)
         elif isinstance(msg, Forget):  # only a delivering sink (corecap serve) is told to forget
             self.collector.forget(msg.req_id, msg.until)
+        elif isinstance(msg, Discard):  # on the delivery thread, the one that uses the store's client
+            keys = msg.keys
+            self.deliveries.submit(lambda: self.deliverer.discard(keys), lambda *outcome: None)
         elif isinstance(msg, Finish):
             self.finishing = True
         else:
