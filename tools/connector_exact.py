@@ -12,12 +12,14 @@ Models: tests/support/tiny_models.py's (4 decoder layers, weights of a fixed see
 weights not all ones; deepseek_v3 is MLA attention with routed and shared experts), aux layers
 1, 2, 3 (vLLM's ids: HF's hidden_states[1..3]). Prompts: tests/support/tiny_models.py's rows (1
 to 300 tokens, duplicates, a shared prefix). Both servers take the same engine settings: float32,
-eager, 512 positions, 4 sequences at once; on the MLA model, vLLM's reference CPU MLA backend
-(the AMX one takes no float32 weights).
+eager, 512 positions, 4 sequences at once, 0.2 of the memory for the KV cache (corecap's default
+on a CPU; vLLM's 0.92 of the RAM did not fit beside the other); on the MLA model, vLLM's
+reference CPU MLA backend (the AMX one takes no float32 weights).
 
 Writes DIR/connector_exact.jsonl: per server and model, the worst per-token relative error
-(|diff| / |HF|) at each layer over every token, the sample it is worst for, or the server's last
-lines where it did not start or did not answer.
+(|diff| / |HF|) at each layer over every token and the sample it is worst for, the samples the
+reader gave up on (speculators' `SampleUnavailable`, with its reason), or the server's errors
+and last lines where it did not start.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from tools.common.child import ROOT, append_jsonl, child_env, command_line, free_port, wait_healthy
 
@@ -54,8 +58,9 @@ def server_command(server: str, model: str, port: int, hidden: str, arch: str) -
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(AUX)}}}
     transfer = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": hidden}}
+    # vLLM's share of memory for its KV cache (on a CPU, of the RAM) as corecap's default on a CPU
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-            *engine, "--skip-tokenizer-init", "--served-model-name", "tiny",
+            *engine, "--gpu-memory-utilization", "0.2", "--skip-tokenizer-init", "--served-model-name", "tiny",
             "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer)]
 
 
@@ -72,8 +77,9 @@ def read_all(url: str, hidden: str, rows: list[dict], work: str) -> list[dict]:
     ds.set_format("torch")
     prepared = os.path.join(work, "prepared")
     ds.save_to_disk(prepared)
-    dataset = ArrowDataset(max_len=512, datapath=prepared, transfer=FileTransfer(hidden), vllm_endpoint=f"{url}/v1",
-                           on_missing="generate", hidden_states_dtype=torch.float32, max_retries=0)
+    dataset = ArrowDataset(max_len=512, datapath=prepared, transfer=FileTransfer(Path(hidden)),
+                           vllm_endpoint=f"{url}/v1", on_missing="generate", hidden_states_dtype=torch.float32,
+                           max_retries=0)
     with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
         return list(pool.map(dataset.__getitem__, range(len(rows))))
 
@@ -83,7 +89,11 @@ def compare(got: list[dict], rows: list[dict], reference: dict) -> dict:
     import torch
 
     worst: dict = {}
+    unavailable = {row["id"]: getattr(sample, "reason", "") for sample, row in zip(got, rows)
+                   if not isinstance(sample, dict)}  # speculators' SampleUnavailable: the reader gave up on it
     for sample, row in zip(got, rows):
+        if row["id"] in unavailable:
+            continue
         if sample["input_ids"].tolist() != row["input_ids"]:
             raise SystemExit(f"{row['id']}: the reader loaded other token ids than the row's")
         num_tokens = len(row["input_ids"])
@@ -95,7 +105,8 @@ def compare(got: list[dict], rows: list[dict], reference: dict) -> dict:
             value = float(per_token[j].max())
             if value >= worst.get(str(layer), (-1.0, ""))[0]:
                 worst[str(layer)] = (value, row["id"])
-    return {layer: {"max_rel": v, "sample": key} for layer, (v, key) in worst.items()}
+    return {**{layer: {"max_rel": v, "sample": key} for layer, (v, key) in worst.items()},
+            **({"unavailable": unavailable} if unavailable else {})}
 
 
 def one(server: str, arch: str, work: str, rows: list[dict], reference: dict, model: str) -> dict:
@@ -116,7 +127,9 @@ def one(server: str, arch: str, work: str, rows: list[dict], reference: dict, mo
         except Exception as e:  # the reader's own error: what speculators would see
             return {**record, "started": True, "read": False, "error": f"{type(e).__name__}: {e}"[:2000],
                     "tail": _tail(log_path)}
-        return {**record, "started": True, "read": True, "errors": compare(got, rows, reference)}
+        errors = compare(got, rows, reference)
+        return {**record, "started": True, "read": True, "errors": errors,
+                **({"tail": _tail(log_path)} if "unavailable" in errors else {})}
     finally:
         proc.terminate()
         try:
@@ -127,8 +140,10 @@ def one(server: str, arch: str, work: str, rows: list[dict], reference: dict, mo
 
 
 def _tail(path: str) -> list[str]:
+    """The log's errors (the root cause of a failed start is above the engine's traceback), then its last lines."""
     with open(path, errors="replace") as f:
-        return [line.rstrip() for line in f][-25:]
+        lines = [line.rstrip() for line in f]
+    return [x for x in lines if re.search(r"\w(Error|Exception): ", x)][:10] + lines[-8:]
 
 
 def main() -> None:
@@ -151,8 +166,8 @@ def main() -> None:
                 record = {**one(server, arch, work, rows, reference, model), "cmd": command_line()}
                 append_jsonl(out, record)
                 errors = record.get("errors")
-                print(f"{server:8s} {arch:12s} " + (", ".join(f"{k} {v['max_rel']:.3g}" for k, v in errors.items())
-                                                    if errors else json.dumps(record)[:3000]), flush=True)
+                print(f"{server:8s} {arch:12s} " + (json.dumps(errors) if errors else json.dumps(record)[:3000]),
+                      flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
