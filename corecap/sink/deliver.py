@@ -88,7 +88,6 @@ class Deliverer:
             where = "the Mooncake store" if self.mooncake is not None else os.path.join(self.spec.directory, name)
             return 0, f"{where}: {e.strerror or e}", False
 
-
     def discard(self, keys: list[str]) -> tuple[int, str, bool]:
         """Remove what was written under `keys` (Mooncake objects) for a client that went away."""
         if self.mooncake is not None:
@@ -117,7 +116,7 @@ class Deliveries:
         """Readable once a write is done and until `finished()` has run."""
         return self.wake_r
 
-    def submit(self, write: Callable[[], tuple[int, str]], then: Callable[[int, str], None]) -> None:
+    def submit(self, write: Callable[[], tuple[int, str, bool]], then: Callable[[int, str, bool], None]) -> None:
         def run() -> None:
             try:
                 self.done.put((then, write(), None))
