@@ -5,15 +5,17 @@ engine. Two layouts, each its trainer's own:
 - speculators (`/v1/completions`): one object a sample, as hs_connectors'
   `MooncakeHiddenStatesStore.get_sample` loads it: `hidden_states` [T, L, H] in the captured
   dtype, then `token_ids` [T] int64, each at a 64-byte-aligned offset, described by the manifest
-  the server answers with (`kv_transfer_params`). A write that fails leaves `KEY:error`
-  ({"error": why}) for the reader, which waits for one key or the other.
+  the server answers with (`kv_transfer_params`). A write that fails for another reason than
+  room leaves `KEY:error` ({"error": why}), as vLLM's connector does for its reader, which waits
+  for one key or the other.
 - SpecForge (`/generate` with `spec_capture`): one object a tensor, `{store_id}/{sample_id}/g{gen}/
   {name}` as its `MooncakeFeatureStore` reads them: the raw bytes of the aux layers concatenated
   [1, T, A*H], the state after the final norm [1, T, H], and the client's own tensors
-  (`passthrough`), hard-pinned; the shapes and dtypes travel in the HTTP answer.
+  (`passthrough`); the shapes and dtypes travel in the HTTP answer.
 
-The objects live in the segment this process (the sink) gives the store: they last as long as
-the server runs, and the trainer removes each once read."""
+The objects live in the segment this process (the sink) gives the store, hard-pinned (`_pinned`):
+they last until the trainer removes each once read, or the server those of a client that went
+away, or the server stops."""
 
 from __future__ import annotations
 
