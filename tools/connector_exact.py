@@ -13,8 +13,8 @@ weights not all ones; deepseek_v3 is MLA attention with routed and shared expert
 1, 2, 3 (vLLM's ids: HF's hidden_states[1..3]). Prompts: tests/support/tiny_models.py's rows (1
 to 300 tokens, duplicates, a shared prefix). Both servers take the same engine settings: float32,
 eager, 512 positions, 4 sequences at once, 0.2 of the memory for the KV cache (corecap's default
-on a CPU; vLLM's 0.92 of the RAM did not fit beside the other); on the MLA model, vLLM's
-reference CPU MLA backend (the AMX one takes no float32 weights).
+on a CPU; vLLM's default, 0.92 of the RAM, is more than a 24 GiB machine has free); on the MLA
+model, vLLM's reference CPU MLA backend (the AMX one takes no float32 weights).
 
 Writes DIR/connector_exact.jsonl: per server and model, the worst per-token relative error
 (|diff| / |HF|) at each layer over every token and the sample it is worst for, the samples the
