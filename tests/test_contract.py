@@ -474,6 +474,46 @@ def test_untested_version_warns_and_goes_on(monkeypatch, tiny_model):
     assert config.model_config.max_model_len == 65
 
 
+# --- the verdict kept between runs (corecap/_vllm/contract_cache.py) --------------------------------
+
+
+def test_a_held_contract_is_kept_and_reused_until_what_it_read_changes(tmp_path, monkeypatch, tiny_model):
+    from corecap._vllm import contract_cache
+    from corecap._vllm.options import environment
+    from corecap.config import EngineOptions
+
+    monkeypatch.setenv("CORECAP_CACHE", str(tmp_path / "cache"))
+    request = "vllm.v1.request"
+    source = moved(tmp_path, replace_text(request, "class Request", "class Request"))  # a copy this test may touch
+    dist, version = versions.installed_vllm()
+    assert not contract_cache.holds(source, dist, version, "LlamaForCausalLM")
+    assert _problems(source) == []
+    contract_cache.keep(source, dist, version, "LlamaForCausalLM")
+    assert source.replaced[request] in source.files_read()
+    assert contract_cache.holds(source, dist, version, "LlamaForCausalLM")
+    assert not contract_cache.holds(source, dist, "0.99.0", "LlamaForCausalLM")
+    assert not contract_cache.holds(source, dist, version, "MixtralForCausalLM")
+
+    # A run's start reuses it: the checks on the source do not run again.
+    monkeypatch.setattr(doctor_module, "Source", lambda: Source(replaced=source.replaced))
+    monkeypatch.setattr(contract, "check_contract", lambda *a: pytest.fail("the contract was checked again"))
+    with environment():
+        config = checked_vllm_config(EngineOptions(max_model_len=64), tiny_model, [].append)
+    assert config.model_config.max_model_len == 65
+
+    with open(source.replaced[request], "a") as f:  # vLLM's file changed: the verdict no longer applies
+        f.write("# edited\n")
+    assert not contract_cache.holds(source, dist, version, "LlamaForCausalLM")
+
+
+def test_a_moved_contract_is_never_kept(request_without_block_hasher, tmp_path, monkeypatch, tiny_model):
+    monkeypatch.setenv("CORECAP_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        with pytest.raises(CorecapError, match="Request\\(\\) no longer accepts block_hasher"):
+            checked_vllm_config(None, tiny_model, [].append)
+    assert not os.path.exists(tmp_path / "cache" / "contract") or os.listdir(tmp_path / "cache" / "contract") == []
+
+
 # --- CPython's AST-depth race (vllm_source.parse) ----------------------------------------------------
 
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from corecap._vllm import contract, live, versions
+from corecap._vllm import contract, contract_cache, live, versions
 from corecap._vllm.vllm_source import Source
 from corecap.errors import CorecapError
 
@@ -168,7 +168,8 @@ def model_architecture(model: str | None) -> str | None:
 
 def checked_vllm_config(options, model: str, log, layers=None, images: bool = False):
     """The start of a run: vLLM's contract checked on its source (a CorecapError naming what
-    moved, before vLLM is even imported), an untested version warned about, then vLLM imported,
+    moved, before vLLM is even imported; the verdict is kept once it held: contract_cache.py),
+    an untested version warned about, then vLLM imported,
     the live checks, the engine configuration (no weights) and what it makes vLLM build;
     `layers`: what the preflight checks the model class can give (build_vllm_config)."""
     from corecap._vllm.options import build_vllm_config
@@ -178,7 +179,10 @@ def checked_vllm_config(options, model: str, log, layers=None, images: bool = Fa
     warning = versions.version_warning(dist, version)
     if warning:
         log(f"warning: {warning}")
-    _stop_if_moved(contract.check_contract(source, model_architecture(model)))
+    architecture = model_architecture(model)
+    if not contract_cache.holds(source, dist, version, architecture):
+        _stop_if_moved(contract.check_contract(source, architecture))
+        contract_cache.keep(source, dist, version, architecture)
     versions.import_vllm()
     _stop_if_moved(live.check_live(source))
     if images:  # what only an input with images needs (contract._images notes it for the others)

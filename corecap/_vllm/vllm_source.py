@@ -94,6 +94,10 @@ class Source:
             self._modules[module] = (text, parse(text, path))
         return self._modules[module]
 
+    def files_read(self) -> list[str]:
+        """The files of the modules parsed so far (what a check's verdict depends on)."""
+        return [self.path(module) for module in self._modules]
+
     def cls(self, qualname: str) -> ClassView:
         module, _, name = qualname.rpartition(".")
         found = self._resolve(module, name)
