@@ -37,8 +37,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PY
 # needs a few MB. vLLM's own setting, read by its CPU workers; a caller's own value is kept.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-settings.register_profile("fast", max_examples=fuzz.FAST_EXAMPLES)
-settings.register_profile("thorough", max_examples=fuzz.THOROUGH_EXAMPLES)
+# No deadline per example: how fast an example runs is not what these tests check, and CI runs
+# them beside the engine tests on the same cores (.ci/run).
+settings.register_profile("fast", max_examples=fuzz.FAST_EXAMPLES, deadline=None)
+settings.register_profile("thorough", max_examples=fuzz.THOROUGH_EXAMPLES, deadline=None)
 settings.load_profile("fast")  # before any test module is imported: fuzz.examples() reads it
 
 
@@ -54,8 +56,17 @@ def pytest_configure(config):
         settings.load_profile("thorough")
 
 
+# The engine runs below, shared by the tests that ask for them: such a test is an engine test
+# wherever it is (CI runs the engine tests one after another, the others beside them: .ci/run).
+ENGINE_FIXTURES = {"exact_run", "tp2_run", "demo_store"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without --full, the tests marked `full` are deselected (README "Tests" says which are)."""
+    """A test that asks for a shared engine run is marked `engine`. Without --full, the tests
+    marked `full` are deselected (README "Tests" says which are)."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("engine") is None:
+            item.add_marker(pytest.mark.engine)
     if config.getoption("--full"):
         return
     kept = [item for item in items if item.get_closest_marker("full") is None]

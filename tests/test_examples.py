@@ -18,7 +18,9 @@ import pytest
 from support.cli import corecap
 from support.trainers import require_trainer
 
-pytestmark = pytest.mark.full  # the demo's engine run (shared with test_cli) and ~1 min of trainers' imports
+# the demo's engine run (shared with test_cli, asked for by name: `engine` is marked here) and ~1 min of
+# trainers' imports
+pytestmark = [pytest.mark.full, pytest.mark.engine]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTION = "## Export to a trainer"
