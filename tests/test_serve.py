@@ -25,10 +25,11 @@ import numpy as np
 import pytest
 import torch
 
-from support import modelopt_reader, tiny_models
+from support import modelopt_reader, speculators_reader, tiny_models
 from support.machine import in_ci
 from support.reference import NUM_LAYERS, VOCAB, hf_hidden_states, record_error, relative_errors, write_jsonl
 from support.server import MooncakeMaster, Server, free_port
+from support.speculators_reader import prepared_data
 
 pytestmark = [pytest.mark.engine, pytest.mark.full]
 
@@ -100,20 +101,6 @@ def _metric(server: Server, name: str) -> int:
     return int(float(line.split()[-1]))
 
 
-def _arrow_dataset(path: Path, rows: list[dict]) -> str:
-    """speculators' prepared data (its `datasets` directory): what its trainer reads, less the states."""
-    import datasets
-
-    ds = datasets.Dataset.from_dict({
-        "input_ids": [r["input_ids"] for r in rows],
-        "loss_mask": [[1] * len(r["input_ids"]) for r in rows],
-        "seq_len": [len(r["input_ids"]) for r in rows],
-    })
-    ds.set_format("torch")
-    ds.save_to_disk(str(path))
-    return str(path)
-
-
 def _mooncake():
     try:
         from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
@@ -131,15 +118,12 @@ def _mooncake():
 def _read_all(server: Server, rows: list[dict], tmp: Path, fp8: bool = False, transfer=None,
               name: str = "prepared") -> list[dict]:
     """Every row through speculators' own online path, NUM_CLIENTS at a time."""
-    ArrowDataset, FileTransfer, FP8Transfer = _speculators()
+    _, FileTransfer, FP8Transfer = _speculators()
     hidden = Path(server.hidden_states_path)
     if transfer is None:
         transfer = FP8Transfer(hidden, dequantize_dtype=torch.float32) if fp8 else FileTransfer(hidden)
-    dataset = ArrowDataset(max_len=512, datapath=_arrow_dataset(tmp / name, rows), transfer=transfer,
-                           vllm_endpoint=f"{server.url}/v1", on_missing="generate",
-                           hidden_states_dtype=torch.float32, max_retries=0)
-    with concurrent.futures.ThreadPoolExecutor(NUM_CLIENTS) as pool:
-        return list(pool.map(dataset.__getitem__, range(len(rows))))
+    return speculators_reader.read_online(server.url, transfer, prepared_data(str(tmp / name), rows), len(rows),
+                                          NUM_CLIENTS)
 
 
 def _check_against_hf(got: list[dict], rows: list[dict], reference: dict, aux: tuple, case: str, tolerance: float,
@@ -149,9 +133,7 @@ def _check_against_hf(got: list[dict], rows: list[dict], reference: dict, aux: t
     only codes on a rounding boundary may differ)."""
     for sample, row in zip(got, rows):
         assert sample["input_ids"].tolist() == row["input_ids"], row["id"]
-        num_tokens = len(row["input_ids"])
-        states = sample["hidden_states"].view(num_tokens, len(aux), -1)
-        loaded = torch.cat([states, sample["verifier_last_hidden_states"].unsqueeze(1)], dim=1).transpose(0, 1)
+        loaded = speculators_reader.loaded_layers(sample, len(aux))
         ref = tiny_models.stacked(reference[row["id"]], (*aux, "prenorm"))
         per_sample, per_token = relative_errors(loaded, ref)
         record_error(case, per_sample, per_token)
@@ -257,7 +239,7 @@ def test_speculators_trains_an_eagle3_draft_on_served_states(llama, tiny_model, 
     server, tmp = llama
     rows = _rows(VOCAB)
     args = training.train_options(
-        "--verifier-name-or-path", tiny_model, "--data-path", _arrow_dataset(tmp / "train-prepared", rows),
+        "--verifier-name-or-path", tiny_model, "--data-path", prepared_data(str(tmp / "train-prepared"), rows),
         "--save-path", str(tmp / "draft"), "--vllm-endpoint", f"{server.url}/v1", "--on-missing", "generate",
         "--hidden-states-backend", "fp8", "--target-layer-ids", *map(str, LLAMA_LAYERS[:-2]), "--num-layers", "1",
         "--total-seq-len", "512", "--num-workers", "0", "--epochs", "1",

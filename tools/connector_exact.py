@@ -25,7 +25,6 @@ and last lines where it did not start.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib.util
 import json
 import os
@@ -38,10 +37,17 @@ from pathlib import Path
 
 from tools.common.child import ROOT, append_jsonl, child_env, command_line, free_port, wait_healthy
 
-# tests/support/tiny_models.py, loaded from its file as the tests' script
-_spec = importlib.util.spec_from_file_location("tiny_models", os.path.join(ROOT, "tests", "support", "tiny_models.py"))
-tiny_models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_models)
+
+def _support(name: str):
+    """tests/support/NAME.py, loaded from its file as the tests' scripts load it."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tests", "support", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny_models = _support("tiny_models")
+speculators_reader = _support("speculators_reader")  # speculators' own online path
 
 AUX = (1, 2, 3)
 CLIENTS = 6
@@ -66,27 +72,14 @@ def server_command(server: str, model: str, port: int, hidden: str, arch: str) -
 
 def read_all(url: str, hidden: str, rows: list[dict], work: str) -> list[dict]:
     """Every row through speculators' own online path, CLIENTS at a time."""
-    import datasets
-    import torch
     from hs_connectors import FileTransfer
-    from speculators.train.data import ArrowDataset
 
-    ds = datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows],
-                                     "loss_mask": [[1] * len(r["input_ids"]) for r in rows],
-                                     "seq_len": [len(r["input_ids"]) for r in rows]})
-    ds.set_format("torch")
-    prepared = os.path.join(work, "prepared")
-    ds.save_to_disk(prepared)
-    dataset = ArrowDataset(max_len=512, datapath=prepared, transfer=FileTransfer(Path(hidden)),
-                           vllm_endpoint=f"{url}/v1", on_missing="generate", hidden_states_dtype=torch.float32,
-                           max_retries=0)
-    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-        return list(pool.map(dataset.__getitem__, range(len(rows))))
+    datapath = speculators_reader.prepared_data(os.path.join(work, "prepared"), rows)
+    return speculators_reader.read_online(url, FileTransfer(Path(hidden)), datapath, len(rows), CLIENTS)
 
 
 def compare(got: list[dict], rows: list[dict], reference: dict) -> dict:
     """Per layer, the worst per-token relative error over every token, and where it is."""
-    import torch
 
     worst: dict = {}
     unavailable = {row["id"]: getattr(sample, "reason", "") for sample, row in zip(got, rows)
@@ -96,9 +89,7 @@ def compare(got: list[dict], rows: list[dict], reference: dict) -> dict:
             continue
         if sample["input_ids"].tolist() != row["input_ids"]:
             raise SystemExit(f"{row['id']}: the reader loaded other token ids than the row's")
-        num_tokens = len(row["input_ids"])
-        states = sample["hidden_states"].view(num_tokens, len(AUX), -1)
-        loaded = torch.cat([states, sample["verifier_last_hidden_states"].unsqueeze(1)], dim=1).transpose(0, 1)
+        loaded = speculators_reader.loaded_layers(sample, len(AUX))
         ref = tiny_models.stacked(reference[row["id"]], (*AUX, "prenorm"))
         per_token = (loaded - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)  # [L, T]
         for j, layer in enumerate((*AUX, "prenorm")):

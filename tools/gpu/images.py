@@ -36,8 +36,9 @@ Modes:
 - generate: `LLM.generate` (vLLM's defaults but the dtype and memory share) in one process: 8
   warm-up prompts with their own images (max_tokens 1), then the conversations as corecap captures them at max_tokens 1,
   then the prompts run-gen answers (template over the user turn, its generation prompt) at N,
-  with the same sampling; each rate over its generate() call. A prompt is the tokenizer's chat
-  template rendered to ids (one placeholder per image) with its image as Kimi-K2.5's
+  with the same sampling; each rate over its generate() call, with vLLM's prefix cache and
+  multimodal cache emptied before it (the first turns were computed by the call before). A prompt
+  is the tokenizer's chat template rendered to ids (one placeholder per image) with its image as Kimi-K2.5's
   `vision_chunk` item, as corecap hands it to vLLM's processor, which expands the placeholder.
   Tokens counted are the expanded ones: `prompt_token_ids` of each output. Where run or run-gen
   ran before it (same --dir; the default order), their stores' samples are compared with
@@ -231,6 +232,12 @@ def mode_generate(args) -> list[dict]:
     llm.generate(warm_prompts, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
     records = []
     for max_tokens, mode in ((1, "run"), (args.max_tokens, "run-gen")):
+        # run-gen's prompts are the conversations' first turns, which the call before has just
+        # computed: without this its prefill would come from vLLM's prefix cache (and its images
+        # from the processor's cache), where corecap's run-gen, an engine of its own, computes both.
+        llm.reset_prefix_cache()
+        if hasattr(llm, "reset_mm_cache"):
+            llm.reset_mm_cache()
         batch = [prompt(r, max_tokens == 1) for r in rows]
         if max_tokens == 1:
             params = SamplingParams(max_tokens=1, detokenize=False)
