@@ -44,6 +44,9 @@ class Plan:
     stop_rule: StopRule | None = None  # --max-tokens: when a response ends
     total: int = 0  # the input's samples (a rewritten conversation: one a turn)
     buffer_bytes: int = 0  # the sink's memory bound (generation.buffer_bytes)
+    # Image rows: vLLM's input processor the validation pass expanded them with, made on
+    # `vllm_config`; the engine made on that configuration takes its requests through it too.
+    media: object = None
 
 
 def prepare(cfg: RunConfig, log) -> Plan:
@@ -76,12 +79,13 @@ def prepare(cfg: RunConfig, log) -> Plan:
         generation_line += f", sink buffers {sink_bytes / 2**20:,.0f} MiB (--buffer-gb)"
     log(effective_settings(vllm_config) + (f", {len(devices)} replicas" if len(devices) > 1 else "") + generation_line)
     max_len = max_prompt_len(vllm_config)
+    media = media_inputs(vllm_config) if with_images else None
     read = dict(
         tokenizer=tokenizer, vocab_size=identity.vocab_size, max_len=max_len,
         overflow=cfg.overflow, invalid=cfg.invalid, shard=cfg.shard,
         max_tokens=cfg.sampling.max_tokens, template_kwargs=dict(cfg.chat_template_kwargs),
         all_turns=cfg.sampling.generate and cfg.sampling.rewrite_turns == "all",
-        images=images, expand=expander(vllm_config) if with_images else None,
+        images=images, expand=media.expand if media is not None else None,
     )
     # Keys already committed, read before validating so that the same pass checks their inputs;
     # the store itself is created (and its metadata checked) only once the input is known good.
@@ -117,17 +121,22 @@ def prepare(cfg: RunConfig, log) -> Plan:
         cfg=cfg, model_dir=model_dir, data_path=data_path, read=read, samples=samples, committed=committed,
         dataset=dataset,
         todo=resume.todo, vllm_config=vllm_config, layers=layers, identity=identity, devices=devices,
-        sampling=settings, stop_rule=stop_rule, total=resume.total, buffer_bytes=sink_bytes,
+        sampling=settings, stop_rule=stop_rule, total=resume.total, buffer_bytes=sink_bytes, media=media,
     )
+
+
+def media_inputs(vllm_config):
+    """vLLM's input processor for requests with images (corecap/_vllm/media.py): made once, as
+    making it loads the model's processor and tokenizer (seconds)."""
+    from corecap._vllm.media import MediaInputs
+
+    return MediaInputs(vllm_config)
 
 
 def expander(vllm_config):
     """The model's processor (vLLM's, corecap/_vllm/media.py) expanding each image placeholder of
     a rendered prompt, for the validation pass."""
-    from corecap._vllm.media import MediaInputs
-
-    media = MediaInputs(vllm_config)
-    return media.expand
+    return media_inputs(vllm_config).expand
 
 
 def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, StopRule | None, str]:

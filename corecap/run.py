@@ -159,7 +159,8 @@ class _Capture:
         record.watch()
         first = plan.vllm_config if len(plan.devices) == 1 else None
         with Heartbeat("engine starting", self.log) as heartbeat:  # vLLM's own log goes to the run's log only
-            self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first, heartbeat.phase)
+            self.engine = Replicas(cfg.engine, plan.model_dir, capture, plan.devices, first, heartbeat.phase,
+                                   first_media=plan.media if first is not None else None)
         record.stop_watching()
         sink.watch(on_death=self.engine.interrupt)
         self.log(f"states to the store: shared-memory ring {self.engine.ring_status()}")

@@ -21,6 +21,7 @@ import pytest
 
 from support import kimi_k25_vision, tiny_models
 from support.reference import record_error, relative_errors, write_jsonl
+from corecap._vllm import media as vllm_media
 from corecap.config import PRENORM
 from corecap.data import check_rows, validate
 from corecap.data.media import Images
@@ -440,8 +441,30 @@ def captured(checkpoint, pictures, tmp_path_factory):
     log: list[str] = []
     cfg = build(model=checkpoint, data=data, store=store, layers=LAYERS, batch=4, max_batched_tokens=16,
                 dtype="float32", enforce_eager=True, enable_prefix_caching=True, block_size=BLOCK, tp=2)
-    summary = run(cfg, log=log.append)
+    made = MEDIA_INPUTS_MADE
+    real_init = vllm_media.MediaInputs.__init__
+
+    def counted(self, vllm_config):
+        made.append(vllm_config)
+        real_init(self, vllm_config)
+
+    vllm_media.MediaInputs.__init__ = counted
+    try:
+        summary = run(cfg, log=log.append)
+    finally:
+        vllm_media.MediaInputs.__init__ = real_init
     return cfg, summary, log, rows, images
+
+
+MEDIA_INPUTS_MADE: list = []  # the configurations `captured`'s run made vLLM's input processor for
+
+
+@pytest.mark.engine
+@pytest.mark.full
+def test_the_check_and_the_engine_share_one_input_processor(captured):
+    """Making vLLM's input processor loads the model's processor and tokenizer (seconds for
+    Kimi-K2.5 as released): the validation pass's serves the engine's requests too."""
+    assert len(MEDIA_INPUTS_MADE) == 1
 
 
 @pytest.mark.engine

@@ -93,7 +93,7 @@ def worker_error(e: BaseException) -> str:
 class Engine:
     """One in-process EngineCore with capture installed; `add` samples, `step` until idle."""
 
-    def __init__(self, vllm_config, model: str, capture: CaptureSpec, on_phase=None):
+    def __init__(self, vllm_config, model: str, capture: CaptureSpec, on_phase=None, media=None):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.engine.core import EngineCore
 
@@ -133,7 +133,9 @@ class Engine:
         self._interrupted: str | None = None
         self._lock = threading.Lock()
         self.prefix = None  # with vLLM's prefix caching on: corecap/_vllm/prefix_tracker.py
-        self.media = None  # vLLM's input processor, for requests with images (media.py), made on first use
+        # vLLM's input processor for requests with images (media.py): `media`, one already made on
+        # `vllm_config` (the validation pass's), else made on first use
+        self.media = media
         if prefix_tracker.block_size(vllm_config):
             problem = prefix_tracker.contract_problem()
             if problem:

@@ -29,8 +29,9 @@ class Replicas:
     tokens, `step` steps the next replica that has work. With one replica, exactly `Engine`."""
 
     def __init__(self, options, model: str, capture: CaptureSpec, devices: list[dict[str, str]], first_config=None,
-                 on_phase=None):
-        """`on_phase(words)`: each phase of each engine's start, as it begins (progress.Heartbeat)."""
+                 on_phase=None, first_media=None):
+        """`on_phase(words)`: each phase of each engine's start, as it begins (progress.Heartbeat);
+        `first_media`: vLLM's input processor for image requests, made on `first_config` (Engine's `media`)."""
         self.engines: list[Engine] = []
         self.num_replicas = len(devices)
         self._next = 0
@@ -42,7 +43,8 @@ class Replicas:
                               else build_vllm_config(options, model, capture.layers))
                     try:
                         phase = None if on_phase is None else self._phase(k, on_phase)
-                        self.engines.append(Engine(config, model, dataclasses.replace(capture, replica=k), phase))
+                        self.engines.append(Engine(config, model, dataclasses.replace(capture, replica=k), phase,
+                                                   media=first_media if k == 0 else None))
                     except CorecapError as e:
                         raise CorecapError(self._label(k, str(e))) from None
         except BaseException:
