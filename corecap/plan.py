@@ -133,12 +133,6 @@ def media_inputs(vllm_config):
     return MediaInputs(vllm_config)
 
 
-def expander(vllm_config):
-    """The model's processor (vLLM's, corecap/_vllm/media.py) expanding each image placeholder of
-    a rendered prompt, for the validation pass."""
-    return media_inputs(vllm_config).expand
-
-
 def _generation(cfg: RunConfig, vllm_config, tokenizer) -> tuple[dict | None, StopRule | None, str]:
     """With --max-tokens: the sampling settings in effect (checked by vLLM), when a response
     ends, and the run's first line's part that says both."""

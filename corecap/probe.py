@@ -14,7 +14,7 @@ from corecap import data, demo
 from corecap.errors import CorecapError
 from corecap.data.media import Images
 from corecap.model import load_tokenizer, model_identity, read_config, resolve_model_dir
-from corecap.plan import expander
+from corecap.plan import media_inputs
 from corecap.run import run
 from corecap.trace.timeline import load_trace
 
@@ -88,7 +88,7 @@ def profile_run(num_steps: int, cfg, log=print) -> dict:
     read = dict(
         tokenizer=load_tokenizer(model_dir), vocab_size=config.get("text_config", config)["vocab_size"],
         max_len=max_prompt_len(vllm_config),
-        images=images, expand=None if images.refusal else expander(vllm_config),
+        images=images, expand=None if images.refusal else media_inputs(vllm_config).expand,
     )
     lengths = (len(s.token_ids) for s in data.read_samples(data_path, **read))
     num_samples = samples_for_steps(lengths, num_steps, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)

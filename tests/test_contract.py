@@ -486,13 +486,14 @@ def test_a_held_contract_is_kept_and_reused_until_what_it_read_changes(tmp_path,
     request = "vllm.v1.request"
     source = moved(tmp_path, replace_text(request, "class Request", "class Request"))  # a copy this test may touch
     dist, version = versions.installed_vllm()
-    assert not contract_cache.holds(source, dist, version, "LlamaForCausalLM")
+    verdict = contract_cache.verdict_path(source, dist, version, "LlamaForCausalLM")
+    assert not contract_cache.holds(verdict)
     assert _problems(source) == []
-    contract_cache.keep(source, dist, version, "LlamaForCausalLM")
+    contract_cache.keep(verdict, source)
     assert source.replaced[request] in source.files_read()
-    assert contract_cache.holds(source, dist, version, "LlamaForCausalLM")
-    assert not contract_cache.holds(source, dist, "0.99.0", "LlamaForCausalLM")
-    assert not contract_cache.holds(source, dist, version, "MixtralForCausalLM")
+    assert contract_cache.holds(verdict)
+    assert not contract_cache.holds(contract_cache.verdict_path(source, dist, "0.99.0", "LlamaForCausalLM"))
+    assert not contract_cache.holds(contract_cache.verdict_path(source, dist, version, "MixtralForCausalLM"))
 
     # A run's start reuses it: the checks on the source do not run again.
     monkeypatch.setattr(doctor_module, "Source", lambda: Source(replaced=source.replaced))
@@ -503,7 +504,7 @@ def test_a_held_contract_is_kept_and_reused_until_what_it_read_changes(tmp_path,
 
     with open(source.replaced[request], "a") as f:  # vLLM's file changed: the verdict no longer applies
         f.write("# edited\n")
-    assert not contract_cache.holds(source, dist, version, "LlamaForCausalLM")
+    assert not contract_cache.holds(verdict)
 
 
 def test_a_moved_contract_is_never_kept(request_without_block_hasher, tmp_path, monkeypatch, tiny_model):

@@ -25,11 +25,24 @@ from corecap._vllm.vllm_source import Source
 _FORMAT = 1
 
 
-def holds(source: Source, dist: str, version: str, architecture: str | None) -> bool:
-    """Whether the contract was found to hold for this vLLM, torch, architecture and corecap, with
-    every file it read then unchanged since."""
+def verdict_path(source: Source, dist: str, version: str, architecture: str | None) -> str:
+    """Where the verdict for this vLLM (`source`, its distribution and version), torch,
+    architecture and corecap is kept."""
+    from corecap.demo import cache_dir
+
+    key = json.dumps({
+        "format": _FORMAT, "vllm": [dist, version, os.path.realpath(source.root)],
+        "replaced": sorted(source.replaced.items()), "torch": _version("torch"), "architecture": architecture,
+        "corecap": _corecap_digest(),
+    })
+    return os.path.join(cache_dir(), "contract", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def holds(path: str) -> bool:
+    """Whether the verdict at `path` (verdict_path) was that the contract held, with every file it
+    read then unchanged since."""
     try:
-        with open(_path(source, dist, version, architecture), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -38,12 +51,12 @@ def holds(source: Source, dist: str, version: str, architecture: str | None) -> 
     return all(_stat(path) == (stat if isinstance(stat, list) else None) for path, stat in files.items())
 
 
-def keep(source: Source, dist: str, version: str, architecture: str | None) -> None:
-    """After every check held: keep that verdict, with the files `source` read for it."""
-    files = {path: _stat(path) for path in source.files_read()}
+def keep(path: str, source: Source) -> None:
+    """After every check held: keep that verdict at `path` (verdict_path), with the files `source`
+    read for it."""
+    files = {read: _stat(read) for read in source.files_read()}
     if not files or None in files.values():
         return
-    path = _path(source, dist, version, architecture)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".contract-", dir=os.path.dirname(path))
@@ -60,17 +73,6 @@ def _stat(path: str) -> list[int] | None:
     except OSError:
         return None
     return [st.st_size, st.st_mtime_ns]
-
-
-def _path(source: Source, dist: str, version: str, architecture: str | None) -> str:
-    from corecap.demo import cache_dir
-
-    key = json.dumps({
-        "format": _FORMAT, "vllm": [dist, version, os.path.realpath(source.root)],
-        "replaced": sorted(source.replaced.items()), "torch": _version("torch"), "architecture": architecture,
-        "corecap": _corecap_digest(),
-    })
-    return os.path.join(cache_dir(), "contract", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
 def _version(dist: str) -> str | None:

@@ -180,9 +180,10 @@ def checked_vllm_config(options, model: str, log, layers=None, images: bool = Fa
     if warning:
         log(f"warning: {warning}")
     architecture = model_architecture(model)
-    if not contract_cache.holds(source, dist, version, architecture):
+    verdict = contract_cache.verdict_path(source, dist, version, architecture)
+    if not contract_cache.holds(verdict):
         _stop_if_moved(contract.check_contract(source, architecture))
-        contract_cache.keep(source, dist, version, architecture)
+        contract_cache.keep(verdict, source)
     versions.import_vllm()
     _stop_if_moved(live.check_live(source))
     if images:  # what only an input with images needs (contract._images notes it for the others)
