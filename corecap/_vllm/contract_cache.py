@@ -1,8 +1,8 @@
 """The contract checks' verdict, kept per installed vLLM.
 
 Every `corecap run` and `corecap serve` starts with contract.py's checks of vLLM's source, which
-parse a dozen of its modules (about 0.6 s on 2 cores). Once they all held, the verdict is kept in
-corecap's cache directory (`CORECAP_CACHE`, or ~/.cache/corecap) with the size and modification
+parse dozens of its modules (`corecap doctor` times them: 0.6 s on 2 cores). Once they all held,
+the verdict is kept in corecap's cache directory (`CORECAP_CACHE`, or ~/.cache/corecap) with the size and modification
 time of every file the checks read, and the next start reuses it while nothing it depends on
 changed: those files, the vLLM and torch releases installed, the model's architecture (the
 model-class check), and corecap's own code (the checks themselves). A verdict that something moved
