@@ -2,12 +2,12 @@
 
 Every `corecap run` and `corecap serve` starts with contract.py's checks of vLLM's source, which
 parse dozens of its modules (`corecap doctor` times them: 0.6 s on 2 cores). Once they all held,
-the verdict is kept in corecap's cache directory (`CORECAP_CACHE`, or ~/.cache/corecap) with the size and modification
-time of every file the checks read, and the next start reuses it while nothing it depends on
-changed: those files, the vLLM and torch releases installed, the model's architecture (the
-model-class check), and corecap's own code (the checks themselves). A verdict that something moved
-is never kept, so such a run stops with the checks' own sentence every time; `corecap doctor`
-always runs the checks.
+the verdict is kept in corecap's cache directory (`CORECAP_CACHE`, or ~/.cache/corecap) with the
+size and modification time of every file the checks read, and the next start reuses it while
+nothing it depends on changed: those files, the vLLM and torch releases installed, the model's
+architecture (the model-class check), and corecap's own code (the checks themselves). A verdict
+that something moved is never kept, so such a run stops with the checks' own sentence every time;
+`corecap doctor` always runs the checks.
 
 A cache that cannot be read or written is the same as none: the checks run.
 """
